@@ -1,0 +1,315 @@
+"""In-process speculative decoding: one draft model, one target model, many sessions.
+
+This is the reference the services must match token for token (same trees, same verdicts, same
+randomness) and the baseline that shows what the network costs. One round of a session:
+
+  1. draft   build_tree asks for one tree level per call; each call is one draft forward over
+             that level's nodes (tree attention over the draft KV cache). Concurrent sessions'
+             levels go into the same forward.
+  2. verify  one target forward over [the tokens the target has not seen] + the whole tree, for
+             all sessions at once; verify_tree picks the accepted path and one more token.
+  3. commit  both KV caches keep only prefix + accepted path. The draft never ran the tree's last
+             level, so an accepted leaf (and the new token) are fed to it next round.
+
+`TreeSpec(method="none")` is plain autoregressive decoding of the target through the same code.
+Randomness comes from `derive_generator(seed, committed length, "draft" | "verify")`.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from itertools import count
+
+import torch
+
+from specmesh.drafting import Path, TreeSpec, build_tree
+from specmesh.models import LoadedModel, check_pair
+from specmesh.runtime import ModelRunner, Step
+from specmesh.sampling import SamplingParams, derive_generator, sample, warp
+from specmesh.tree import DraftTree
+from specmesh.verification import Verdict, verify_tree
+
+
+@dataclass
+class GenerationStats:
+    rounds: int = 0  # = target forwards
+    draft_calls: int = 0  # draft forwards this session took part in
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    round_tokens: int = 0  # accepted + 1 per round, before truncation to max_new_tokens
+    accepted_per_depth: list[int] = field(default_factory=list)  # rounds whose path reached depth d+1
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def target_calls(self) -> int:
+        return self.rounds
+
+    @property
+    def block_efficiency(self) -> float:
+        """eta: tokens emitted per target forward (accepted + 1, averaged over rounds)."""
+        return self.round_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_per_depth(self) -> list[float]:
+        return [n / self.rounds for n in self.accepted_per_depth] if self.rounds else []
+
+    def record(self, tree: DraftTree | None, verdict_depth: int) -> None:
+        self.rounds += 1
+        self.round_tokens += verdict_depth + 1
+        self.accepted_tokens += verdict_depth
+        if tree is not None:
+            self.drafted_tokens += tree.num_nodes
+            depth = int(tree.depths().max())
+            self.accepted_per_depth += [0] * (depth - len(self.accepted_per_depth))
+        for d in range(verdict_depth):
+            self.accepted_per_depth[d] += 1
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            target_calls=self.target_calls,
+            block_efficiency=self.block_efficiency,
+            acceptance_per_depth=self.acceptance_per_depth,
+        )
+        return out
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: str  # "length" | "stop"
+    stats: GenerationStats
+
+
+@dataclass
+class Request:
+    prompt_ids: Sequence[int]
+    spec: TreeSpec
+    params: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: Sequence[int] = ()
+
+
+@dataclass
+class _Session:
+    id: str
+    request: Request
+    seed: int
+    tokens: list[int]  # prompt + generated (committed)
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    tree: DraftTree | None = None
+    draft_nodes: dict[Path, int] = field(default_factory=dict)  # path -> the drafter's pending node
+
+
+class LevelBatcher:
+    """Gathers one forward step from each participating thread and runs them as ONE model call.
+
+    Drafting sessions call `forward(step)` once per tree level; when every participant still
+    drafting has submitted, the steps run together. A participant that is done calls `leave()`.
+    """
+
+    def __init__(self, runner: ModelRunner, participants: int) -> None:
+        self.runner = runner
+        self.participants = participants
+        self.calls = 0
+        self._cv = threading.Condition()
+        self._waiting: dict[str, Step] = {}
+        self._results: dict[str, torch.Tensor | BaseException] = {}
+
+    def forward(self, step: Step) -> torch.Tensor:
+        with self._cv:
+            self._waiting[step.session_id] = step
+            self._flush_if_complete()
+            while step.session_id not in self._results:
+                self._cv.wait()
+            result = self._results.pop(step.session_id)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def leave(self) -> None:
+        with self._cv:
+            self.participants -= 1
+            self._flush_if_complete()
+
+    def _flush_if_complete(self) -> None:
+        if not self._waiting or len(self._waiting) < self.participants:
+            return
+        steps = list(self._waiting.values())
+        self._waiting.clear()
+        self.calls += 1
+        try:
+            outputs: Sequence[torch.Tensor | BaseException] = self.runner.forward(steps)
+        except BaseException as exc:  # every waiting caller gets the error
+            outputs = [exc] * len(steps)
+        self._results.update((st.session_id, out) for st, out in zip(steps, outputs, strict=True))
+        self._cv.notify_all()
+
+
+def drafter_next_logits(
+    runner_forward: Callable[[Step], torch.Tensor],
+    session_id: str,
+    new_tokens: list[int],
+    nodes: dict[Path, int],
+) -> Callable[[list[Path]], torch.Tensor]:
+    """The model-backed `next_logits` for build_tree: one draft forward per tree level.
+
+    The root call feeds the committed tokens the draft has not seen; later calls append the
+    requested paths' last tokens as tree nodes under their (already cached) parents. `nodes`
+    records path -> the runner's pending node index, for compaction after verification.
+    """
+
+    def next_logits(paths: list[Path]) -> torch.Tensor:
+        if paths == [()]:
+            return runner_forward(Step(session_id, new_tokens=list(new_tokens)))
+        # i.i.d. siblings can repeat a token: run each distinct path once
+        unique = list(dict.fromkeys(paths))
+        base = len(nodes)
+        parents = [nodes[p[:-1]] if len(p) > 1 else -1 for p in unique]
+        logits = runner_forward(Step(session_id, node_tokens=[p[-1] for p in unique], node_parents=parents))
+        nodes.update((p, base + i) for i, p in enumerate(unique))
+        return logits[[nodes[p] - base for p in paths]]
+
+    return next_logits
+
+
+def draft_keep_nodes(tree: DraftTree, accepted_nodes: list[int], nodes: dict[Path, int]) -> list[int]:
+    """The drafter's pending nodes to keep: the accepted path's nodes the draft has run (all but
+    an accepted leaf of the last level, which it never ran)."""
+    keep = []
+    for node in accepted_nodes:
+        path = tuple(tree.path(node))
+        if path not in nodes:
+            break
+        keep.append(nodes[path])
+    return keep
+
+
+class SpeculativeEngine:
+    """generate(prompt_ids, spec, params, max_new_tokens) -> GenerationResult (token_ids, stats)."""
+
+    def __init__(self, draft, target, *, max_cache_tokens: int | None = None) -> None:
+        """draft, target: transformers causal LMs or `specmesh.models.LoadedModel`s."""
+        if isinstance(draft, LoadedModel) and isinstance(target, LoadedModel):
+            check_pair(draft, target)
+        draft = draft.model if isinstance(draft, LoadedModel) else draft
+        target = target.model if isinstance(target, LoadedModel) else target
+        self.drafter = ModelRunner(draft, max_cache_tokens=max_cache_tokens)
+        self.verifier = ModelRunner(target, max_cache_tokens=max_cache_tokens)
+        if self.drafter.vocab_size != self.verifier.vocab_size:
+            raise ValueError(
+                f"draft vocabulary ({self.drafter.vocab_size}) differs from the target's "
+                f"({self.verifier.vocab_size})"
+            )
+        self._ids = count()
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        spec: TreeSpec,
+        params: SamplingParams,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> GenerationResult:
+        request = Request(prompt_ids, spec, params, max_new_tokens, tuple(stop_token_ids or ()))
+        return self.generate_many([request])[0]
+
+    def generate_many(self, requests: Sequence[Request]) -> list[GenerationResult]:
+        """Run sessions concurrently; each round batches their draft levels and verifications."""
+        sessions = [self._start(r) for r in requests]
+        try:
+            active = [s for s in sessions if s.finish_reason is None]
+            while active:
+                start = time.perf_counter()
+                self._draft(active)
+                mid = time.perf_counter()
+                self._verify(active)
+                end = time.perf_counter()
+                for s in active:
+                    s.stats.draft_seconds += mid - start
+                    s.stats.verify_seconds += end - mid
+                    s.stats.total_seconds += end - start
+                active = [s for s in active if s.finish_reason is None]
+        finally:
+            for s in sessions:
+                self.drafter.release(s.id)
+                self.verifier.release(s.id)
+        return [GenerationResult(s.generated, s.finish_reason or "length", s.stats) for s in sessions]
+
+    def _start(self, request: Request) -> _Session:
+        if not request.prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        if request.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
+        return _Session(f"engine-{next(self._ids)}", request, seed, [int(t) for t in request.prompt_ids])
+
+    def _draft(self, sessions: list[_Session]) -> None:
+        drafting = [s for s in sessions if s.request.spec.method != "none"]
+        if not drafting:
+            return
+        batcher = LevelBatcher(self.drafter, len(drafting))
+
+        def run(s: _Session) -> None:
+            try:
+                known = len(self.drafter.committed_tokens(s.id) or ())
+                s.draft_nodes = {}
+                next_logits = drafter_next_logits(batcher.forward, s.id, s.tokens[known:], s.draft_nodes)
+                generator = derive_generator(s.seed, len(s.tokens), "draft")
+                s.tree = build_tree(s.request.spec, next_logits, s.request.params, generator)
+                s.stats.draft_calls += s.request.spec.depth
+            finally:
+                batcher.leave()
+
+        if len(drafting) == 1:
+            run(drafting[0])
+            return
+        with ThreadPoolExecutor(len(drafting)) as pool:
+            for future in [pool.submit(run, s) for s in drafting]:
+                future.result()
+
+    def _verify(self, sessions: list[_Session]) -> None:
+        steps = []
+        for s in sessions:
+            known = len(self.verifier.committed_tokens(s.id) or ())
+            tree = s.tree if s.request.spec.method != "none" else None
+            nodes = tree.tokens.tolist() if tree is not None else []
+            parents = tree.parents.tolist() if tree is not None else []
+            steps.append(Step(s.id, s.tokens[known:], nodes, parents))
+        for s, logits in zip(sessions, self.verifier.forward(steps), strict=True):
+            generator = derive_generator(s.seed, len(s.tokens), "verify")
+            params = s.request.params
+            if s.tree is None or s.request.spec.method == "none":
+                next_token = (
+                    int(logits[0].argmax()) if params.greedy else sample(warp(logits[0], params), generator)
+                )
+                verdict = Verdict([], [], next_token, bonus=True)
+            else:
+                verdict = verify_tree(s.tree, logits, params, generator)
+                self.drafter.commit(s.id, draft_keep_nodes(s.tree, verdict.accepted_nodes, s.draft_nodes))
+            self.verifier.commit(s.id, verdict.accepted_nodes)
+            s.stats.record(s.tree, len(verdict.accepted_nodes))
+            self._emit(s, verdict.emitted_tokens)
+            s.tree = None
+
+    @staticmethod
+    def _emit(s: _Session, tokens: list[int]) -> None:
+        stop = set(s.request.stop_token_ids)
+        for token in tokens:
+            s.tokens.append(token)
+            s.generated.append(token)
+            if token in stop:
+                s.finish_reason = "stop"
+                return
+            if len(s.generated) >= s.request.max_new_tokens:
+                s.finish_reason = "length"
+                return

@@ -1,0 +1,171 @@
+"""Every lossless drafting method + its verification rule reproduces the target's distribution.
+
+For each method x temperature x filter, 50,000 seeded generations of two tokens (as many
+draft/verify rounds as that takes) are compared with the exactly enumerated joint distribution
+q(x1) q(x2 | x1) of the warped toy target. The same test is shown to catch wrong rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+import torch
+
+import specmesh.verification as verification
+from specmesh.drafting import TreeSpec, build_tree
+from specmesh.sampling import SamplingParams
+from specmesh.tree import SamplingMode
+from specmesh.verification import verify_tree
+from tests.stats import chi_square_pvalue
+from tests.toy import ToyModel
+
+VOCAB = 8
+SAMPLES = int(__import__("os").environ.get("SPECMESH_SAMPLES", 50_000))
+# A correct rule passes at this level; each wrong rule below lands far under it (p < 1e-10 in
+# practice). The runs are seeded, so the verdicts are deterministic.
+P_VALUE_THRESHOLD = 1e-4
+
+DRAFT = ToyModel(VOCAB, seed=11, scale=1.0)
+TARGET = ToyModel(VOCAB, seed=22, scale=1.5)  # sharper and independent: far from the draft
+
+LOSSLESS_SPECS = {
+    "chain": TreeSpec("chain", depth=3),
+    "mcsd_iid": TreeSpec("mcsd", depth=2, branching=(3, 2), replacement=True),
+    "mcsd_wor": TreeSpec("mcsd", depth=2, branching=(3, 2), replacement=False),
+    "rsd_c": TreeSpec("rsd_c", depth=3, branching=(4, 2, 1)),
+    "rsd_s": TreeSpec("rsd_s", depth=3, beam_width=3),
+}
+PARAMS = {
+    "T0.6": SamplingParams(temperature=0.6),
+    "T1.0": SamplingParams(temperature=1.0),
+    "T0.6-topk3": SamplingParams(temperature=0.6, top_k=3),
+    "T1.0-topk3": SamplingParams(temperature=1.0, top_k=3),
+    "T0.6-topp0.8": SamplingParams(temperature=0.6, top_p=0.8),
+    "T1.0-topp0.8": SamplingParams(temperature=1.0, top_p=0.8),
+}
+
+
+def generate(
+    spec: TreeSpec, params: SamplingParams, n: int, g: torch.Generator, mode=None, draft=DRAFT, target=TARGET
+) -> tuple[list[int], int]:
+    """Speculative generation of n tokens on a toy pair (the engine loop without a model).
+    Returns the tokens and how many of them were accepted draft tokens."""
+    out: list[int] = []
+    accepted = 0
+    while len(out) < n:
+        context = tuple(out)
+        tree = build_tree(spec, draft.next_logits(context), params, g)
+        if mode is not None:  # deliberately verify with another sampling mode's rule
+            tree = dataclasses.replace(tree, mode=mode)
+        paths = [context] + [(*context, *tree.path(i)) for i in range(tree.num_nodes)]
+        verdict = verify_tree(tree, target.logits(paths), params, g)
+        accepted += len(verdict.accepted_tokens)
+        out += verdict.emitted_tokens
+    return out[:n], accepted
+
+
+def exact_two_token_distribution(params: SamplingParams) -> dict[tuple[int, int], float]:
+    q0 = TARGET.dist((), params).double()
+    return {
+        (a, b): float(q0[a]) * float(TARGET.dist((a,), params).double()[b])
+        for a in range(VOCAB)
+        for b in range(VOCAB)
+    }
+
+
+def two_token_pvalue(spec: TreeSpec, params: SamplingParams, mode=None) -> tuple[float, float]:
+    """(p-value, share of emitted tokens that were accepted drafts) over SAMPLES generations."""
+    g = torch.Generator().manual_seed(0)
+    counts: Counter = Counter()
+    accepted = 0
+    for _ in range(SAMPLES):
+        tokens, n_accepted = generate(spec, params, 2, g, mode)
+        counts[tuple(tokens)] += 1
+        accepted += min(n_accepted, 2)
+    return chi_square_pvalue(counts, exact_two_token_distribution(params)), accepted / (2 * SAMPLES)
+
+
+@pytest.mark.parametrize("params_name", list(PARAMS))
+@pytest.mark.parametrize("method", list(LOSSLESS_SPECS))
+def test_output_distribution_equals_target(method: str, params_name: str) -> None:
+    p_value, accepted_share = two_token_pvalue(LOSSLESS_SPECS[method], PARAMS[params_name])
+    assert p_value > P_VALUE_THRESHOLD, f"{method} @ {params_name}: p = {p_value:.3g}"
+    # both branches of the rule are exercised: drafts are often accepted and often rejected
+    assert 0.15 < accepted_share < 0.95, accepted_share
+
+
+# --- the same test catches wrong rules --------------------------------------------------------
+
+
+def test_detects_iid_rule_on_without_replacement_tree() -> None:
+    """MCSD Alg. 1 (p never updated) applied to siblings sampled without replacement is biased."""
+    spec = LOSSLESS_SPECS["mcsd_wor"]
+    assert two_token_pvalue(spec, PARAMS["T1.0"], mode=SamplingMode.IID)[0] < P_VALUE_THRESHOLD
+
+
+def test_detects_without_replacement_rule_on_iid_tree() -> None:
+    """Recursive rejection sampling applied to i.i.d. siblings (duplicates possible) is biased."""
+    spec = LOSSLESS_SPECS["mcsd_iid"]
+    mode = SamplingMode.WITHOUT_REPLACEMENT
+    assert two_token_pvalue(spec, PARAMS["T1.0"], mode=mode)[0] < P_VALUE_THRESHOLD
+
+
+def _rejection_step_residual_after_removal(q, p, candidates, uniforms, without_replacement):
+    """The classic slip (RSD trap 5): remove the rejected token from p BEFORE the residual."""
+    for j, x in enumerate(candidates):
+        px, qx = float(p[x]), float(q[x])
+        if uniforms[j] * px < qx:
+            return j, q
+        if without_replacement and px < 1.0:
+            p = p.clone()
+            p[x] = 0.0
+            p = p / (1.0 - px)
+        residual = (q - p).clamp(min=0.0)
+        if float(residual.sum()) > 0:
+            q = residual / residual.sum()
+    return None, q
+
+
+def test_detects_residual_computed_after_removing_the_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(verification, "rejection_step", _rejection_step_residual_after_removal)
+    for spec_name in ("mcsd_wor", "rsd_s"):
+        p_value = two_token_pvalue(LOSSLESS_SPECS[spec_name], PARAMS["T1.0"])[0]
+        assert p_value < P_VALUE_THRESHOLD, spec_name
+
+
+def test_detects_unwarped_target() -> None:
+    """Verifying against q at a different temperature than the draft used must be caught."""
+    spec = LOSSLESS_SPECS["chain"]
+    g = torch.Generator().manual_seed(0)
+    draft_params, target_params = PARAMS["T0.6"], PARAMS["T1.0"]
+    counts: Counter = Counter()
+    for _ in range(SAMPLES // 5):
+        tree = build_tree(spec, DRAFT.next_logits(()), draft_params, g)
+        paths = [()] + [tuple(tree.path(i)) for i in range(tree.num_nodes)]
+        verdict = verify_tree(tree, TARGET.logits(paths), draft_params, g)
+        counts[verdict.emitted_tokens[0]] += 1
+    q0 = TARGET.dist((), target_params)
+    assert chi_square_pvalue(counts, {a: float(q0[a]) for a in range(VOCAB)}) < P_VALUE_THRESHOLD
+
+
+# --- temperature 0 ----------------------------------------------------------------------------
+
+GREEDY_SPECS = {
+    **LOSSLESS_SPECS,
+    "mtad": TreeSpec("mtad", depth=3, beam_width=4, mtad_threshold=0.3),
+    "rsd_s_wide": TreeSpec("rsd_s", depth=2, beam_width=6),
+    "mcsd_deep": TreeSpec("mcsd", depth=4, branching=(4, 2, 1, 1)),
+}
+
+
+@pytest.mark.parametrize("method", list(GREEDY_SPECS))
+@pytest.mark.parametrize("vocab_seed", [3, 4, 5])
+def test_greedy_emits_the_target_argmax_path(method: str, vocab_seed: int) -> None:
+    target = ToyModel(12, vocab_seed, 1.0)
+    draft = ToyModel(12, vocab_seed + 100, 0.8, base=target)  # agrees with the target often, not always
+    g = torch.Generator().manual_seed(vocab_seed)
+    tokens, accepted = generate(GREEDY_SPECS[method], SamplingParams(0.0), 40, g, draft=draft, target=target)
+    assert tokens == target.greedy((), 40)
+    assert 5 < accepted < 40  # the accepted path and the recovered token both matter

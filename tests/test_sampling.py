@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+
+from specmesh.sampling import SamplingParams, gumbel_top_k, warp
+from tests.stats import chi_square_pvalue
+
+
+def test_greedy_is_one_hot_argmax() -> None:
+    logits = torch.tensor([[0.1, 3.0, -1.0], [5.0, 1.0, 5.5]])
+    assert warp(logits, SamplingParams(temperature=0)).tolist() == [[0, 1, 0], [0, 0, 1]]
+
+
+def test_temperature_scales_logits() -> None:
+    logits = torch.randn(3, 11)
+    torch.testing.assert_close(warp(logits, SamplingParams(0.5)), torch.softmax(logits / 0.5, -1))
+
+
+def test_top_k_keeps_exactly_k() -> None:
+    logits = torch.randn(4, 50)
+    probs = warp(logits, SamplingParams(1.0, top_k=5))
+    assert ((probs > 0).sum(-1) == 5).all()
+    top = logits.topk(5).indices
+    assert (probs.gather(-1, top) > 0).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(4))
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.8, 0.99])
+def test_top_p_keeps_the_smallest_set_reaching_the_mass(top_p: float) -> None:
+    logits = torch.randn(6, 40) * 2
+    probs = warp(logits, SamplingParams(1.0, top_p=top_p))
+    full = torch.softmax(logits, -1)
+    for row in range(6):
+        order = full[row].argsort(descending=True)
+        cumulative = full[row][order].cumsum(0)
+        n_keep = int((cumulative < top_p).sum()) + 1
+        kept = set(order[:n_keep].tolist())
+        assert set((probs[row] > 0).nonzero().flatten().tolist()) == kept
+    torch.testing.assert_close(probs.sum(-1), torch.ones(6))
+
+
+def test_top_p_large_vocab_fast_path_equals_full_sort() -> None:
+    """The probe over the top 1024 tokens must give the same set as sorting the vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    peaked = torch.randn(2, 151_936, generator=g) * 4  # reaches 0.9 inside the probe
+    flat = torch.randn(2, 151_936, generator=g) * 0.1  # needs the full sort
+    for logits in (peaked, flat):
+        probs = warp(logits, SamplingParams(1.0, top_p=0.9))
+        full = torch.softmax(logits, -1)
+        for row in range(2):
+            order = full[row].argsort(descending=True)
+            n_keep = int((full[row][order].cumsum(0) < 0.9).sum()) + 1
+            assert int((probs[row] > 0).sum()) == n_keep
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+    ],
+)
+def test_invalid_params_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_gumbel_top_k_is_an_ordered_sample_without_replacement() -> None:
+    p = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    g = torch.Generator().manual_seed(0)
+    counts = Counter(tuple(gumbel_top_k(p.log(), 2, g).tolist()) for _ in range(40_000))
+    expected = {(a, b): float(p[a] * p[b] / (1 - p[a])) for a, b in itertools.permutations(range(5), 2)}
+    assert chi_square_pvalue(counts, expected) > 1e-4
+
+
+def test_gumbel_top_k_drops_zero_probability_tokens() -> None:
+    p = torch.tensor([0.0, 0.7, 0.0, 0.3])
+    out = gumbel_top_k(p.log(), 4, torch.Generator().manual_seed(0))
+    assert sorted(out.tolist()) == [1, 3]
