@@ -349,7 +349,10 @@ class ModelRunner:
             position_ids=pos.to(self.device),
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=r_max,
+            # An index tensor, not an int: transformers then gathers the last rows into a fresh
+            # tensor. With an int it slices a strided view, on which the bf16 CPU GEMM of the
+            # 152k-row LM head runs ~40x slower (450 ms instead of 10 ms for one row).
+            logits_to_keep=torch.arange(q_max - r_max, q_max, device=self.device),
         ).logits
         if n_b > 1:
             self._scatter_new_kv(plans, buf, p_max, q_max)

@@ -122,3 +122,24 @@ def test_stop_tokens_and_cache_budget(pair) -> None:
     for r in engine.generate_many(requests):
         assert r.token_ids == hf_greedy(target, PROMPT, 20)
     assert engine.verifier.stats["over_budget"] > 0
+
+
+@pytest.mark.slow
+def test_real_pair_greedy_through_the_engine() -> None:
+    """The default pair (specmesh models pull) in fp32: every method's greedy output equals the
+    target's own greedy decode. Run with SPECMESH_SLOW=1."""
+    import os
+
+    from specmesh import model_store
+    from specmesh.models import load_model
+
+    if os.environ.get("SPECMESH_SLOW") != "1" or not model_store.is_provisioned():
+        pytest.skip("needs SPECMESH_SLOW=1 and the provisioned default pair (specmesh models pull)")
+    draft, target = load_model("default-draft", dtype="fp32"), load_model("default-target", dtype="fp32")
+    prompt = target.tokenizer("def fibonacci(n: int) -> int:\n")["input_ids"]
+    expected = hf_greedy(target.model, prompt, 16)
+    engine = SpeculativeEngine(draft, target)
+    for method in ("chain", "rsd_s", "mcsd_wor", "mtad"):
+        result = engine.generate(prompt, SPECS[method], SamplingParams(0.0), 16)
+        assert result.token_ids == expected, method
+        assert result.stats.block_efficiency > 1.5, method
