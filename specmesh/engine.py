@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from itertools import count
 
 import torch
@@ -31,61 +31,9 @@ from specmesh.drafting import Path, TreeSpec, build_tree
 from specmesh.models import LoadedModel, check_pair
 from specmesh.runtime import ModelRunner, Step
 from specmesh.sampling import SamplingParams, derive_generator, sample, warp
+from specmesh.stats import GenerationResult, GenerationStats
 from specmesh.tree import DraftTree
 from specmesh.verification import Verdict, verify_tree
-
-
-@dataclass
-class GenerationStats:
-    rounds: int = 0  # = target forwards
-    draft_calls: int = 0  # draft forwards this session took part in
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    round_tokens: int = 0  # accepted + 1 per round, before truncation to max_new_tokens
-    accepted_per_depth: list[int] = field(default_factory=list)  # rounds whose path reached depth d+1
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    total_seconds: float = 0.0
-
-    @property
-    def target_calls(self) -> int:
-        return self.rounds
-
-    @property
-    def block_efficiency(self) -> float:
-        """eta: tokens emitted per target forward (accepted + 1, averaged over rounds)."""
-        return self.round_tokens / self.rounds if self.rounds else 0.0
-
-    @property
-    def acceptance_per_depth(self) -> list[float]:
-        return [n / self.rounds for n in self.accepted_per_depth] if self.rounds else []
-
-    def record(self, tree: DraftTree | None, verdict_depth: int) -> None:
-        self.rounds += 1
-        self.round_tokens += verdict_depth + 1
-        self.accepted_tokens += verdict_depth
-        if tree is not None:
-            self.drafted_tokens += tree.num_nodes
-            depth = int(tree.depths().max())
-            self.accepted_per_depth += [0] * (depth - len(self.accepted_per_depth))
-        for d in range(verdict_depth):
-            self.accepted_per_depth[d] += 1
-
-    def as_dict(self) -> dict:
-        out = asdict(self)
-        out.update(
-            target_calls=self.target_calls,
-            block_efficiency=self.block_efficiency,
-            acceptance_per_depth=self.acceptance_per_depth,
-        )
-        return out
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]
-    finish_reason: str  # "length" | "stop"
-    stats: GenerationStats
 
 
 @dataclass

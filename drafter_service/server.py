@@ -1,0 +1,158 @@
+"""The drafter service: `Draft` builds one tree per request with the engine's tree builders and
+seeding; the level forwards of concurrent requests share one ModelRunner.forward.
+
+Every Draft runs `build_tree` in a builder thread (the builders ask for one level at a time,
+synchronously). Each level goes through the shared ForwardBatcher, where every running builder is a
+participant: a level forward starts as soon as all of them have asked for their next level (or
+after --max-wait-ms), so sessions that arrive together draft in lockstep, one forward per level.
+
+Compaction (how the drafter learns the verdict). After a Draft the session's tree stays pending in
+the runner, with a map path -> pending node. The next Draft's new_token_ids are the tokens
+committed since (normally the accepted path plus the recovered or bonus token). The drafter keeps
+the pending nodes whose paths are proper prefixes of them, which are exactly the accepted path's
+nodes it has run (what `engine.draft_keep_nodes` keeps in-process), commits them right before
+the root forward, and feeds the rest. The last new token is always fed: its logits are the root of
+the next tree. Whatever the caller sends (a verdict from another replica, a restart) is handled
+the same way, because a kept node's KV is the KV of that token at that position.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import torch
+
+from specmesh import wire
+from specmesh.drafting import Path, build_tree
+from specmesh.engine import drafter_next_logits
+from specmesh.models import LoadedModel
+from specmesh.proto import pb2, pb2_grpc
+from specmesh.runtime import Step
+from specmesh.sampling import derive_generator
+from specmesh.serving import (
+    ForwardBatcher,
+    ModelService,
+    RequestCancelled,
+    ServiceConfig,
+    ServiceMetrics,
+    count_labels,
+    main,
+    rpc,
+)
+from specmesh.tree import DraftTree
+
+DEFAULTS = {"model": "default-draft", "port": 50061, "max_wait_ms": 10.0}
+
+
+def reusable_nodes(pending: dict[Path, int], new_tokens: list[int]) -> list[int]:
+    """The pending nodes to commit: those whose paths are proper prefixes of new_tokens, root first."""
+    keep = []
+    for end in range(1, len(new_tokens)):
+        node = pending.get(tuple(new_tokens[:end]))
+        if node is None:
+            break
+        keep.append(node)
+    return keep
+
+
+class _LevelForward:
+    """`runner_forward` for drafter_next_logits: every level goes through the shared batcher, the
+    first one carries the compaction, and a cancelled request stops at its next level."""
+
+    def __init__(
+        self, batcher: ForwardBatcher, before: Callable[[], None], cancelled: threading.Event
+    ) -> None:
+        self._batcher, self._before, self._cancelled = batcher, before, cancelled
+        self.calls = 0
+
+    def __call__(self, step: Step) -> torch.Tensor:
+        if self._cancelled.is_set():
+            raise RequestCancelled("the caller cancelled the request")
+        before, self._before = self._before, None
+        self.calls += 1
+        return self._batcher.run_threadsafe(step, before)
+
+
+class DrafterService(ModelService, pb2_grpc.DrafterServicer):
+    service_name = "Drafter"
+
+    def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
+        super().__init__(config, model, metrics)
+        self._builders = ThreadPoolExecutor(config.max_batch_size, thread_name_prefix="draft")
+        self._pending: dict[str, dict[Path, int]] = {}  # session -> its pending tree: path -> node
+        self._drafts = metrics.counter("specmesh_drafts", "trees drafted")
+        self._per_depth = metrics.counter(
+            "specmesh_draft_tokens_per_depth",
+            "drafted tree nodes by depth (1 = children of the root)",
+            "depth",
+        )
+        self._reused = metrics.counter(
+            "specmesh_draft_reused_tokens", "committed tokens whose KV was kept from the pending tree"
+        )
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._builders.shutdown)
+        await super().close()
+
+    def forget_local(self, session_id: str) -> None:
+        self._pending.pop(session_id, None)
+
+    @rpc
+    async def Draft(self, request: pb2.DraftRequest, context: grpc.aio.ServicerContext) -> pb2.DraftResponse:
+        draft = wire.parse_draft_request(request, self.vocab_size, self.limits)
+        continuing = self.begin(draft.session_id, draft.position)
+        cancelled = threading.Event()
+        try:
+            job = self._builders.submit(self._draft, draft, continuing, cancelled)
+        except BaseException:
+            self.slots.free(draft.session_id)
+            raise
+
+        def withdraw() -> None:
+            cancelled.set()
+            job.cancel()
+
+        return await self.settle(draft.session_id, asyncio.wrap_future(job), withdraw)
+
+    def _draft(self, d: wire.DraftInput, continuing: bool, cancelled: threading.Event) -> pb2.DraftResponse:
+        """In a builder thread: compact, build the tree level by level, encode it."""
+        start = time.perf_counter()
+        sid = d.session_id
+        pending = self._pending.pop(sid, {})
+        keep = reusable_nodes(pending, d.new_tokens) if continuing else []
+        if continuing:
+            compact = functools.partial(self.runner.commit, sid, keep)
+        else:  # position 0: start over from the request's tokens
+            compact = functools.partial(self.runner.release, sid)
+        forward = _LevelForward(self.batcher, compact, cancelled)
+        nodes: dict[Path, int] = {}
+        self.loop.call_soon_threadsafe(self.batcher.join)
+        try:
+            next_logits = drafter_next_logits(forward, sid, d.new_tokens[len(keep) :], nodes)
+            tree = build_tree(
+                d.spec, next_logits, d.params, derive_generator(d.params.seed, d.committed_length, "draft")
+            )
+        finally:
+            self.loop.call_soon_threadsafe(self.batcher.leave)
+        self._pending[sid] = nodes
+        self._record(tree, len(keep))
+        return pb2.DraftResponse(
+            tree=wire.tree_to_proto(tree),
+            draft_calls=forward.calls,
+            draft_seconds=time.perf_counter() - start,
+        )
+
+    def _record(self, tree: DraftTree, reused: int) -> None:
+        self._drafts.inc()
+        self._reused.inc(reused)
+        count_labels(self._per_depth, tree.depths().tolist())
+
+
+def run(argv: list[str] | None = None) -> None:
+    main(DrafterService, "python -m drafter_service", DEFAULTS, argv)

@@ -1,0 +1,152 @@
+"""Generation statistics: one definition for the in-process engine, the services and the gateway.
+
+Counters only; ratios (block efficiency, acceptance per depth) are derived, so one round's stats
+are a delta that adds up (the gateway's session store adds them atomically in Redis). No torch
+here, so the gateway can import it. `network_seconds` is a round's wall time minus what the
+drafter and the verifier report as their own compute (0 in-process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+_INT_FIELDS = ("rounds", "draft_calls", "drafted_tokens", "accepted_tokens", "round_tokens")
+_FLOAT_FIELDS = ("draft_seconds", "verify_seconds", "network_seconds", "total_seconds")
+_DEPTH_PREFIX = "accepted_per_depth:"
+
+
+@dataclass
+class GenerationStats:
+    rounds: int = 0  # = target forwards
+    draft_calls: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    round_tokens: int = 0  # accepted + 1 per round, before truncation to max_new_tokens
+    accepted_per_depth: list[int] = field(default_factory=list)  # rounds whose path reached depth d+1
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    network_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @classmethod
+    def for_round(
+        cls,
+        *,
+        drafted_tokens: int,
+        accepted_tokens: int,
+        tree_depth: int,
+        draft_calls: int = 0,
+        draft_seconds: float = 0.0,
+        verify_seconds: float = 0.0,
+        total_seconds: float = 0.0,
+    ) -> GenerationStats:
+        """The delta of one round; network time is what the round took beyond both services' compute."""
+        depth = max(tree_depth, accepted_tokens)
+        return cls(
+            rounds=1,
+            draft_calls=draft_calls,
+            drafted_tokens=drafted_tokens,
+            accepted_tokens=accepted_tokens,
+            round_tokens=accepted_tokens + 1,
+            accepted_per_depth=[1] * accepted_tokens + [0] * (depth - accepted_tokens),
+            draft_seconds=draft_seconds,
+            verify_seconds=verify_seconds,
+            network_seconds=max(0.0, total_seconds - draft_seconds - verify_seconds),
+            total_seconds=total_seconds,
+        )
+
+    @property
+    def target_calls(self) -> int:
+        return self.rounds
+
+    @property
+    def block_efficiency(self) -> float:
+        """eta: tokens emitted per target forward (accepted + 1, averaged over rounds)."""
+        return self.round_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_per_depth(self) -> list[float]:
+        return [n / self.rounds for n in self.accepted_per_depth] if self.rounds else []
+
+    def record(self, tree: Any, accepted: int) -> None:
+        """Add one round: its DraftTree (None for autoregressive decoding) and accepted depth."""
+        self += GenerationStats.for_round(
+            drafted_tokens=tree.num_nodes if tree is not None else 0,
+            accepted_tokens=accepted,
+            tree_depth=int(tree.depths().max()) if tree is not None else 0,
+        )
+
+    def __iadd__(self, other: GenerationStats) -> GenerationStats:
+        self.__dict__.update((self + other).__dict__)
+        return self
+
+    def __add__(self, other: GenerationStats) -> GenerationStats:
+        depth = max(len(self.accepted_per_depth), len(other.accepted_per_depth))
+        a = self.accepted_per_depth + [0] * (depth - len(self.accepted_per_depth))
+        b = other.accepted_per_depth + [0] * (depth - len(other.accepted_per_depth))
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        return GenerationStats(**{**summed, "accepted_per_depth": [x + y for x, y in zip(a, b, strict=True)]})
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(
+            target_calls=self.target_calls,
+            block_efficiency=self.block_efficiency,
+            acceptance_per_depth=self.acceptance_per_depth,
+        )
+        return out
+
+    def to_proto(self, *, prompt_tokens: int = 0, generated_tokens: int = 0) -> Any:
+        """A `specmesh.v1.GenerationStats` message (the public API's stats)."""
+        from specmesh.proto import load
+
+        gateway_pb2, _ = load("gateway")
+        return gateway_pb2.GenerationStats(
+            target_calls=self.target_calls,
+            drafted_tokens=self.drafted_tokens,
+            accepted_tokens=self.accepted_tokens,
+            block_efficiency=self.block_efficiency,
+            acceptance_per_depth=self.acceptance_per_depth,
+            draft_seconds=self.draft_seconds,
+            verify_seconds=self.verify_seconds,
+            network_seconds=self.network_seconds,
+            rounds=self.rounds,
+            draft_calls=self.draft_calls,
+            total_seconds=self.total_seconds,
+            prompt_tokens=prompt_tokens,
+            generated_tokens=generated_tokens,
+        )
+
+    # ---- the Redis hash form (see docs/redis.md) --------------------------------------------------
+
+    def int_fields(self) -> dict[str, int]:
+        """Integer counters as hash fields; per-depth counts as `accepted_per_depth:<d>`."""
+        out = {name: getattr(self, name) for name in _INT_FIELDS}
+        out.update({f"{_DEPTH_PREFIX}{d}": n for d, n in enumerate(self.accepted_per_depth)})
+        return out
+
+    def float_fields(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in _FLOAT_FIELDS}
+
+    @classmethod
+    def from_hash(cls, values: Mapping[str, str]) -> GenerationStats:
+        depths = {
+            int(k.removeprefix(_DEPTH_PREFIX)): int(v)
+            for k, v in values.items()
+            if k.startswith(_DEPTH_PREFIX)
+        }
+        per_depth = [depths.get(d, 0) for d in range(max(depths) + 1)] if depths else []
+        return cls(
+            **{name: int(values.get(name, 0)) for name in _INT_FIELDS},
+            **{name: float(values.get(name, 0.0)) for name in _FLOAT_FIELDS},
+            accepted_per_depth=per_depth,
+        )
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: str  # "length" | "stop"
+    stats: GenerationStats

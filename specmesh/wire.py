@@ -1,0 +1,340 @@
+"""Wire messages (proto/specmesh/v1) <-> core types, and validation of requests.
+
+Every problem with a request raises `WireError`, whose message starts with the proto field path
+("tree.parents: ...", "sampling.top_p: ..."); the servers answer it with INVALID_ARGUMENT. Where
+a core type already validates itself (SamplingParams, TreeSpec, DraftTree.validate) its own check
+is used, and its message (which names the field first) is prefixed with the message path.
+
+Distributions travel as little-endian bytes: sparse (int32 token ids + fp32 probabilities of the
+support) whenever the row has zeros, which top-k, top-p and greedy make; dense (V fp32 values)
+otherwise. Both are bit-exact: the verifier rebuilds exactly the fp32 row the drafter sampled
+from, and the tokens outside the support are exactly 0.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specmesh.drafting import TreeSpec
+from specmesh.proto import pb2
+from specmesh.sampling import SamplingParams
+from specmesh.tree import DraftTree, SamplingMode
+from specmesh.verification import Verdict
+
+MAX_SESSION_ID_BYTES = 256
+# Trailing metadata of a FAILED_PRECONDITION answer: resend all committed tokens with position 0.
+RESYNC_KEY = "specmesh-resync"
+
+_MODE_TO_PROTO = {
+    SamplingMode.IID: pb2.SAMPLING_MODE_IID,
+    SamplingMode.WITHOUT_REPLACEMENT: pb2.SAMPLING_MODE_WITHOUT_REPLACEMENT,
+    SamplingMode.MTAD: pb2.SAMPLING_MODE_MTAD,
+}
+_MODE_FROM_PROTO = {v: k for k, v in _MODE_TO_PROTO.items()}
+
+
+class WireError(ValueError):
+    """A request that cannot be served as sent; the message starts with the field path."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one replica accepts (its --max-* flags)."""
+
+    max_tree_nodes: int = 64
+    max_depth: int = 16
+    max_branching: int = 8
+    max_beam_width: int = 8
+
+
+def _from_core(prefix: str, exc: ValueError) -> WireError:
+    """Core validators name the offending field first ("top_p must be in ..."): add the path."""
+    text = str(exc)
+    name = re.match(r"[a-z_]+", text)
+    if name is None:
+        return WireError(prefix, text)
+    return WireError(f"{prefix}.{name.group()}", text.removeprefix(f"{name.group()}: "))
+
+
+# ---- sampling ----------------------------------------------------------------------------------
+
+
+def sampling_to_proto(params: SamplingParams) -> pb2.SamplingParams:
+    if params.seed is None:
+        raise ValueError("a remote session needs a fixed seed (every replica derives its randomness from it)")
+    msg = pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, seed=params.seed)
+    if params.top_p < 1.0:
+        msg.top_p = params.top_p
+    return msg
+
+
+def sampling_from_proto(msg: pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
+    """Unset top_p means 1.0 (no filter); an unset message is greedy (temperature 0)."""
+    top_p = msg.top_p if msg.HasField("top_p") else 1.0
+    try:
+        return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, seed=msg.seed)
+    except ValueError as exc:
+        raise _from_core(field, exc) from None
+
+
+# ---- tree spec ---------------------------------------------------------------------------------
+
+
+def tree_spec_to_proto(spec: TreeSpec) -> pb2.TreeSpec:
+    return pb2.TreeSpec(
+        method=spec.method,
+        depth=spec.depth,
+        branching=list(spec.branching),
+        beam_width=spec.beam_width,
+        replacement=spec.replacement,
+        mtad_threshold=spec.mtad_threshold,
+    )
+
+
+def tree_spec_from_proto(msg: pb2.TreeSpec, limits: Limits, field: str = "tree_spec") -> TreeSpec:
+    """A TreeSpec within the replica's limits; method "none" drafts nothing and is refused."""
+    # before TreeSpec, which builds a (1,) * depth tuple for some methods
+    _check_limit(f"{field}.depth", msg.depth, limits.max_depth, "--max-depth")
+    kwargs: dict = dict(
+        method=msg.method,
+        depth=msg.depth,
+        branching=tuple(msg.branching),
+        beam_width=msg.beam_width,
+        replacement=msg.replacement,
+    )
+    if msg.HasField("mtad_threshold"):
+        kwargs["mtad_threshold"] = msg.mtad_threshold
+    try:
+        spec = TreeSpec(**kwargs)
+    except ValueError as exc:
+        raise _from_core(field, exc) from None
+    if spec.method == "none":
+        raise WireError(f"{field}.method", "'none' drafts no tree; send Verify with an empty tree instead")
+    _check_limit(
+        f"{field}.branching", max(spec.branching, default=1), limits.max_branching, "--max-branching"
+    )
+    if spec.method in ("rsd_s", "mtad"):
+        _check_limit(f"{field}.beam_width", spec.beam_width, limits.max_beam_width, "--max-beam-width")
+    _check_limit(field, spec.max_nodes, limits.max_tree_nodes, "--max-tree-nodes", what="tree nodes")
+    return spec
+
+
+def _check_limit(field: str, value: int, limit: int, flag: str, what: str = "") -> None:
+    if value > limit:
+        label = f"{value} {what}".strip()
+        raise WireError(field, f"{label} is above this replica's limit of {limit} ({flag})")
+
+
+# ---- distributions -----------------------------------------------------------------------------
+
+
+def encode_distribution(row: torch.Tensor) -> pb2.Distribution:
+    """One fp32 row [V]: sparse when it has zeros, dense otherwise."""
+    row = row.detach().to("cpu", torch.float32)
+    support = row.nonzero().flatten()
+    if support.numel() < row.numel():
+        return pb2.Distribution(
+            token_ids=support.numpy().astype("<i4").tobytes(),
+            probs=row[support].numpy().astype("<f4").tobytes(),
+        )
+    return pb2.Distribution(probs=row.numpy().astype("<f4").tobytes())
+
+
+def decode_distribution(msg: pb2.Distribution, vocab_size: int, field: str) -> torch.Tensor:
+    """The exact fp32 row [V] that `encode_distribution` was given."""
+    probs = _array(msg.probs, "<f4", f"{field}.probs")
+    if not msg.token_ids:
+        if probs.size != vocab_size:
+            raise WireError(
+                f"{field}.probs", f"a dense distribution needs {vocab_size} values, got {probs.size}"
+            )
+        row = probs.copy()
+    else:
+        ids = _array(msg.token_ids, "<i4", f"{field}.token_ids")
+        if ids.size != probs.size:
+            raise WireError(f"{field}.probs", f"{probs.size} probabilities for {ids.size} token ids")
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            raise WireError(f"{field}.token_ids", f"token ids must be in [0, {vocab_size})")
+        if np.unique(ids).size != ids.size:
+            raise WireError(f"{field}.token_ids", "token ids must not repeat")
+        row = np.zeros(vocab_size, dtype="<f4")
+        row[ids] = probs
+    if not np.isfinite(row).all() or (row < 0).any():
+        raise WireError(f"{field}.probs", "probabilities must be finite and >= 0")
+    return torch.from_numpy(row.astype(np.float32, copy=False))
+
+
+def _array(data: bytes, dtype: str, field: str) -> np.ndarray:
+    if len(data) % 4:
+        raise WireError(field, f"{len(data)} bytes is not a whole number of 4-byte values")
+    return np.frombuffer(data, dtype=dtype)
+
+
+# ---- trees -------------------------------------------------------------------------------------
+
+
+def tree_to_proto(tree: DraftTree) -> pb2.DraftTree:
+    return pb2.DraftTree(
+        tokens=tree.tokens.tolist(),
+        parents=tree.parents.tolist(),
+        mode=_MODE_TO_PROTO[tree.mode],
+        draft_probs=[encode_distribution(row) for row in tree.draft_probs],
+        prob_rows=tree.prob_rows.tolist(),
+        mtad_threshold=tree.mtad_threshold,
+        vocab_size=tree.vocab_size,
+    )
+
+
+def tree_from_proto(
+    msg: pb2.DraftTree, vocab_size: int, limits: Limits | None = None, field: str = "tree"
+) -> DraftTree | None:
+    """The validated tree, or None for an empty one (a plain autoregressive step)."""
+    n = len(msg.tokens)
+    if n == 0:
+        for name in ("parents", "draft_probs"):
+            if len(getattr(msg, name)):
+                raise WireError(f"{field}.{name}", f"must be empty when {field}.tokens is empty")
+        return None
+    if msg.vocab_size != vocab_size:
+        raise WireError(
+            f"{field}.vocab_size",
+            f"the tree was drafted over {msg.vocab_size} tokens, this vocabulary has {vocab_size}",
+        )
+    if limits is not None:
+        _check_limit(f"{field}.tokens", n, limits.max_tree_nodes, "--max-tree-nodes", what="nodes")
+    if msg.mode not in _MODE_FROM_PROTO:
+        raise WireError(f"{field}.mode", "must be set to the sampling mode the tree was drafted with")
+    rows = [
+        decode_distribution(d, vocab_size, f"{field}.draft_probs[{i}]") for i, d in enumerate(msg.draft_probs)
+    ]
+    tree = DraftTree(
+        tokens=torch.tensor(list(msg.tokens), dtype=torch.long),
+        parents=torch.tensor(list(msg.parents), dtype=torch.long),
+        mode=_MODE_FROM_PROTO[msg.mode],
+        draft_probs=torch.stack(rows) if rows else torch.zeros(0, vocab_size),
+        prob_rows=torch.tensor(list(msg.prob_rows), dtype=torch.long),
+        mtad_threshold=msg.mtad_threshold,
+    )
+    try:
+        tree.validate(vocab_size)
+    except ValueError as exc:
+        raise _from_core(field, exc) from None
+    if limits is not None:
+        depth = int(tree.depths().max())
+        _check_limit(f"{field}.parents", depth, limits.max_depth, "--max-depth", what="levels")
+    if tree.mode is SamplingMode.MTAD:
+        if not torch.equal(tree.parents, torch.arange(n) - 1):
+            raise WireError(f"{field}.parents", "an MTAD tree must be a chain")
+        if not (0.0 <= tree.mtad_threshold <= 1.0):
+            raise WireError(f"{field}.mtad_threshold", f"must be in [0, 1], got {tree.mtad_threshold}")
+    return tree
+
+
+# ---- requests and verdicts ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoundInput:
+    """The validated fields that Draft and Verify requests share."""
+
+    session_id: str
+    position: int
+    new_tokens: list[int]
+    params: SamplingParams
+
+    @property
+    def committed_length(self) -> int:
+        """Committed tokens once new_tokens are in: what a round's randomness is derived from."""
+        return self.position + len(self.new_tokens)
+
+
+@dataclass(frozen=True)
+class DraftInput(RoundInput):
+    spec: TreeSpec
+
+
+@dataclass(frozen=True)
+class VerifyInput(RoundInput):
+    tree: DraftTree | None  # None: a plain autoregressive step
+
+
+def session_id_from_proto(value: str, field: str = "session_id") -> str:
+    if not value:
+        raise WireError(field, "must not be empty")
+    if len(value.encode()) > MAX_SESSION_ID_BYTES:
+        raise WireError(field, f"must be at most {MAX_SESSION_ID_BYTES} bytes")
+    return value
+
+
+def token_ids_from_proto(values, vocab_size: int, field: str = "new_token_ids") -> list[int]:
+    """Non-empty token ids inside the vocabulary (the first one outside is named)."""
+    if not values:
+        raise WireError(field, "must not be empty (the new tokens produce the root distribution)")
+    tokens = [int(t) for t in values]
+    for i, t in enumerate(tokens):
+        if t >= vocab_size:
+            raise WireError(f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+    return tokens
+
+
+def _round_fields(req: pb2.DraftRequest | pb2.VerifyRequest, vocab_size: int) -> dict:
+    return dict(
+        session_id=session_id_from_proto(req.session_id),
+        position=req.position,
+        new_tokens=token_ids_from_proto(req.new_token_ids, vocab_size),
+        params=sampling_from_proto(req.sampling),
+    )
+
+
+def parse_draft_request(req: pb2.DraftRequest, vocab_size: int, limits: Limits) -> DraftInput:
+    return DraftInput(**_round_fields(req, vocab_size), spec=tree_spec_from_proto(req.tree_spec, limits))
+
+
+def parse_verify_request(req: pb2.VerifyRequest, vocab_size: int, limits: Limits) -> VerifyInput:
+    return VerifyInput(**_round_fields(req, vocab_size), tree=tree_from_proto(req.tree, vocab_size, limits))
+
+
+def _round_message(session_id: str, position: int, new_tokens: list[int], params: SamplingParams) -> dict:
+    return dict(
+        session_id=session_id,
+        position=position,
+        new_token_ids=new_tokens,
+        sampling=sampling_to_proto(params),
+    )
+
+
+def draft_request(
+    session_id: str, position: int, new_tokens: list[int], params: SamplingParams, spec: TreeSpec
+) -> pb2.DraftRequest:
+    fields = _round_message(session_id, position, new_tokens, params)
+    return pb2.DraftRequest(**fields, tree_spec=tree_spec_to_proto(spec))
+
+
+def verify_request(
+    session_id: str, position: int, new_tokens: list[int], params: SamplingParams, tree: pb2.DraftTree | None
+) -> pb2.VerifyRequest:
+    """tree None (or empty): a plain autoregressive step."""
+    return pb2.VerifyRequest(**_round_message(session_id, position, new_tokens, params), tree=tree)
+
+
+def verdict_to_proto(verdict: Verdict, **stats: float) -> pb2.VerifyResponse:
+    """stats: batch_size, forward_seconds, queue_seconds."""
+    return pb2.VerifyResponse(
+        accepted_token_ids=verdict.accepted_tokens,
+        accepted_nodes=verdict.accepted_nodes,
+        next_token=verdict.next_token,
+        bonus=verdict.bonus,
+        **stats,
+    )
+
+
+def verdict_from_proto(msg: pb2.VerifyResponse) -> Verdict:
+    return Verdict(list(msg.accepted_token_ids), list(msg.accepted_nodes), msg.next_token, msg.bonus)

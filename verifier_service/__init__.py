@@ -1,0 +1,1 @@
+"""gRPC verifier: verifies draft trees of many sessions in batched target forwards."""
