@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import threading
+from typing import Any, TextIO
 
 
 def _models_pull(args: argparse.Namespace) -> int:
@@ -80,6 +84,136 @@ def _demo_spec(method: str, depth: int, beam_width: int):
     return TreeSpec(method, depth=depth, beam_width=beam_width)
 
 
+# ---- the stack and its client -------------------------------------------------------------------
+
+
+def generate_request(prompt: str, args: argparse.Namespace) -> Any:
+    """A specmesh.v1.GenerateRequest from `specmesh generate` / `specmesh up` flags; unset flags
+    leave the gateway's defaults (docs/gateway.md)."""
+    from specmesh.proto import load
+
+    gateway_pb2, _ = load("gateway")
+    request = gateway_pb2.GenerateRequest(stop=args.stop or [])
+    if args.chat:
+        request.chat.messages.add(role="user", content=prompt)
+    else:
+        request.prompt = prompt
+    if args.max_new_tokens is not None:
+        request.max_new_tokens = args.max_new_tokens
+    request.sampling.temperature = args.temperature
+    request.sampling.top_k = args.top_k
+    if args.top_p is not None:
+        request.sampling.top_p = args.top_p
+    if args.seed is not None:
+        request.sampling.seed = args.seed
+    spec = request.speculation
+    spec.method = args.method or ""
+    spec.depth = args.depth or 0
+    spec.branching.extend(args.branching)
+    spec.beam_width = args.beam_width or 0
+    return request
+
+
+def stream_completion(address: str, request: Any, out: TextIO, timeout: float | None = None) -> Any:
+    """Stream one completion from the gateway at `address` to `out`; -> the last chunk (finish
+    reason and stats). Raises grpc.RpcError."""
+    import grpc
+
+    from specmesh.proto import load
+
+    _, gateway_grpc = load("gateway")
+    last = None
+    with grpc.insecure_channel(address) as channel:
+        for chunk in gateway_grpc.GatewayStub(channel).GenerateStream(request, timeout=timeout):
+            out.write(chunk.text)
+            out.flush()
+            last = chunk
+    out.write("\n")
+    return last
+
+
+def print_stats(last: Any, out: TextIO) -> None:
+    from google.protobuf import json_format
+
+    stats = json_format.MessageToDict(last.stats, always_print_fields_with_no_presence=True)
+    out.write(f"finish_reason: {last.finish_reason}  session: {last.session_id}\n")
+    out.write(f"stats: {json.dumps(stats)}\n")
+    out.flush()
+
+
+def _complete(address: str, prompt: str, args: argparse.Namespace) -> int:
+    """What `specmesh generate` and the demo of `specmesh up` do: stream, then the stats."""
+    import grpc
+
+    try:
+        last = stream_completion(address, generate_request(prompt, args), sys.stdout, args.timeout)
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+    print_stats(last, sys.stdout)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    return _complete(args.address, args.prompt, args)
+
+
+def _up(args: argparse.Namespace) -> int:
+    """The whole stack as supervised subprocesses; one demo completion once it is ready."""
+    from specmesh.model_store import pull_default_pair
+    from specmesh.supervisor import StackPlan, run_stack
+
+    if args.draft == "default-draft" or args.target == "default-target":
+        pull_default_pair(progress=True)
+    demo_status: list[int] = []
+
+    def demo(plan: StackPlan) -> None:
+        print(f"--- demo completion through the gateway at {plan.gateway}:", flush=True)
+        print(args.demo_prompt, end="", flush=True)
+        demo_status.append(_complete(plan.gateway, args.demo_prompt, args))
+        if args.exit_after_demo:
+            os.kill(os.getpid(), signal.SIGTERM)  # the supervisor's own clean shutdown
+        else:
+            print(f"--- serving on {plan.gateway}; Ctrl-C stops everything", flush=True)
+
+    def on_ready(plan: StackPlan) -> None:
+        # The supervisor's event loop calls this; the demo must not block it (it pumps the logs).
+        threading.Thread(target=demo, args=(plan,), name="demo", daemon=True).start()
+
+    status = run_stack(
+        args.draft, args.target, args.drafters, args.port, args.dtype, args.redis_url, on_ready=on_ready
+    )
+    if status == 0 and args.exit_after_demo:
+        return demo_status[0] if demo_status else 1  # stopped before the demo could finish
+    return status
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_request_flags(parser: argparse.ArgumentParser, max_new_tokens: int | None) -> None:
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="default: the gateway's")
+    parser.add_argument("--stop", action="append", help="stop sequence (repeatable)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="default: the gateway draws one")
+    parser.add_argument(
+        "--method", default=None, help="none, chain, mcsd, rsd_c, rsd_s or mtad (default: the gateway's)"
+    )
+    parser.add_argument("--depth", type=int, default=None)
+    parser.add_argument(
+        "--branching", type=_int_list, default=[], help="mcsd, rsd_c: children per level, e.g. 2,2,1"
+    )
+    parser.add_argument("--beam-width", type=int, default=None, help="rsd_s, mtad")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds (the request's deadline)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specmesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -122,6 +256,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.set_defaults(func=_demo)
+
+    up = sub.add_parser("up", help="the whole stack locally: Redis, drafters, a verifier, the gateway")
+    up.add_argument("--draft", default="default-draft")
+    up.add_argument("--target", default="default-target")
+    up.add_argument("--drafters", type=int, default=1, help="drafter replicas")
+    up.add_argument("--port", type=int, default=50051, help="the gateway's port")
+    up.add_argument("--dtype", default=None, help="model dtype (default: the services' bf16)")
+    up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    up.add_argument("--demo-prompt", default=DEMO_PROMPT)
+    up.add_argument("--exit-after-demo", action="store_true", help="stop the stack after the demo")
+    _add_request_flags(up, max_new_tokens=64)
+    up.set_defaults(func=_up)
+
+    generate = sub.add_parser("generate", help="stream a completion from a gateway, then its stats")
+    generate.add_argument("prompt")
+    generate.add_argument("--address", default="127.0.0.1:50051", help="the gateway, HOST:PORT")
+    _add_request_flags(generate, max_new_tokens=None)
+    generate.set_defaults(func=_generate)
     return parser
 
 

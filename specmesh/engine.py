@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import count
@@ -251,13 +251,27 @@ class SpeculativeEngine:
 
     @staticmethod
     def _emit(s: _Session, tokens: list[int]) -> None:
-        stop = set(s.request.stop_token_ids)
-        for token in tokens:
-            s.tokens.append(token)
-            s.generated.append(token)
-            if token in stop:
-                s.finish_reason = "stop"
-                return
-            if len(s.generated) >= s.request.max_new_tokens:
-                s.finish_reason = "length"
-                return
+        kept, s.finish_reason = keep_emitted(
+            tokens, len(s.generated), s.request.max_new_tokens, s.request.stop_token_ids
+        )
+        s.tokens += kept
+        s.generated += kept
+
+
+def keep_emitted(
+    tokens: Sequence[int], generated: int, max_new_tokens: int, stop_token_ids: Collection[int]
+) -> tuple[list[int], str | None]:
+    """The part of a round's tokens a session keeps, and why it finished (None: it goes on).
+
+    A session ends right after a stop token ("stop") or once it has max_new_tokens ("length");
+    `generated` is how many it had before this round. One rule for the engine, the services'
+    client and the gateway."""
+    stop = set(stop_token_ids)
+    kept: list[int] = []
+    for token in tokens:
+        kept.append(int(token))
+        if token in stop:
+            return kept, "stop"
+        if generated + len(kept) >= max_new_tokens:
+            return kept, "length"
+    return kept, None

@@ -19,7 +19,16 @@ import torch
 from specmesh import model_store
 from specmesh.model_store import cache_dir
 
-__all__ = ["LoadedModel", "cache_dir", "check_pair", "load_model", "resolve_device", "resolve_dtype"]
+__all__ = [
+    "LoadedModel",
+    "cache_dir",
+    "check_pair",
+    "load_model",
+    "load_tokenizer",
+    "resolve_device",
+    "resolve_dtype",
+    "tokenizer_fingerprint",
+]
 
 _DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -114,6 +123,20 @@ def load_model(
         vocab_size=int(model.config.get_text_config().vocab_size),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
     )
+
+
+def load_tokenizer(source: str | Path) -> tuple[Any, int | None]:
+    """The tokenizer of a model source (no weights) and the model's context length if its config
+    says (max_position_embeddings), for the gateway, which only tokenizes."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    location, extra = _resolve_source(source)
+    tokenizer = AutoTokenizer.from_pretrained(location, **extra)
+    try:
+        config = AutoConfig.from_pretrained(location, **extra).get_text_config()
+    except (OSError, ValueError):  # a tokenizer-only folder
+        return tokenizer, None
+    return tokenizer, getattr(config, "max_position_embeddings", None)
 
 
 def check_pair(draft: LoadedModel, target: LoadedModel) -> None:

@@ -2,23 +2,25 @@
 
     result = await generate_remote("127.0.0.1:50061", "127.0.0.1:50062", prompt_ids, spec, params, 64)
 
-`RemoteSession.step()` runs one round (Draft, then Verify with the tree as the drafter sent it)
-and returns the emitted tokens; it produces exactly the tokens of the in-process
-`SpeculativeEngine` for the same seed. The session tracks how many committed tokens each replica
-holds and sends only the rest. A replica that answers FAILED_PRECONDITION with
-`specmesh-resync: 1` (restart, failover, eviction of its state) gets the session's full token list
-with position 0, once per call. Other errors propagate: choosing another replica is the
-gateway's business (it can swap `drafter` / `verifier` between rounds).
+`RoundClient.round(tokens)` is THE round (Draft, then Verify with the tree as the drafter sent
+it), shared by `RemoteSession` (tests, benchmarks) and the gateway (gateway/rounds.py, which
+keeps the committed tokens in Redis and swaps replicas on failover). It produces exactly the
+tokens of the in-process `SpeculativeEngine` for the same seed. The client tracks how many
+committed tokens each replica holds and sends only the rest. A replica that answers
+FAILED_PRECONDITION with `specmesh-resync: 1` (restart, failover, eviction of its state) gets the
+session's full token list with position 0, once per call. Other errors are raised as
+`ReplicaFailure` naming the replica's role: choosing another replica is the caller's business (it
+can swap `drafter` / `verifier` and their `held` count between rounds).
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -26,11 +28,12 @@ import torch
 
 from specmesh import wire
 from specmesh.drafting import TreeSpec
-from specmesh.engine import Request
+from specmesh.engine import Request, keep_emitted
 from specmesh.proto import pb2, pb2_grpc
 from specmesh.sampling import SamplingParams
 from specmesh.stats import GenerationResult, GenerationStats
 from specmesh.tree import tree_depths
+from specmesh.verification import Verdict
 
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -50,8 +53,124 @@ def needs_resync(error: grpc.aio.AioRpcError) -> bool:
     return any(key == wire.RESYNC_KEY and value == "1" for key, value in error.trailing_metadata() or ())
 
 
-class RemoteSession:
-    """One generation against a drafter and a verifier (drafter None: method "none" only)."""
+class ReplicaFailure(Exception):
+    """A Draft or Verify call failed for another reason than a resync; `role` says which replica."""
+
+    def __init__(self, role: str, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(f"{role}: {error.code().name}: {error.details()}")
+        self.role = role
+        self.error = error
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    verdict: Verdict
+    stats: GenerationStats  # this round's delta
+
+    @property
+    def tokens(self) -> list[int]:
+        """Accepted tokens plus the recovered or bonus token, before any stop / length cut."""
+        return self.verdict.emitted_tokens
+
+
+class RoundClient:
+    """One session's rounds against a drafter and a verifier (drafter None: method "none" only).
+
+    `held[role]` is the number of committed tokens the caller believes that replica holds; a
+    caller that swaps a replica sets it to what it knows of the new one (0 if nothing)."""
+
+    def __init__(
+        self,
+        session_id: str,
+        params: SamplingParams,
+        spec: TreeSpec,
+        drafter: pb2_grpc.DrafterStub | None,
+        verifier: pb2_grpc.VerifierStub | None,
+        *,
+        timeout: float | None = 60.0,
+    ) -> None:
+        self.id, self.params, self.spec = session_id, params, spec
+        self.drafter, self.verifier, self.timeout = drafter, verifier, timeout
+        self.held = {"drafter": 0, "verifier": 0}
+        self.resyncs = 0
+
+    async def round(self, tokens: Sequence[int]) -> RoundResult:
+        """Draft and verify after the committed `tokens`; commits nothing on the caller's side.
+
+        Stats: draft_seconds and verify_seconds are what the services report (tree build time,
+        batched forward time), total_seconds the round's wall time; the rest is network."""
+        start = time.perf_counter()
+        drafted = None
+        if self.spec.method != "none":
+            if self.drafter is None:
+                raise ValueError(f"method {self.spec.method!r} needs a drafter")
+            make_draft = functools.partial(self._draft_request, tokens)
+            drafted = await self._call("drafter", self.drafter.Draft, make_draft, len(tokens))
+        tree = drafted.tree if drafted is not None else None
+        make_verify = functools.partial(self._verify_request, tokens, tree)
+        verified = await self._call("verifier", self.verifier.Verify, make_verify, len(tokens))
+        verdict = wire.verdict_from_proto(verified)
+        self.held["verifier"] += len(verdict.accepted_tokens)  # it committed the accepted path itself
+        stats = GenerationStats.for_round(
+            drafted_tokens=len(tree.tokens) if tree is not None else 0,
+            accepted_tokens=len(verdict.accepted_tokens),
+            tree_depth=int(tree_depths(torch.tensor(tree.parents)).max()) if tree is not None else 0,
+            draft_calls=drafted.draft_calls if drafted is not None else 0,
+            draft_seconds=drafted.draft_seconds if drafted is not None else 0.0,
+            verify_seconds=verified.forward_seconds,
+            total_seconds=time.perf_counter() - start,
+        )
+        return RoundResult(verdict, stats)
+
+    def _draft_request(self, tokens: Sequence[int], position: int) -> pb2.DraftRequest:
+        return wire.draft_request(self.id, position, list(tokens[position:]), self.params, self.spec)
+
+    def _verify_request(
+        self, tokens: Sequence[int], tree: pb2.DraftTree | None, position: int
+    ) -> pb2.VerifyRequest:
+        return wire.verify_request(self.id, position, list(tokens[position:]), self.params, tree)
+
+    async def release(self) -> None:
+        """Free the session's KV on both current replicas (best effort: a replica may be gone)."""
+        for stub in (self.drafter, self.verifier):
+            if stub is not None:
+                await release_session(stub, self.id, self.timeout)
+
+    async def _call(
+        self, role: str, method: Callable[..., Awaitable[Any]], make: Callable[[int], Any], committed: int
+    ) -> Any:
+        """method(make(position)); on a resync answer, once more with position 0 (all tokens).
+
+        With nothing new for the replica (a round retried after its Verify failed), restart the
+        session there: new_token_ids may not be empty, they produce the root distribution."""
+        position = self.held[role] if self.held[role] < committed else 0
+        try:
+            try:
+                response = await method(make(position), timeout=self.timeout)
+            except grpc.aio.AioRpcError as error:
+                if position == 0 or not needs_resync(error):
+                    raise
+                self.resyncs += 1
+                response = await method(make(0), timeout=self.timeout)
+        except grpc.aio.AioRpcError as error:
+            raise ReplicaFailure(role, error) from error
+        self.held[role] = committed
+        return response
+
+
+async def release_session(
+    stub: pb2_grpc.DrafterStub | pb2_grpc.VerifierStub, session_id: str, timeout: float | None
+) -> bool:
+    """Release on one replica; False if it did not hold the session or could not be reached."""
+    try:
+        reply = await stub.Release(pb2.ReleaseRequest(session_id=session_id), timeout=timeout)
+    except grpc.aio.AioRpcError:
+        return False
+    return reply.released
+
+
+class RemoteSession(RoundClient):
+    """One whole generation against a drafter and a verifier, the committed tokens kept here."""
 
     def __init__(
         self,
@@ -69,15 +188,15 @@ class RemoteSession:
         if drafter is None and request.spec.method != "none":
             raise ValueError(f"method {request.spec.method!r} needs a drafter")
         seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
-        self.drafter, self.verifier, self.request, self.timeout = drafter, verifier, request, timeout
-        self.id = session_id or uuid.uuid4().hex
-        self.params: SamplingParams = replace(request.params, seed=seed)
+        params = replace(request.params, seed=seed)
+        super().__init__(
+            session_id or uuid.uuid4().hex, params, request.spec, drafter, verifier, timeout=timeout
+        )
+        self.request = request
         self.tokens = [int(t) for t in request.prompt_ids]  # committed: prompt + generated
         self.generated: list[int] = []
         self.finish_reason: str | None = None
         self.stats = GenerationStats()
-        self.resyncs = 0
-        self._held = {"drafter": 0, "verifier": 0}  # committed tokens each replica holds
 
     @property
     def done(self) -> bool:
@@ -88,81 +207,24 @@ class RemoteSession:
 
     async def step(self) -> list[int]:
         """One round; returns the tokens it emitted (cut at max_new_tokens or a stop token).
-
-        Stats: draft_seconds and verify_seconds are what the services report (tree build time,
-        batched forward time), total_seconds the round's wall time; the rest is network."""
-        start = time.perf_counter()
-        drafted = None
-        if self.request.spec.method != "none":
-            drafted = await self._call("drafter", self.drafter.Draft, self._draft_request)
-        tree = drafted.tree if drafted is not None else None
-        verified = await self._call(
-            "verifier", self.verifier.Verify, lambda at: self._verify_request(at, tree)
+        A failed replica call raises its grpc.aio.AioRpcError; the next step retries the round."""
+        try:
+            result = await self.round(self.tokens)
+        except ReplicaFailure as failure:
+            raise failure.error from None
+        self.stats += result.stats
+        r = self.request
+        emitted, self.finish_reason = keep_emitted(
+            result.tokens, len(self.generated), r.max_new_tokens, r.stop_token_ids
         )
-        verdict = wire.verdict_from_proto(verified)
-        self._held["verifier"] += len(verdict.accepted_tokens)  # it committed the accepted path itself
-        self.stats += GenerationStats.for_round(
-            drafted_tokens=len(tree.tokens) if tree is not None else 0,
-            accepted_tokens=len(verdict.accepted_tokens),
-            tree_depth=int(tree_depths(torch.tensor(tree.parents)).max()) if tree is not None else 0,
-            draft_calls=drafted.draft_calls if drafted is not None else 0,
-            draft_seconds=drafted.draft_seconds if drafted is not None else 0.0,
-            verify_seconds=verified.forward_seconds,
-            total_seconds=time.perf_counter() - start,
-        )
-        return self._emit(verdict.emitted_tokens)
+        self.tokens += emitted
+        self.generated += emitted
+        return emitted
 
     async def run(self) -> GenerationResult:
         while not self.done:
             await self.step()
         return self.result()
-
-    async def release(self) -> None:
-        """Free the session's KV on both replicas (best effort: a replica may be gone)."""
-        for stub in (self.drafter, self.verifier):
-            if stub is None:
-                continue
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await stub.Release(pb2.ReleaseRequest(session_id=self.id), timeout=self.timeout)
-
-    def _draft_request(self, position: int) -> pb2.DraftRequest:
-        return wire.draft_request(self.id, position, self.tokens[position:], self.params, self.request.spec)
-
-    def _verify_request(self, position: int, tree: pb2.DraftTree | None) -> pb2.VerifyRequest:
-        return wire.verify_request(self.id, position, self.tokens[position:], self.params, tree)
-
-    async def _call(
-        self, replica: str, method: Callable[..., Awaitable[Any]], make: Callable[[int], Any]
-    ) -> Any:
-        """method(make(position)); on a resync answer, once more with position 0 (all tokens).
-
-        With nothing new for the replica (a round retried after its Verify failed), restart the
-        session there: new_token_ids may not be empty, they produce the root distribution."""
-        position = self._held[replica] if self._held[replica] < len(self.tokens) else 0
-        try:
-            response = await method(make(position), timeout=self.timeout)
-        except grpc.aio.AioRpcError as error:
-            if position == 0 or not needs_resync(error):
-                raise
-            self.resyncs += 1
-            response = await method(make(0), timeout=self.timeout)
-        self._held[replica] = len(self.tokens)
-        return response
-
-    def _emit(self, tokens: list[int]) -> list[int]:
-        stop = set(self.request.stop_token_ids)
-        emitted = []
-        for token in tokens:
-            emitted.append(token)
-            if token in stop:
-                self.finish_reason = "stop"
-            elif len(self.generated) + len(emitted) >= self.request.max_new_tokens:
-                self.finish_reason = "length"
-            if self.finish_reason:
-                break
-        self.tokens += emitted
-        self.generated += emitted
-        return emitted
 
 
 async def generate_remote(

@@ -1,4 +1,9 @@
-"""Server scaffolding shared by drafter_service and verifier_service.
+"""Server scaffolding shared by drafter_service, verifier_service and the gateway.
+
+Every server: flags with SPECMESH_* environment defaults (`flag_parser`), JSON logs, Prometheus
+metrics (`RpcMetrics`), the error mapping and request logging of `RpcService` (`rpc`,
+`stream_rpc`), grpc.health.v1, reflection and a graceful SIGTERM (`serve`). The rest of this
+module is the model services' machinery.
 
 Threads: the asyncio loop (uvloop) answers RPCs and batches; ONE model thread runs every
 ModelRunner call (forwards, commits, releases), so the runner never sees two calls at once and the
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import functools
 import json
 import logging
@@ -37,11 +43,12 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
-from typing import Any, ClassVar
+from types import ModuleType
+from typing import Any, ClassVar, Protocol
 
 import grpc
 import torch
@@ -148,20 +155,33 @@ _AT_LEAST_ONE = (
 )
 
 
-def parse_config(prog: str, argv: list[str] | None, defaults: Mapping[str, Any]) -> ServiceConfig:
-    """Flags --foo-bar; each defaults to $SPECMESH_FOO_BAR, then to `defaults`."""
+def flag_parser(
+    prog: str, cls: type, help_texts: Mapping[str, tuple[type, str]], defaults: Mapping[str, Any]
+) -> argparse.ArgumentParser:
+    """One flag --foo-bar per field of the dataclass `cls`; each defaults to $SPECMESH_FOO_BAR,
+    then to `defaults` (a field missing there is required)."""
     parser = argparse.ArgumentParser(
         prog=prog,
         epilog="Every flag --foo-bar may also be set as the environment variable SPECMESH_FOO_BAR.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    for f in fields(ServiceConfig):
-        kind, text = _HELP[f.name]
+    for f in fields(cls):
+        kind, text = help_texts[f.name]
         env = f"SPECMESH_{f.name.upper()}"
-        default = os.environ.get(env, defaults[f.name])
+        default = os.environ.get(env, defaults.get(f.name))
         parser.add_argument(
-            f"--{f.name.replace('_', '-')}", type=kind, default=default, help=f"{text} [{env}]"
+            f"--{f.name.replace('_', '-')}",
+            type=kind,
+            default=default,
+            required=default is None,
+            help=f"{text} [{env}]",
         )
+    return parser
+
+
+def parse_config(prog: str, argv: list[str] | None, defaults: Mapping[str, Any]) -> ServiceConfig:
+    """Flags --foo-bar; each defaults to $SPECMESH_FOO_BAR, then to `defaults`."""
+    parser = flag_parser(prog, ServiceConfig, _HELP, defaults)
     config = ServiceConfig(**vars(parser.parse_args(argv)))
     for name in _AT_LEAST_ONE:
         if getattr(config, name) < 1:
@@ -201,41 +221,47 @@ def configure_logging(level: str) -> None:
 
 # ---- metrics -----------------------------------------------------------------------------------
 
-_TIME_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+TIME_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-class ServiceMetrics:
-    """The Prometheus metrics both services export; each service adds its own to `registry`."""
+class RpcMetrics:
+    """The registry and the per-RPC counter every specmesh server exports."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = self.counter(
             "specmesh_requests", "RPCs answered, by method and status code", "method", "code"
         )
-        self.batch_size = self._histogram(
-            "specmesh_batch_size", "sessions in one model forward", _SIZE_BUCKETS
-        )
-        self.batch_tokens = self._histogram(
-            "specmesh_batch_tokens", "query tokens in one model forward", _TOKEN_BUCKETS
-        )
-        self.queue_wait = self._histogram(
-            "specmesh_queue_wait_seconds", "how long a step waited before its forward started", _TIME_BUCKETS
-        )
-        self.forward_time = self._histogram(
-            "specmesh_forward_seconds", "duration of one batched model forward", _TIME_BUCKETS
-        )
-        self.sessions = Gauge("specmesh_sessions", "sessions the model runner holds", registry=self.registry)
-        self.cached_tokens = Gauge(
-            "specmesh_cached_tokens", "KV positions held over all sessions", registry=self.registry
-        )
 
     def counter(self, name: str, doc: str, *labels: str) -> Counter:
         return Counter(name, doc, labels, registry=self.registry)
 
-    def _histogram(self, name: str, doc: str, buckets: tuple) -> Histogram:
-        return Histogram(name, doc, buckets=buckets, registry=self.registry)
+    def histogram(self, name: str, doc: str, buckets: tuple, *labels: str) -> Histogram:
+        return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, registry=self.registry)
+
+
+class ServiceMetrics(RpcMetrics):
+    """The Prometheus metrics both model services export; each adds its own to `registry`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_size = self.histogram("specmesh_batch_size", "sessions in one model forward", SIZE_BUCKETS)
+        self.batch_tokens = self.histogram(
+            "specmesh_batch_tokens", "query tokens in one model forward", _TOKEN_BUCKETS
+        )
+        self.queue_wait = self.histogram(
+            "specmesh_queue_wait_seconds", "how long a step waited before its forward started", TIME_BUCKETS
+        )
+        self.forward_time = self.histogram(
+            "specmesh_forward_seconds", "duration of one batched model forward", TIME_BUCKETS
+        )
+        self.sessions = self.gauge("specmesh_sessions", "sessions the model runner holds")
+        self.cached_tokens = self.gauge("specmesh_cached_tokens", "KV positions held over all sessions")
 
     def observe_runner(self, runner: ModelRunner) -> None:
         """Call on the model thread (the only thread that changes the runner)."""
@@ -491,31 +517,80 @@ class SessionSlots:
             self._forget(session_id)
 
 
-# ---- the service base ----------------------------------------------------------------------------
+# ---- the RPC base ------------------------------------------------------------------------------
 
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
-def rpc(fn: Handler) -> Handler:
+class RpcService:
+    """What every specmesh servicer shares: status mapping, request metrics and logs, health.
+    Subclasses set `service_name` (and the generated modules, if not specmesh.proto's)."""
+
+    service_name: ClassVar[str]
+    pb2_module: ClassVar[ModuleType] = pb2
+    grpc_module: ClassVar[ModuleType] = pb2_grpc
+    metrics: RpcMetrics
+
+    @property
+    def full_name(self) -> str:
+        return self.pb2_module.DESCRIPTOR.services_by_name[self.service_name].full_name
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        getattr(self.grpc_module, f"add_{self.service_name}Servicer_to_server")(self, server)
+
+    async def started(self, health_servicer: health.aio.HealthServicer) -> None:
+        """The server is listening; say SERVING (a service that is not ready yet overrides this)."""
+        await health_servicer.set(self.full_name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def close(self) -> None:
+        """After the server stopped (its grace period is over)."""
+
+    def status(self, method: str, session: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
+        """The status code, details and trailing metadata that answer a failed RPC."""
+        return _status(method, session, exc)
+
+    def answered(
+        self, method: str, session: str, code: grpc.StatusCode, start: float, details: str = ""
+    ) -> None:
+        self.metrics.requests.labels(method, code.name).inc()
+        extra = {
+            "method": method,
+            "session": session,
+            "code": code.name,
+            "ms": (time.perf_counter() - start) * 1e3,
+        }
+        if details:
+            extra["details"] = details
+        log.log(logging.INFO if details else logging.DEBUG, "rpc", extra=extra)
+
+
+@contextlib.asynccontextmanager
+async def _answering(
+    service: RpcService, method: str, request: Any, context: grpc.aio.ServicerContext
+) -> AsyncIterator[None]:
     """Maps the known failures to status codes (module docstring), counts and logs every call."""
-    method = fn.__name__
+    start = time.perf_counter()
+    session = getattr(request, "session_id", "")
+    try:
+        yield
+    except asyncio.CancelledError:
+        service.answered(method, session, grpc.StatusCode.CANCELLED, start)
+        raise
+    except Exception as exc:
+        code, details, trailers = service.status(method, session, exc)
+        service.answered(method, session, code, start, details)
+        await context.abort(code, details, trailing_metadata=trailers)  # raises
+    else:
+        service.answered(method, session, grpc.StatusCode.OK, start)
+
+
+def rpc(fn: Handler) -> Handler:
+    """A unary handler, answered through `_answering`."""
 
     @functools.wraps(fn)
-    async def handler(self: ModelService, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        start = time.perf_counter()
-        session = getattr(request, "session_id", "")
-        try:
-            response = await fn(self, request, context)
-        except asyncio.CancelledError:
-            self._answered(method, session, grpc.StatusCode.CANCELLED, start)
-            raise
-        except Exception as exc:
-            code, details, trailers = _status(method, session, exc)
-            self._answered(method, session, code, start, details)
-            await context.abort(code, details, trailing_metadata=trailers)  # raises
-        else:
-            self._answered(method, session, grpc.StatusCode.OK, start)
-            return response
+    async def handler(self: RpcService, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async with _answering(self, fn.__name__, request, context):
+            return await fn(self, request, context)
 
     return handler
 
@@ -539,11 +614,9 @@ def _status(method: str, session: str, exc: Exception) -> tuple[grpc.StatusCode,
     )
 
 
-class ModelService:
-    """What both services share: the runner and its thread, the batcher, session slots and
+class ModelService(RpcService):
+    """What both model services share: the runner and its thread, the batcher, session slots and
     positions, metrics, Release and Info. Subclasses set `service_name` and add their RPC."""
-
-    service_name: ClassVar[str]
 
     def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
         self.config, self.model, self.metrics = config, model, metrics
@@ -555,13 +628,6 @@ class ModelService:
         self.batcher = ForwardBatcher(self.runner, self.model_thread, config.batch_limits, metrics)
         self.slots = SessionSlots(self.forget)
         self._releasing: collections.Counter[str] = collections.Counter()  # releases not yet run
-
-    @property
-    def full_name(self) -> str:
-        return pb2.DESCRIPTOR.services_by_name[self.service_name].full_name
-
-    def add_to_server(self, server: grpc.aio.Server) -> None:
-        getattr(pb2_grpc, f"add_{self.service_name}Servicer_to_server")(self, server)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.model_thread.shutdown)
@@ -631,20 +697,6 @@ class ModelService:
         if self._releasing[session_id] <= 0:
             del self._releasing[session_id]
 
-    def _answered(
-        self, method: str, session: str, code: grpc.StatusCode, start: float, details: str = ""
-    ) -> None:
-        self.metrics.requests.labels(method, code.name).inc()
-        extra = {
-            "method": method,
-            "session": session,
-            "code": code.name,
-            "ms": (time.perf_counter() - start) * 1e3,
-        }
-        if details:
-            extra["details"] = details
-        log.log(logging.INFO if details else logging.DEBUG, "rpc", extra=extra)
-
     # ---- RPCs ----------------------------------------------------------------------------------
 
     @rpc
@@ -680,6 +732,13 @@ class ModelService:
 # ---- running a server --------------------------------------------------------------------------
 
 
+class ServerConfig(Protocol):
+    host: str
+    port: int
+    metrics_port: int
+    grace_seconds: float
+
+
 def main(
     service_cls: type[ModelService], prog: str, defaults: Mapping[str, Any], argv: list[str] | None = None
 ) -> None:
@@ -688,30 +747,40 @@ def main(
 
     config = parse_config(prog, argv, {**COMMON_DEFAULTS, **defaults})
     configure_logging(config.log_level)
-    uvloop.run(_serve(config, service_cls))
+    uvloop.run(_serve_model(config, service_cls))
 
 
-async def _serve(config: ServiceConfig, service_cls: type[ModelService]) -> None:
+async def _serve_model(config: ServiceConfig, service_cls: type[ModelService]) -> None:
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)
     hf_logging.disable_progress_bar()  # keep stderr to JSON lines
     model = load_model(config.model, dtype=config.dtype, device=config.device or None)
-    metrics = ServiceMetrics()
-    service = service_cls(config, model, metrics)
-    limit = config.max_message_bytes
+    service = service_cls(config, model, ServiceMetrics())
+    details = {"model": config.model, "dtype": str(model.dtype), "device": str(model.device)}
+    await serve(service, config, config.max_message_bytes, details)
+
+
+async def serve(
+    service: RpcService, config: ServerConfig, max_message_bytes: int, details: Mapping[str, Any]
+) -> None:
+    """Serve `service` with health and reflection until SIGTERM / SIGINT, then stop gracefully:
+    health NOT_SERVING, new RPCs refused, in-flight ones get config.grace_seconds."""
     server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
     )
     service.add_to_server(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    await health_servicer.set(service.full_name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
         (service.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    http = _start_metrics(config, metrics)
+    http = _start_metrics(config, service.metrics)
     port = _listen(server, f"{config.host}:{config.port}")
     await server.start()
+    await service.started(health_servicer)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -722,9 +791,7 @@ async def _serve(config: ServiceConfig, service_cls: type[ModelService]) -> None
             "host": config.host,
             "port": port,
             "metrics_port": config.metrics_port,
-            "model": config.model,
-            "dtype": str(model.dtype),
-            "device": str(model.device),
+            **details,
             "pid": os.getpid(),
         },
     )
@@ -738,7 +805,7 @@ async def _serve(config: ServiceConfig, service_cls: type[ModelService]) -> None
     log.info("stopped", extra={"threads": threading.active_count()})
 
 
-def _start_metrics(config: ServiceConfig, metrics: ServiceMetrics) -> Any:
+def _start_metrics(config: ServerConfig, metrics: RpcMetrics) -> Any:
     if not config.metrics_port:
         return None
     try:

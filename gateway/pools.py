@@ -1,0 +1,329 @@
+"""Replica pools: which drafter / verifier replica serves a session, and failover.
+
+A pool is built from a target list, `host:port,host:port` and/or `dns:///name:port` (a name that
+resolves to several addresses, e.g. a docker compose service scaled to N replicas; re-resolved
+every `resolve_interval`). A background task checks every replica with the standard
+grpc.health.v1 service; `pick(session_id)` keeps a session on its replica while that replica is
+healthy (its KV cache is there), otherwise moves it to the least loaded healthy one. A caller whose
+RPC failed calls `mark_failed(addr)`: the replica stays out for `failure_cooldown` seconds even if
+its health service still says SERVING, so a flapping replica is not picked again at once.
+
+Single event loop: pick / mark_failed / healthy are plain methods that never await, so they need no
+locks. Channels are shared per address (`channel(addr)`), for the health checks and the callers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+__all__ = ["NoHealthyReplica", "ReplicaPool", "Target", "parse_targets"]
+
+log = logging.getLogger("specmesh.gateway.pools")
+
+# Reconnect quickly after a replica restarts (gRPC's default backoff grows to two minutes).
+DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+)
+MAX_AFFINITIES = 100_000  # sessions remembered per pool; the oldest are forgotten first
+
+
+class NoHealthyReplica(Exception):
+    """No replica of the pool can take the session now (the gateway answers UNAVAILABLE)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    host: str
+    port: int
+    dns: bool  # resolve `host` (all its addresses), else `host` is the one address
+
+    @property
+    def address(self) -> str:
+        return _join(self.host, self.port)
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _split(hostport: str) -> tuple[str, int]:
+    if hostport.startswith("["):  # [v6]:port
+        host, sep, port = hostport[1:].partition("]:")
+    else:
+        host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, got {hostport!r}")
+    return host, int(port)
+
+
+def parse_targets(spec: str | Iterable[str]) -> list[Target]:
+    """`a:1,b:2,dns:///name:3` (or a list of such items) -> targets, in order, without repeats."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out: list[Target] = []
+    for raw in (item.strip() for item in items):
+        if not raw:
+            continue
+        dns = raw.startswith("dns:")
+        hostport = raw.removeprefix("dns:").lstrip("/") if dns else raw
+        target = Target(*_split(hostport), dns=dns)
+        if target not in out:
+            out.append(target)
+    if not out:
+        raise ValueError(f"no replica addresses in {spec!r}")
+    return out
+
+
+async def resolve(target: Target) -> list[str]:
+    """All addresses of a target (TCP), in resolver order, without repeats."""
+    if not target.dns:
+        return [target.address]
+    infos = await asyncio.get_running_loop().getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(_join(info[4][0], target.port) for info in infos))
+
+
+@dataclass
+class Replica:
+    address: str
+    healthy: bool = False
+    failed_until: float = 0.0  # monotonic time before which a probe cannot make it healthy
+    last_error: str = "not checked yet"
+    sessions: int = 0  # sessions currently assigned here (for least-loaded placement)
+
+
+class ReplicaPool:
+    """Replicas of one service (drafter or verifier), health-checked in the background."""
+
+    def __init__(
+        self,
+        targets: str | Iterable[str],
+        *,
+        name: str = "replica",
+        service: str = "",
+        health_interval: float = 2.0,
+        health_timeout: float = 1.0,
+        resolve_interval: float = 10.0,
+        failure_cooldown: float | None = None,
+        channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
+    ) -> None:
+        self.targets = parse_targets(targets)
+        self.name = name
+        self.service = service  # "" = the server as a whole
+        self.health_interval = health_interval
+        self.health_timeout = health_timeout
+        self.resolve_interval = resolve_interval
+        self.failure_cooldown = health_interval if failure_cooldown is None else failure_cooldown
+        self._channel_factory = channel_factory or (
+            lambda addr: grpc.aio.insecure_channel(addr, options=DEFAULT_CHANNEL_OPTIONS)
+        )
+        self._replicas: dict[str, Replica] = {}
+        self._resolved: dict[Target, list[str]] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._affinity: OrderedDict[str, str] = OrderedDict()
+        self._changed = asyncio.Condition()
+        self._task: asyncio.Task[None] | None = None
+        self._last_resolve = 0.0
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> ReplicaPool:
+        """Resolve and probe once (so health is known on return), then keep checking."""
+        await self._resolve_all()
+        await self.check_now()
+        self._task = asyncio.create_task(self._loop(), name=f"{self.name}-pool-health")
+        return self
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+
+    async def __aenter__(self) -> ReplicaPool:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            try:
+                if time.monotonic() - self._last_resolve >= self.resolve_interval:
+                    await self._resolve_all()
+                await self.check_now()
+            except Exception:  # a bug must not stop health checking for good
+                log.exception("%s pool: health round failed", self.name)
+
+    # ---- membership ---------------------------------------------------------------------------
+
+    async def _resolve_all(self) -> None:
+        self._last_resolve = time.monotonic()
+        for target in self.targets:
+            try:
+                self._resolved[target] = await resolve(target)
+            except OSError as exc:  # keep the last known addresses through a DNS hiccup
+                log.warning("%s pool: cannot resolve %s: %s", self.name, target.host, exc)
+                self._resolved.setdefault(target, [])
+        wanted = list(dict.fromkeys(a for t in self.targets for a in self._resolved.get(t, [])))
+        await self._set_members(wanted)
+
+    async def _set_members(self, addresses: Sequence[str]) -> None:
+        for addr in addresses:
+            if addr not in self._replicas:
+                log.info("%s pool: new replica %s", self.name, addr)
+                self._replicas[addr] = Replica(addr)
+        gone = [addr for addr in self._replicas if addr not in addresses]
+        for addr in gone:
+            log.info("%s pool: replica %s no longer resolves; removed", self.name, addr)
+            del self._replicas[addr]
+            for session in [s for s, a in self._affinity.items() if a == addr]:
+                del self._affinity[session]
+            channel = self._channels.pop(addr, None)
+            if channel is not None:
+                await channel.close()
+        # keep the configured order (deterministic placement and logs)
+        self._replicas = {a: self._replicas[a] for a in addresses}
+        if gone:
+            await self._notify()
+
+    def addresses(self) -> list[str]:
+        return list(self._replicas)
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """The pool's shared channel to a replica (created on first use)."""
+        if address not in self._channels:
+            self._channels[address] = self._channel_factory(address)
+        return self._channels[address]
+
+    # ---- health -------------------------------------------------------------------------------
+
+    async def check_now(self) -> None:
+        """Probe every replica once, concurrently."""
+        replicas = list(self._replicas.values())
+        results = await asyncio.gather(*(self._probe(r.address) for r in replicas))
+        changed = False
+        now = time.monotonic()
+        for replica, error in zip(replicas, results, strict=True):
+            healthy = error is None and now >= replica.failed_until
+            if healthy != replica.healthy:
+                changed = True
+                level = logging.INFO if healthy else logging.WARNING
+                log.log(level, "%s pool: %s is %s", self.name, replica.address, error or "healthy")
+            replica.healthy = healthy
+            replica.last_error = error or ("cooling down after a failure" if not healthy else "")
+        if changed:
+            await self._notify()
+
+    async def _probe(self, address: str) -> str | None:
+        """None if the replica answers SERVING, else why not."""
+        stub = health_pb2_grpc.HealthStub(self.channel(address))
+        try:
+            reply = await stub.Check(
+                health_pb2.HealthCheckRequest(service=self.service), timeout=self.health_timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            return f"health check failed: {exc.code().name} {exc.details() or ''}".strip()
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+        return None
+
+    def mark_failed(self, address: str, reason: str = "marked failed by a caller") -> None:
+        """A call to this replica failed: take it out until a health check after the cooldown."""
+        replica = self._replicas.get(address)
+        if replica is None:
+            return
+        if replica.healthy:
+            log.warning("%s pool: %s taken out: %s", self.name, address, reason)
+        replica.healthy = False
+        replica.failed_until = time.monotonic() + self.failure_cooldown
+        replica.last_error = reason
+
+    def healthy(self) -> list[str]:
+        return [r.address for r in self._replicas.values() if r.healthy]
+
+    def is_healthy(self, address: str) -> bool:
+        replica = self._replicas.get(address)
+        return replica is not None and replica.healthy
+
+    async def wait_healthy(self, count: int = 1, timeout: float | None = None) -> list[str]:
+        """Wait until at least `count` replicas are healthy; TimeoutError otherwise."""
+
+        async def ready() -> list[str]:
+            async with self._changed:
+                await self._changed.wait_for(lambda: len(self.healthy()) >= count)
+            return self.healthy()
+
+        return await asyncio.wait_for(ready(), timeout)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ---- placement ----------------------------------------------------------------------------
+
+    def pick(self, session_id: str, preferred: str | None = None, exclude: Iterable[str] = ()) -> str:
+        """The replica for this session's next call.
+
+        Order: `preferred` (the assignment stored with the session, e.g. in Redis), then this
+        pool's own memory of the session, if healthy and not excluded; else the healthy replica
+        with the fewest sessions (ties broken by a hash of session and address, so placement is
+        stable). Raises NoHealthyReplica when no replica is left.
+        """
+        excluded = set(exclude)
+        candidates = [a for a in self.healthy() if a not in excluded]
+        if not candidates:
+            raise NoHealthyReplica(self._no_replica_message(excluded))
+        current = self._affinity.get(session_id)
+        for choice in (preferred, current):
+            if choice in candidates:
+                self._assign(session_id, choice)
+                return choice
+        choice = min(candidates, key=lambda a: (self._replicas[a].sessions, _rendezvous(session_id, a)))
+        self._assign(session_id, choice)
+        return choice
+
+    def release(self, session_id: str) -> None:
+        """The session is over: forget its placement."""
+        addr = self._affinity.pop(session_id, None)
+        if addr in self._replicas:
+            self._replicas[addr].sessions -= 1
+
+    def assigned(self, session_id: str) -> str | None:
+        return self._affinity.get(session_id)
+
+    def _assign(self, session_id: str, address: str) -> None:
+        self.release(session_id)
+        self._affinity[session_id] = address
+        self._replicas[address].sessions += 1
+        while len(self._affinity) > MAX_AFFINITIES:  # a caller that never releases cannot grow this forever
+            self.release(next(iter(self._affinity)))
+
+    def _no_replica_message(self, excluded: set[str]) -> str:
+        if not self._replicas:
+            names = ", ".join(t.address for t in self.targets)
+            return f"no {self.name} replica: {names} resolved to no address"
+        states = "; ".join(
+            f"{r.address}: {'excluded' if r.address in excluded else r.last_error}"
+            for r in self._replicas.values()
+        )
+        return f"no healthy {self.name} replica ({states})"
+
+
+def _rendezvous(session_id: str, address: str) -> bytes:
+    return hashlib.blake2b(f"{session_id}|{address}".encode(), digest_size=8).digest()

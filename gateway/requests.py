@@ -1,0 +1,211 @@
+"""A GenerateRequest checked and completed with the gateway's defaults (docs/gateway.md).
+
+Every problem raises `specmesh.wire.WireError`, whose message starts with the request's field
+path (`prompt`, `max_new_tokens`, `sampling.temperature`, `speculation.branching`, ...); the
+gateway answers it with INVALID_ARGUMENT before anything is stored or sent to a replica.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from specmesh import wire
+from specmesh.drafting import METHODS, TreeSpec
+from specmesh.sampling import SamplingParams
+
+DEFAULT_METHOD = "rsd_s"
+# The tree each method drafts when the request leaves a field unset (0 / empty).
+METHOD_DEFAULTS: dict[str, TreeSpec] = {
+    "none": TreeSpec("none"),
+    "chain": TreeSpec("chain", depth=3),
+    "mcsd": TreeSpec("mcsd", depth=3, branching=(2, 2, 1)),
+    "rsd_c": TreeSpec("rsd_c", depth=3, branching=(2, 2, 1)),
+    "rsd_s": TreeSpec("rsd_s", depth=3, beam_width=3),
+    "mtad": TreeSpec("mtad", depth=3, beam_width=3, mtad_threshold=0.1),
+}
+_BRANCHED = ("mcsd", "rsd_c")
+_BEAMED = ("rsd_s", "mtad")
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the gateway knows about the served model and its own limits."""
+
+    vocab_size: int
+    eos_token_id: int | None
+    max_context: int  # prompt + generated tokens; 0 = unknown (no check)
+    max_new_tokens_limit: int
+    default_max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """A valid request with every default filled in; the seed is fixed here, once."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]  # the request's and the tokenizer's end-of-sequence token
+    params: SamplingParams
+    spec: TreeSpec
+
+
+def parse_generate_request(request: Any, tokenizer: Any, limits: ModelLimits) -> GenerationPlan:
+    """request: a specmesh.v1.GenerateRequest."""
+    prompt_ids = prompt_token_ids(request, tokenizer, limits.vocab_size)
+    stop_ids = tuple(_token_ids(request.stop_token_ids, limits.vocab_size, "stop_token_ids"))
+    if limits.eos_token_id is not None and limits.eos_token_id not in stop_ids:
+        stop_ids += (limits.eos_token_id,)
+    return GenerationPlan(
+        prompt_ids=prompt_ids,
+        max_new_tokens=_max_new_tokens(request, len(prompt_ids), limits),
+        stop=_stop_strings(request.stop),
+        stop_token_ids=stop_ids,
+        params=sampling_params(request.sampling),
+        spec=tree_spec(request.speculation),
+    )
+
+
+# ---- prompt ------------------------------------------------------------------------------------
+
+
+def prompt_token_ids(request: Any, tokenizer: Any, vocab_size: int) -> list[int]:
+    """The prompt as token ids, whichever of its three forms the request used."""
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise wire.WireError("prompt", "must be set (send prompt, prompt_token_ids or chat)")
+    if kind == "prompt":
+        if not request.prompt:
+            raise wire.WireError("prompt", "must not be empty")
+        ids = tokenizer(request.prompt)["input_ids"]
+        if not ids:
+            raise wire.WireError("prompt", "tokenizes to no tokens")
+        return list(ids)
+    if kind == "prompt_token_ids":
+        if not request.prompt_token_ids.ids:
+            raise wire.WireError("prompt_token_ids.ids", "must not be empty")
+        return _token_ids(request.prompt_token_ids.ids, vocab_size, "prompt_token_ids.ids")
+    return _chat_token_ids(request.chat, tokenizer)
+
+
+def _chat_token_ids(chat: Any, tokenizer: Any) -> list[int]:
+    if not chat.messages:
+        raise wire.WireError("chat.messages", "must not be empty")
+    if not getattr(tokenizer, "chat_template", None):
+        raise wire.WireError("chat", "the model's tokenizer has no chat template; send prompt instead")
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    try:
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    except Exception as exc:  # the template's own checks (e.g. roles must alternate)
+        raise wire.WireError("chat.messages", f"the chat template refused them: {exc}") from None
+    return list(rendered["input_ids"])
+
+
+def _token_ids(values: Sequence[int], vocab_size: int, field: str) -> list[int]:
+    tokens = [int(t) for t in values]
+    for i, t in enumerate(tokens):
+        if t >= vocab_size:
+            raise wire.WireError(f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+    return tokens
+
+
+# ---- lengths and stops -------------------------------------------------------------------------
+
+
+def _max_new_tokens(request: Any, prompt_len: int, limits: ModelLimits) -> int:
+    """The requested number, or the default; prompt + max_new_tokens must fit the context (a
+    default is shortened to fit, an explicit value is refused)."""
+    context = limits.max_context
+    if context and prompt_len >= context:
+        raise wire.WireError(
+            "prompt", f"{prompt_len} tokens leave no room in the model's context of {context} tokens"
+        )
+    room = context - prompt_len if context else limits.max_new_tokens_limit
+    if not request.HasField("max_new_tokens"):
+        return min(limits.default_max_new_tokens, limits.max_new_tokens_limit, room)
+    n = request.max_new_tokens
+    if n < 1:
+        raise wire.WireError("max_new_tokens", f"must be >= 1, got {n}")
+    if n > limits.max_new_tokens_limit:
+        raise wire.WireError(
+            "max_new_tokens",
+            f"{n} is above the gateway's limit of {limits.max_new_tokens_limit} (--max-new-tokens-limit)",
+        )
+    if n > room:
+        raise wire.WireError(
+            "max_new_tokens",
+            f"{n} new tokens after a {prompt_len}-token prompt exceed the model's context of {context} "
+            f"tokens; at most {room}",
+        )
+    return n
+
+
+def _stop_strings(values: Sequence[str]) -> tuple[str, ...]:
+    for i, text in enumerate(values):
+        if not text:
+            raise wire.WireError(f"stop[{i}]", "must not be empty")
+    return tuple(values)
+
+
+# ---- sampling and speculation ------------------------------------------------------------------
+
+
+def sampling_params(msg: Any) -> SamplingParams:
+    """msg: specmesh.v1.Sampling. An unset seed is drawn here, once: stored with the session, it
+    makes a failover reproduce the same randomness."""
+    seed = msg.seed if msg.HasField("seed") else random.getrandbits(63)
+    top_p = msg.top_p if msg.HasField("top_p") else 1.0
+    try:
+        return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, seed=seed)
+    except ValueError as exc:
+        raise wire.core_error("sampling", exc) from None
+
+
+def tree_spec(msg: Any) -> TreeSpec:
+    """msg: specmesh.v1.Speculation; unset fields take METHOD_DEFAULTS[method]."""
+    method = msg.method or DEFAULT_METHOD
+    if method not in METHOD_DEFAULTS:
+        raise wire.WireError(
+            "speculation.method", f"unknown method {method!r}; use one of {', '.join(METHODS)}"
+        )
+    _check_applicable(msg, method)
+    base = METHOD_DEFAULTS[method]
+    if method == "none":
+        return base
+    branching = tuple(msg.branching)
+    depth = msg.depth or len(branching) or base.depth
+    if method in _BRANCHED:
+        branching = branching or default_branching(depth)
+        if len(branching) != depth:
+            raise wire.WireError(
+                "speculation.branching", f"has {len(branching)} levels but speculation.depth is {depth}"
+            )
+    threshold = msg.mtad_threshold if msg.HasField("mtad_threshold") else base.mtad_threshold
+    try:
+        return TreeSpec(
+            method, depth, branching, msg.beam_width or base.beam_width, msg.replacement, threshold
+        )
+    except ValueError as exc:
+        raise wire.core_error("speculation", exc) from None
+
+
+def default_branching(depth: int) -> tuple[int, ...]:
+    """(2, 2, 1, 1, ...): two children on the first two levels, then chains."""
+    return tuple(2 if level < 2 else 1 for level in range(depth))
+
+
+def _check_applicable(msg: Any, method: str) -> None:
+    """Refuse a field the method does not use, rather than silently ignoring it."""
+    given = {
+        "depth": msg.depth > 0 and method == "none",
+        "branching": bool(msg.branching) and method not in _BRANCHED,
+        "beam_width": msg.beam_width > 0 and method not in _BEAMED,
+        "replacement": msg.replacement and method != "mcsd",
+        "mtad_threshold": msg.HasField("mtad_threshold") and method != "mtad",
+    }
+    for name, wrong in given.items():
+        if wrong:
+            raise wire.WireError(f"speculation.{name}", f"does not apply to method {method!r}")

@@ -1,0 +1,300 @@
+"""The gateway service: `specmesh.v1.Gateway` (Generate, GenerateStream) over drafter and verifier
+pools, with the sessions in Redis. Docs: docs/gateway.md.
+
+    python -m gateway --port 50051 --drafters A[,A…] --verifiers A[,A…] --redis-url redis://…
+
+Start-up: the server listens at once but reports NOT_SERVING (health, and UNAVAILABLE to
+requests) until it has learnt the model: it asks a healthy verifier for Info, loads the tokenizer
+(--tokenizer, else the verifier's --model; no weights), checks that its fingerprint is the
+verifier's, and takes the context length from the model config (unless --max-context).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+
+from gateway.metrics import GatewayMetrics
+from gateway.pools import NoHealthyReplica, ReplicaPool
+from gateway.requests import GenerationPlan, ModelLimits, parse_generate_request
+from gateway.rounds import GatewayEnv, GatewayError, SessionRun
+from gateway.session_store import SessionNotFound, SessionStore, StoreError, StoreUnavailable
+from gateway.text import TextStream
+from specmesh.models import load_tokenizer, tokenizer_fingerprint
+from specmesh.proto import load, pb2, pb2_grpc
+from specmesh.serving import RpcService, configure_logging, flag_parser, rpc, serve
+
+gateway_pb2, gateway_pb2_grpc = load("gateway")
+log = logging.getLogger("specmesh.gateway")
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # requests are prompts, answers text and token ids
+NO_DEADLINE = 1e9  # time_remaining() above this (or None): the client set no deadline
+READY_RETRY_SECONDS = 5.0  # between attempts to learn the model (a verifier starting, a bad tokenizer)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str
+    port: int
+    metrics_port: int
+    drafters: str
+    verifiers: str
+    redis_url: str
+    tokenizer: str
+    max_new_tokens_limit: int
+    default_max_new_tokens: int
+    max_context: int
+    session_ttl: float
+    round_timeout: float
+    max_attempts: int
+    health_interval: float
+    grace_seconds: float
+    log_level: str
+
+
+_HELP: dict[str, tuple[type, str]] = {
+    "host": (str, "address to listen on (gRPC and metrics)"),
+    "port": (int, "gRPC port (0 = any free port; the log says which)"),
+    "metrics_port": (int, "Prometheus /metrics port (0 = off)"),
+    "drafters": (
+        str,
+        "drafter replicas: host:port and/or dns:///name:port, comma-separated (empty: method none only)",
+    ),
+    "verifiers": (str, "verifier replicas: host:port and/or dns:///name:port, comma-separated"),
+    "redis_url": (str, "the Redis that holds the sessions"),
+    "tokenizer": (str, "model source whose tokenizer to load, no weights (empty: the verifier's --model)"),
+    "max_new_tokens_limit": (int, "the largest max_new_tokens a request may ask for"),
+    "default_max_new_tokens": (int, "max_new_tokens of a request that leaves it unset"),
+    "max_context": (int, "limit of prompt + max_new_tokens (0: the model's max_position_embeddings)"),
+    "session_ttl": (float, "seconds a session stays in Redis after its last write"),
+    "round_timeout": (float, "seconds a replica call, or the wait for a healthy replica, may take"),
+    "max_attempts": (int, "tries per round, over all replicas, before the request fails"),
+    "health_interval": (
+        float,
+        "seconds between health checks of the replicas (also the cooldown after a failure)",
+    ),
+    "grace_seconds": (float, "on SIGTERM / SIGINT, how long in-flight requests may still finish"),
+    "log_level": (str, "debug, info, warning or error"),
+}
+
+DEFAULTS: dict[str, Any] = {
+    "host": "127.0.0.1",
+    "port": 50051,
+    "metrics_port": 0,
+    "drafters": "",
+    "redis_url": "redis://127.0.0.1:6379/0",
+    "tokenizer": "",
+    "max_new_tokens_limit": 1024,
+    "default_max_new_tokens": 128,
+    "max_context": 0,
+    "session_ttl": 600.0,
+    "round_timeout": 60.0,
+    "max_attempts": 5,
+    "health_interval": 1.0,
+    "grace_seconds": 10.0,
+    "log_level": "info",
+}  # --verifiers has no default: it is required
+
+
+def parse_config(argv: list[str] | None = None) -> GatewayConfig:
+    parser = flag_parser("python -m gateway", GatewayConfig, _HELP, DEFAULTS)
+    config = GatewayConfig(**vars(parser.parse_args(argv)))
+    for name in ("max_new_tokens_limit", "default_max_new_tokens", "max_attempts"):
+        if getattr(config, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("session_ttl", "round_timeout", "health_interval"):
+        if getattr(config, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0")
+    return config
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    tokenizer: Any
+    limits: ModelLimits
+
+
+Emit = Callable[[Any], Awaitable[None]]
+
+
+class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
+    service_name = "Gateway"
+    pb2_module = gateway_pb2
+    grpc_module = gateway_pb2_grpc
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics()
+        pool_options = {"health_interval": config.health_interval}
+        drafters = ReplicaPool(config.drafters, name="drafter", **pool_options) if config.drafters else None
+        self.env = GatewayEnv(
+            store=SessionStore(config.redis_url, ttl_seconds=config.session_ttl),
+            drafters=drafters,
+            verifiers=ReplicaPool(config.verifiers, name="verifier", **pool_options),
+            metrics=self.metrics,
+            round_timeout=config.round_timeout,
+            max_attempts=config.max_attempts,
+        )
+        self.model: ServedModel | None = None
+        self._not_ready = "waiting for a healthy verifier to learn the model"
+        self._ready_task: asyncio.Task | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    async def started(self, health_servicer: health.aio.HealthServicer) -> None:
+        for name in ("", self.full_name):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        for pool in self._pools():
+            await pool.start()
+        self._ready_task = asyncio.create_task(self._become_ready(health_servicer), name="gateway-ready")
+
+    async def close(self) -> None:
+        if self._ready_task is not None:
+            self._ready_task.cancel()
+            await asyncio.gather(self._ready_task, return_exceptions=True)
+        await asyncio.gather(*self.env.cleanups, return_exceptions=True)
+        for pool in self._pools():
+            await pool.close()
+        await self.env.store.close()
+
+    def _pools(self) -> list[ReplicaPool]:
+        return [p for p in (self.env.drafters, self.env.verifiers) if p is not None]
+
+    async def _become_ready(self, health_servicer: health.aio.HealthServicer) -> None:
+        while self.model is None:
+            try:
+                self.model = await self._learn_model()
+            except Exception as exc:  # retried: the verifier may be starting or being replaced
+                self._not_ready = f"cannot learn the model yet: {exc}"
+                log.warning("not ready", extra={"reason": self._not_ready})
+                await asyncio.sleep(READY_RETRY_SECONDS)
+        for name in ("", self.full_name):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "ready",
+            extra={"vocab_size": self.model.limits.vocab_size, "context": self.model.limits.max_context},
+        )
+
+    async def _learn_model(self) -> ServedModel:
+        """Info from a healthy verifier; the tokenizer; the limits requests are checked against."""
+        address = (await self.env.verifiers.wait_healthy(1))[0]
+        stub = pb2_grpc.VerifierStub(self.env.verifiers.channel(address))
+        info = await stub.Info(pb2.InfoRequest(), timeout=self.config.round_timeout)
+        source = self.config.tokenizer or info.model_id
+        tokenizer, context = await asyncio.to_thread(load_tokenizer, source)
+        if tokenizer_fingerprint(tokenizer) != info.tokenizer_fingerprint:
+            raise RuntimeError(
+                f"the tokenizer of {source!r} is not the one verifier {address} uses ({info.model_id!r})"
+            )
+        c = self.config
+        limits = ModelLimits(
+            vocab_size=info.vocab_size,
+            eos_token_id=tokenizer.eos_token_id,
+            max_context=c.max_context or context or 0,
+            max_new_tokens_limit=c.max_new_tokens_limit,
+            default_max_new_tokens=c.default_max_new_tokens,
+        )
+        return ServedModel(tokenizer, limits)
+
+    # ---- errors --------------------------------------------------------------------------------
+
+    def status(self, method: str, session: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
+        if isinstance(exc, GatewayError):
+            return exc.code, str(exc), ()
+        if isinstance(exc, StoreUnavailable | NoHealthyReplica):
+            return grpc.StatusCode.UNAVAILABLE, str(exc), ()
+        if isinstance(exc, SessionNotFound):
+            return grpc.StatusCode.ABORTED, f"session store: {exc}", ()
+        if isinstance(exc, StoreError):
+            return grpc.StatusCode.INTERNAL, str(exc), ()
+        return super().status(method, session, exc)
+
+    # ---- RPCs ----------------------------------------------------------------------------------
+
+    @rpc
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        chunks: list[Any] = []
+
+        async def collect(chunk: Any) -> None:
+            chunks.append(chunk)
+
+        await self._generate(request, context, collect)
+        last = chunks[-1]
+        return gateway_pb2.GenerateResponse(
+            text="".join(c.text for c in chunks),
+            token_ids=[t for c in chunks for t in c.token_ids],
+            finish_reason=last.finish_reason,
+            stats=last.stats,
+            session_id=last.session_id,
+        )
+
+    @rpc
+    async def GenerateStream(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        await self._generate(request, context, context.write)
+
+    async def _generate(self, request: Any, context: grpc.aio.ServicerContext, emit: Emit) -> None:
+        """Validate, then one chunk per committed round; the last carries finish_reason and stats."""
+        model = self.model
+        if model is None:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"gateway not ready: {self._not_ready}")
+        plan = parse_generate_request(request, model.tokenizer, model.limits)
+        self._check_servable(plan)
+        text = TextStream(model.tokenizer, plan.stop, context=plan.prompt_ids)
+        async with SessionRun(plan, self.env, text, self._deadline(context)) as run:
+            while not run.finished:
+                piece = await run.step()
+                chunk = gateway_pb2.GenerateChunk(
+                    text=piece.text, token_ids=piece.token_ids, session_id=run.id
+                )
+                if run.finished:
+                    chunk.finish_reason = run.finish_reason
+                    chunk.stats.CopyFrom(run.stats_message())
+                await emit(chunk)
+            log.debug(
+                "generated",
+                extra={
+                    "session": run.id,
+                    "prompt_tokens": len(plan.prompt_ids),
+                    "tokens": run.generated,
+                    "rounds": run.round,
+                    "finish_reason": run.finish_reason,
+                    "method": plan.spec.method,
+                },
+            )
+
+    def _check_servable(self, plan: GenerationPlan) -> None:
+        if plan.spec.method != "none" and self.env.drafters is None:
+            raise GatewayError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"speculation.method: {plan.spec.method!r} needs drafters; this gateway has none "
+                "(--drafters), use method 'none'",
+            )
+
+    @staticmethod
+    def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+        """The client's deadline on the event loop's clock (replica calls must end before it)."""
+        remaining = context.time_remaining()
+        if remaining is None or remaining > NO_DEADLINE:
+            return None
+        return asyncio.get_running_loop().time() + remaining
+
+
+async def _serve(config: GatewayConfig) -> None:
+    service = GatewayService(config)
+    details = {"drafters": config.drafters, "verifiers": config.verifiers}
+    await serve(service, config, MAX_MESSAGE_BYTES, details)
+
+
+def run(argv: list[str] | None = None) -> None:
+    """`python -m gateway`."""
+    import uvloop
+
+    config = parse_config(argv)
+    configure_logging(config.log_level)
+    uvloop.run(_serve(config))

@@ -1,0 +1,484 @@
+"""Session metadata in Redis: committed tokens, replica cache lengths, assignment, round, stats.
+
+No replica is the only holder of a session (DESIGN.md §1): the committed tokens live here, so a
+restarted or replaced replica can be resynced from them. The key schema and the commit protocol
+are documented in docs/redis.md; in short, each session has four keys sharing one hash tag
+
+    specmesh:{<id>}:meta      hash   round, prompt_len, drafter, verifier, params, times, finish_reason
+    specmesh:{<id>}:tokens    list   committed token ids (prompt + generated)
+    specmesh:{<id>}:replicas  hash   replica address -> KV cache length it holds
+    specmesh:{<id>}:stats     hash   counters (gateway/stats.py)
+
+and every write is one Lua script that checks before its first write that it can finish (Redis
+does not roll back a script that fails halfway) and refreshes the TTL of all four keys. A round
+commits only when the stored round equals the caller's expected round, so a late or duplicate
+verifier reply commits nothing.
+
+Errors: Redis unreachable or timing out -> StoreUnavailable (the gateway answers UNAVAILABLE);
+anything else Redis refuses -> StoreError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+from specmesh.stats import GenerationStats
+
+__all__ = [
+    "Session",
+    "SessionExists",
+    "SessionKeys",
+    "SessionNotFound",
+    "SessionStore",
+    "StoreError",
+    "StoreUnavailable",
+]
+
+DEFAULT_TTL_SECONDS = 600.0
+SCHEMA_VERSION = "1"
+_SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # no braces: they would break the hash tag
+
+
+class StoreError(Exception):
+    """Redis refused an operation (wrong key type, script error, bad arguments)."""
+
+
+class StoreUnavailable(StoreError):
+    """Redis cannot be reached or did not answer in time; nothing was committed by this call."""
+
+
+class SessionExists(StoreError):
+    pass
+
+
+class SessionNotFound(StoreError):
+    """The session is not in Redis: never created, deleted, or expired (TTL)."""
+
+
+@dataclass(frozen=True)
+class SessionKeys:
+    meta: str
+    tokens: str
+    replicas: str
+    stats: str
+
+    @classmethod
+    def of(cls, session_id: str, prefix: str = "specmesh") -> SessionKeys:
+        if not _SESSION_ID.fullmatch(session_id):
+            raise ValueError(f"invalid session id {session_id!r}: use 1-128 of [A-Za-z0-9._:-]")
+        # The {…} hash tag puts all of a session's keys in one Redis Cluster slot, which a
+        # multi-key Lua script needs.
+        base = f"{prefix}:{{{session_id}}}"
+        return cls(f"{base}:meta", f"{base}:tokens", f"{base}:replicas", f"{base}:stats")
+
+    def all(self) -> list[str]:
+        return [self.meta, self.tokens, self.replicas, self.stats]
+
+
+@dataclass
+class Session:
+    id: str
+    tokens: list[int]  # committed: prompt + generated
+    prompt_len: int
+    round: int  # rounds committed so far; the next commit must name this number
+    drafter: str
+    verifier: str
+    replica_lengths: dict[str, int]  # replica address -> committed tokens its KV cache holds
+    sampling: dict[str, Any]
+    speculation: dict[str, Any]
+    max_new_tokens: int
+    extra: dict[str, Any]  # anything else the gateway needs to continue (stop strings, ...)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    finish_reason: str | None = None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+# ---- Lua -----------------------------------------------------------------------------------------
+# KEYS is always (meta, tokens, replicas, stats). Every script checks key types before its first
+# write, so it either fails untouched or runs to the end.
+
+_PRELUDE = """
+local function wrong_type(pairs_)
+  for i = 1, #pairs_, 2 do
+    local t = redis.call('TYPE', pairs_[i])['ok']
+    if t ~= 'none' and t ~= pairs_[i + 1] then
+      return redis.error_reply('WRONGTYPE ' .. pairs_[i] .. ' holds a ' .. t .. ', not a ' .. pairs_[i + 1])
+    end
+  end
+  return nil
+end
+-- unpack() has a stack limit of a few thousand values: push long token lists in slices
+local function push(key, first, last)
+  for i = first, last, 1000 do
+    redis.call('RPUSH', key, unpack(ARGV, i, math.min(i + 999, last)))
+  end
+end
+local function expire_all(ttl_ms)
+  for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ttl_ms) end
+end
+"""
+
+# ARGV: ttl_ms, n_meta_args, meta field/value pairs..., prompt tokens...
+_CREATE = (
+    _PRELUDE
+    + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+-- leftovers of an earlier session with this id whose keys expired one by one
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+local n_meta = tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], unpack(ARGV, 3, 2 + n_meta))
+if #ARGV > 2 + n_meta then push(KEYS[2], 3 + n_meta, #ARGV) end
+expire_all(tonumber(ARGV[1]))
+return 1
+"""
+)
+
+# ARGV: expected_round, commit_id, ttl_ms, now, finish_reason ('' = not finished),
+#       n_tokens, n_replica_args, n_int_args, n_float_args, then the four groups in that order.
+# Returns 1 committed, 2 this very commit was already applied (a client-side retry),
+#         0 stale round or finished session (nothing written), -1 no such session.
+_COMMIT = (
+    _PRELUDE
+    + """
+local round = redis.call('HGET', KEYS[1], 'round')
+if not round then return -1 end
+if round ~= ARGV[1] then
+  if redis.call('HGET', KEYS[1], 'last_commit') == ARGV[2] then return 2 end
+  return 0
+end
+if redis.call('HEXISTS', KEYS[1], 'finish_reason') == 1 then return 0 end
+local err = wrong_type({KEYS[2], 'list', KEYS[3], 'hash', KEYS[4], 'hash'})
+if err then return err end
+local i = 10
+local n = tonumber(ARGV[6])
+if n > 0 then push(KEYS[2], i, i + n - 1) end
+i = i + n
+n = tonumber(ARGV[7])
+if n > 0 then redis.call('HSET', KEYS[3], unpack(ARGV, i, i + n - 1)) end
+i = i + n
+n = tonumber(ARGV[8])
+for j = i, i + n - 1, 2 do redis.call('HINCRBY', KEYS[4], ARGV[j], ARGV[j + 1]) end
+i = i + n
+n = tonumber(ARGV[9])
+for j = i, i + n - 1, 2 do redis.call('HINCRBYFLOAT', KEYS[4], ARGV[j], ARGV[j + 1]) end
+redis.call('HSET', KEYS[1], 'round', string.format('%d', tonumber(round) + 1),
+           'updated_at', ARGV[4], 'last_commit', ARGV[2])
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'finish_reason', ARGV[5]) end
+expire_all(tonumber(ARGV[3]))
+return 1
+"""
+)
+
+# ARGV: ttl_ms, n_meta_args, n_drop, n_replica_args, then the three groups.
+_ASSIGN = (
+    _PRELUDE
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local err = wrong_type({KEYS[3], 'hash'})
+if err then return err end
+local i = 5
+local n = tonumber(ARGV[2])
+if n > 0 then redis.call('HSET', KEYS[1], unpack(ARGV, i, i + n - 1)) end
+i = i + n
+n = tonumber(ARGV[3])
+if n > 0 then redis.call('HDEL', KEYS[3], unpack(ARGV, i, i + n - 1)) end
+i = i + n
+n = tonumber(ARGV[4])
+if n > 0 then redis.call('HSET', KEYS[3], unpack(ARGV, i, i + n - 1)) end
+expire_all(tonumber(ARGV[1]))
+return 1
+"""
+)
+
+# ARGV: ttl_ms
+_TOUCH = (
+    _PRELUDE
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+expire_all(tonumber(ARGV[1]))
+return 1
+"""
+)
+
+
+def _flat(pairs: Mapping[str, Any]) -> list[str]:
+    return [str(x) for kv in pairs.items() for x in kv]
+
+
+def _float(x: float) -> str:
+    if not math.isfinite(x):
+        raise ValueError(f"stats must be finite, got {x}")
+    return repr(float(x))
+
+
+def _tokens(tokens: Sequence[int]) -> list[int]:
+    out = [int(t) for t in tokens]
+    if any(t < 0 for t in out):
+        raise ValueError("token ids must be >= 0")
+    return out
+
+
+def _safe_url(url: str) -> str:
+    """The URL without its password, for error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class SessionStore:
+    """Async session store on one Redis (redis-py `redis.asyncio`).
+
+    Timeouts are short on purpose: the gateway must answer UNAVAILABLE quickly when Redis is down,
+    not hang a client's request. One retry covers a dropped idle connection; a retried commit is
+    recognised by its commit id, so it cannot apply twice.
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        ttl_seconds: float = DEFAULT_TTL_SECONDS,
+        prefix: str = "specmesh",
+        socket_timeout: float = 1.0,
+        connect_timeout: float = 1.0,
+        retries: int = 1,
+    ) -> None:
+        if ttl_seconds <= 0:
+            raise ValueError("ttl_seconds must be > 0")
+        self.url = url
+        self.ttl_seconds = ttl_seconds
+        self.prefix = prefix
+        self._redis = aioredis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+            retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries),
+            client_name="specmesh-gateway",
+        )
+        self._create = self._redis.register_script(_CREATE)
+        self._commit = self._redis.register_script(_COMMIT)
+        self._assign = self._redis.register_script(_ASSIGN)
+        self._touch = self._redis.register_script(_TOUCH)
+
+    async def __aenter__(self) -> SessionStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    def keys(self, session_id: str) -> SessionKeys:
+        return SessionKeys.of(session_id, self.prefix)
+
+    @property
+    def _ttl_ms(self) -> int:
+        return max(1, int(self.ttl_seconds * 1000))
+
+    @contextlib.asynccontextmanager
+    async def _guard(self, op: str) -> AsyncIterator[None]:
+        try:
+            yield
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+            raise StoreUnavailable(
+                f"session store unavailable: Redis at {_safe_url(self.url)} did not answer {op} "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+        except redis.exceptions.ReadOnlyError as exc:  # a replica after a failover: cannot write
+            raise StoreUnavailable(f"session store unavailable: Redis is read-only ({exc})") from exc
+        except redis.exceptions.RedisError as exc:
+            raise StoreError(f"session store: Redis refused {op}: {exc}") from exc
+
+    async def ping(self) -> None:
+        async with self._guard("PING"):
+            await self._redis.ping()
+
+    async def create(
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        *,
+        drafter: str = "",
+        verifier: str = "",
+        sampling: Mapping[str, Any] | None = None,
+        speculation: Mapping[str, Any] | None = None,
+        max_new_tokens: int = 0,
+        extra: Mapping[str, Any] | None = None,
+    ) -> Session:
+        """Store a new session at round 0; SessionExists if the id is taken."""
+        keys = self.keys(session_id)
+        tokens = _tokens(prompt_tokens)
+        now = time.time()
+        meta = {
+            "version": SCHEMA_VERSION,
+            "round": 0,
+            "prompt_len": len(tokens),
+            "drafter": drafter,
+            "verifier": verifier,
+            "sampling": json.dumps(dict(sampling or {})),
+            "speculation": json.dumps(dict(speculation or {})),
+            "max_new_tokens": int(max_new_tokens),
+            "extra": json.dumps(dict(extra or {})),
+            "created_at": repr(now),
+            "updated_at": repr(now),
+        }
+        meta_args = _flat(meta)
+        async with self._guard("create"):
+            created = await self._create(
+                keys=keys.all(), args=[self._ttl_ms, len(meta_args), *meta_args, *tokens]
+            )
+        if not created:
+            raise SessionExists(f"session {session_id!r} already exists")
+        return Session(
+            id=session_id,
+            tokens=tokens,
+            prompt_len=len(tokens),
+            round=0,
+            drafter=drafter,
+            verifier=verifier,
+            replica_lengths={},
+            sampling=dict(sampling or {}),
+            speculation=dict(speculation or {}),
+            max_new_tokens=int(max_new_tokens),
+            extra=dict(extra or {}),
+            created_at=now,
+            updated_at=now,
+        )
+
+    async def load(self, session_id: str) -> Session | None:
+        """A consistent snapshot (one MULTI/EXEC) of the session, or None if it does not exist."""
+        keys = self.keys(session_id)
+        async with self._guard("load"), self._redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(keys.meta)
+            pipe.lrange(keys.tokens, 0, -1)
+            pipe.hgetall(keys.replicas)
+            pipe.hgetall(keys.stats)
+            meta, tokens, replicas, stats = await pipe.execute()
+        if not meta:
+            return None
+        return Session(
+            id=session_id,
+            tokens=[int(t) for t in tokens],
+            prompt_len=int(meta["prompt_len"]),
+            round=int(meta["round"]),
+            drafter=meta.get("drafter", ""),
+            verifier=meta.get("verifier", ""),
+            replica_lengths={addr: int(n) for addr, n in replicas.items()},
+            sampling=json.loads(meta.get("sampling", "{}")),
+            speculation=json.loads(meta.get("speculation", "{}")),
+            max_new_tokens=int(meta.get("max_new_tokens", 0)),
+            extra=json.loads(meta.get("extra", "{}")),
+            stats=GenerationStats.from_hash(stats),
+            created_at=float(meta.get("created_at", 0.0)),
+            updated_at=float(meta.get("updated_at", 0.0)),
+            finish_reason=meta.get("finish_reason"),
+        )
+
+    async def commit_round(
+        self,
+        session_id: str,
+        expected_round: int,
+        new_tokens: Sequence[int],
+        stats_delta: GenerationStats | None = None,
+        replica_lengths: Mapping[str, int] | None = None,
+        *,
+        finish_reason: str | None = None,
+    ) -> bool:
+        """Append a round's tokens, add its stats, record replica cache lengths, advance the round.
+
+        Atomic (one Lua script) and conditional: applies only if the stored round equals
+        `expected_round` and the session is not finished; otherwise returns False and writes
+        nothing. `finish_reason` marks the session finished in the same step. Raises
+        SessionNotFound if the session expired or was deleted, StoreUnavailable if Redis is down
+        (then this call committed either everything or nothing, and a new commit for the same
+        round tells which: it returns False if the earlier one went through).
+        """
+        keys = self.keys(session_id)
+        if finish_reason == "":
+            raise ValueError("finish_reason must be None or a non-empty string")
+        tokens = _tokens(new_tokens)
+        delta = stats_delta or GenerationStats()
+        replicas = _flat({addr: int(n) for addr, n in (replica_lengths or {}).items()})
+        ints = _flat({k: int(v) for k, v in delta.int_fields().items()})
+        floats = _flat({k: _float(v) for k, v in delta.float_fields().items()})
+        # A fresh id per call: redis-py's own retry resends the same id and is recognised as a
+        # replay; a second call (a duplicate reply) has another id and is refused.
+        commit_id = uuid.uuid4().hex
+        header = [int(expected_round), commit_id, self._ttl_ms, repr(time.time()), finish_reason or ""]
+        counts = [len(tokens), len(replicas), len(ints), len(floats)]
+        async with self._guard("commit_round"):
+            result = await self._commit(
+                keys=keys.all(), args=[*header, *counts, *tokens, *replicas, *ints, *floats]
+            )
+        if result == -1:
+            raise SessionNotFound(f"session {session_id!r} does not exist (expired or deleted)")
+        return result in (1, 2)
+
+    async def assign(
+        self,
+        session_id: str,
+        *,
+        drafter: str | None = None,
+        verifier: str | None = None,
+        replica_lengths: Mapping[str, int] | None = None,
+        drop_replicas: Sequence[str] = (),
+    ) -> None:
+        """Failover / resync bookkeeping: change the assigned replicas and their cache lengths."""
+        keys = self.keys(session_id)
+        meta: dict[str, Any] = {"updated_at": repr(time.time())}
+        if drafter is not None:
+            meta["drafter"] = drafter
+        if verifier is not None:
+            meta["verifier"] = verifier
+        meta_args = _flat(meta)
+        drops = [str(a) for a in drop_replicas]
+        replicas = _flat({addr: int(n) for addr, n in (replica_lengths or {}).items()})
+        args = [self._ttl_ms, len(meta_args), len(drops), len(replicas), *meta_args, *drops, *replicas]
+        async with self._guard("assign"):
+            result = await self._assign(keys=keys.all(), args=args)
+        if result == -1:
+            raise SessionNotFound(f"session {session_id!r} does not exist (expired or deleted)")
+
+    async def touch(self, session_id: str) -> bool:
+        """Refresh the TTL without a commit (a long round); False if the session does not exist."""
+        async with self._guard("touch"):
+            return bool(await self._touch(keys=self.keys(session_id).all(), args=[self._ttl_ms]))
+
+    async def ttl(self, session_id: str) -> float | None:
+        """Seconds until the session expires, None if it does not exist."""
+        async with self._guard("ttl"):
+            ms = await self._redis.pttl(self.keys(session_id).meta)
+        return None if ms < 0 else ms / 1000.0
+
+    async def delete(self, session_id: str) -> bool:
+        """Remove every key of the session (one DEL, atomic); False if there was nothing."""
+        async with self._guard("delete"):
+            return bool(await self._redis.delete(*self.keys(session_id).all()))

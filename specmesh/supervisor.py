@@ -1,0 +1,424 @@
+"""A small process supervisor for `specmesh up`: the whole stack as local subprocesses.
+
+    run_stack("default-draft", "default-target", drafters=2, port=50051)   # blocks until Ctrl-C
+
+Children start stage by stage (redis, then the model services, then the gateway); within a stage
+they start together and all must be ready (TCP port accepting, gRPC health SERVING, Redis PING)
+before the next stage starts. Their stdout and stderr are copied line by line with a `name |`
+prefix. A child that crashes after it was ready is restarted (at most `max_restarts` times, then
+the whole stack stops with exit status 1); a child that fails before it was ever ready stops the
+stack at once, because a bad flag or model path will not get better by retrying.
+
+Children run in their own process groups, so a terminal's Ctrl-C reaches only the supervisor,
+which forwards it (SIGINT or SIGTERM, whichever it got) child by child in reverse start order,
+waits `grace` seconds for each and then kills its group. A second signal kills what is left at
+once. A supervisor killed with SIGKILL cannot clean up: its children are then left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from specmesh.redis_server import find_redis_server, free_port, redis_command, redis_ping
+
+__all__ = [
+    "ChildFailed",
+    "ChildSpec",
+    "StackPlan",
+    "Supervisor",
+    "grpc_ready",
+    "plan_stack",
+    "redis_ready",
+    "run_stack",
+    "tcp_ready",
+]
+
+ReadyCheck = Callable[[], Awaitable[bool]]
+
+
+class ChildFailed(RuntimeError):
+    """A child exited or did not become ready; the message says which and how."""
+
+
+# ---- readiness checks ----------------------------------------------------------------------------
+
+
+def _tcp_accepts(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def tcp_ready(host: str, port: int) -> ReadyCheck:
+    async def check() -> bool:
+        return await asyncio.to_thread(_tcp_accepts, host, port)
+
+    return check
+
+
+def grpc_ready(address: str, service: str = "") -> ReadyCheck:
+    """The port accepts and the grpc.health.v1 service answers SERVING."""
+    host, _, port = address.rpartition(":")
+
+    async def check() -> bool:
+        from specmesh.healthcheck import check as health_check
+
+        if not await asyncio.to_thread(_tcp_accepts, host.strip("[]"), int(port)):
+            return False
+        return await asyncio.to_thread(health_check, address, service, 1.0) is None
+
+    return check
+
+
+def redis_ready(host: str, port: int) -> ReadyCheck:
+    async def check() -> bool:
+        return await asyncio.to_thread(redis_ping, host, port)
+
+    return check
+
+
+# ---- children ------------------------------------------------------------------------------------
+
+
+@dataclass
+class ChildSpec:
+    name: str
+    argv: Sequence[str]
+    ready: ReadyCheck | None = None  # None: ready as soon as it runs
+    stage: int = 0  # lower stages start (and are ready) first, and stop last
+    env: Mapping[str, str] | None = None  # added to the supervisor's environment
+    cwd: str | None = None
+    ready_timeout: float = 60.0
+    max_restarts: int = 3
+    restart_delay: float = 1.0
+
+
+@dataclass
+class _Child:
+    spec: ChildSpec
+    proc: asyncio.subprocess.Process | None = None
+    restarts: int = 0
+    pump: asyncio.Task[None] | None = None
+    watcher: asyncio.Task[None] | None = None
+
+
+@dataclass
+class Supervisor:
+    specs: Sequence[ChildSpec]
+    grace: float = 10.0
+    output: TextIO = field(default_factory=lambda: sys.stdout)
+    poll_interval: float = 0.2
+    on_ready: Callable[[], None] | None = None  # called once, when every child is ready
+
+    def __post_init__(self) -> None:
+        names = [s.name for s in self.specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"child names must be unique: {names}")
+        self._children: list[_Child] = []  # in start order
+        self._done = asyncio.Event()
+        self._force = asyncio.Event()
+        self._stopping = False
+        self._requested = False
+        self._failure: str | None = None
+        self._signal = signal.SIGTERM
+        self._width = max((len(n) for n in names), default=0)
+
+    # ---- public ----------------------------------------------------------------------------------
+
+    async def run(self, install_signal_handlers: bool = True) -> int:
+        """Start everything, supervise until a signal or a failure, stop; 0 = stopped on request."""
+        if install_signal_handlers:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.request_stop, sig)
+        try:
+            await self.start()
+            if self.on_ready is not None and not self._done.is_set():
+                self.on_ready()
+            await self.wait()
+        except ChildFailed as exc:
+            if not self._requested:  # a Ctrl-C while starting is a stop, not a failure
+                self._failure = str(exc)
+        finally:
+            await self.stop()
+            if install_signal_handlers:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    asyncio.get_running_loop().remove_signal_handler(sig)
+        if self._failure:
+            self._say(f"failed: {self._failure}")
+            return 1
+        return 0
+
+    async def start(self) -> None:
+        """Start stage by stage; ChildFailed (with the children already started still running)."""
+        for stage in sorted({s.stage for s in self.specs}):
+            batch = [_Child(s) for s in self.specs if s.stage == stage]
+            for child in batch:
+                self._children.append(child)
+                await self._launch(child)
+            await self._wait_all_ready(batch)
+            for child in batch:
+                child.watcher = asyncio.create_task(self._watch(child), name=f"watch-{child.spec.name}")
+            if self._done.is_set():  # a stop was requested while starting
+                return
+
+    async def _wait_all_ready(self, batch: list[_Child]) -> None:
+        """All ready, or the first failure (without waiting out the others' ready timeouts)."""
+        tasks = [asyncio.create_task(self._wait_ready(c)) for c in batch]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+
+    async def wait(self) -> None:
+        """Until stop is requested or a child fails for good (then ChildFailed)."""
+        await self._done.wait()
+        if self._failure:
+            raise ChildFailed(self._failure)
+
+    def request_stop(self, sig: int = signal.SIGTERM) -> None:
+        """Signal-handler safe: begin shutdown; a second request kills the rest at once."""
+        if self._done.is_set():
+            self._force.set()
+            return
+        self._signal = signal.Signals(sig)
+        self._requested = True
+        self._done.set()
+
+    async def stop(self) -> None:
+        """Stop children one by one in reverse start order (idempotent)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._done.set()
+        watchers = [c.watcher for c in self._children if c.watcher is not None]
+        for watcher in watchers:
+            watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)  # no restart may race the stop
+        for child in reversed(self._children):
+            await self._terminate(child)
+
+    def pid(self, name: str) -> int | None:
+        for child in self._children:
+            if child.spec.name == name and child.proc is not None:
+                return child.proc.pid
+        return None
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _say(self, text: str, name: str = "supervisor") -> None:
+        self.output.write(f"{name:<{self._width}} | {text}\n")
+        self.output.flush()
+
+    async def _launch(self, child: _Child) -> None:
+        spec = child.spec
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(spec.env or {})}
+        self._say(f"starting: {' '.join(spec.argv)}", spec.name)
+        try:
+            child.proc = await asyncio.create_subprocess_exec(
+                *spec.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                cwd=spec.cwd,
+                start_new_session=True,  # own process group: signals reach it only through us
+                limit=1 << 20,
+            )
+        except OSError as exc:
+            raise ChildFailed(f"{spec.name}: cannot start {spec.argv[0]}: {exc}") from exc
+        child.pump = asyncio.create_task(self._pump(child.proc, spec.name), name=f"log-{spec.name}")
+
+    async def _pump(self, proc: asyncio.subprocess.Process, name: str) -> None:
+        assert proc.stdout is not None
+        while True:
+            try:
+                line = await proc.stdout.readline()
+            except ValueError:  # a line over the limit: pass it on in pieces
+                line = await proc.stdout.read(1 << 16)
+            if not line:
+                return
+            self._say(line.decode(errors="replace").rstrip("\n"), name)
+
+    async def _wait_ready(self, child: _Child) -> None:
+        spec, proc = child.spec, child.proc
+        assert proc is not None
+        started = time.monotonic()
+        deadline = started + spec.ready_timeout
+        while True:
+            if proc.returncode is not None:
+                await self._drain(child)
+                raise ChildFailed(f"{spec.name} exited with status {proc.returncode} before it was ready")
+            if spec.ready is None or await spec.ready():
+                self._say(f"ready after {time.monotonic() - started:.1f}s (pid {proc.pid})", spec.name)
+                return
+            if time.monotonic() > deadline:
+                raise ChildFailed(f"{spec.name} was not ready after {spec.ready_timeout:.0f}s")
+            if self._done.is_set():
+                raise ChildFailed(f"stopped while waiting for {spec.name}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), self.poll_interval)
+
+    async def _watch(self, child: _Child) -> None:
+        """Restart a child that exits on its own, up to max_restarts times."""
+        spec = child.spec
+        while True:
+            assert child.proc is not None
+            status = await child.proc.wait()
+            await self._drain(child)
+            if self._stopping:
+                return
+            if child.restarts >= spec.max_restarts:
+                self._failure = (
+                    f"{spec.name} exited with status {status}; gave up after {child.restarts} restarts"
+                )
+                self._done.set()
+                return
+            child.restarts += 1
+            self._say(
+                f"exited with status {status}; restart {child.restarts}/{spec.max_restarts} "
+                f"in {spec.restart_delay:g}s",
+                spec.name,
+            )
+            await asyncio.sleep(spec.restart_delay)
+            await self._launch(child)
+            try:
+                await self._wait_ready(child)
+            except ChildFailed as exc:  # counts as another crash: the loop decides
+                self._say(str(exc), spec.name)
+                await self._kill_group(child.proc, signal.SIGKILL)
+
+    async def _drain(self, child: _Child) -> None:
+        """Let the log pump copy what the child wrote before it exited."""
+        if child.pump is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(child.pump), 2.0)
+
+    async def _terminate(self, child: _Child) -> None:
+        proc = child.proc
+        if proc is None:
+            return
+        if proc.returncode is None:
+            polite = signal.SIGKILL if self._force.is_set() else self._signal
+            self._say(f"stopping ({polite.name})", child.spec.name)
+            await self._kill_group(proc, polite)
+            grace = asyncio.create_task(proc.wait())
+            force = asyncio.create_task(self._force.wait())
+            await asyncio.wait({grace, force}, timeout=self.grace, return_when=asyncio.FIRST_COMPLETED)
+            force.cancel()
+            if proc.returncode is None:
+                self._say("did not stop in time; killing it", child.spec.name)
+                await self._kill_group(proc, signal.SIGKILL)
+            await grace
+            self._say(f"stopped (status {proc.returncode})", child.spec.name)
+        await self._drain(child)
+
+    @staticmethod
+    async def _kill_group(proc: asyncio.subprocess.Process, sig: int) -> None:
+        """Signal the child's process group, only while the child is not yet reaped (so its pid,
+        which is the group id, cannot have been reused by an unrelated process)."""
+        if proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+
+
+# ---- the specmesh stack --------------------------------------------------------------------------
+
+
+@dataclass
+class StackPlan:
+    specs: list[ChildSpec]
+    gateway: str
+    drafters: list[str]
+    verifiers: list[str]
+    redis_url: str
+
+
+def plan_stack(
+    draft: str = "default-draft",
+    target: str = "default-target",
+    drafters: int = 1,
+    port: int = 50051,
+    dtype: str | None = None,
+    redis_url: str | None = None,
+    *,
+    verifiers: int = 1,
+    host: str = "127.0.0.1",
+    python: str = sys.executable,
+    ready_timeout: float = 900.0,
+    drafter_args: Sequence[str] = (),
+    verifier_args: Sequence[str] = (),
+    gateway_args: Sequence[str] = (),
+) -> StackPlan:
+    """The command lines of the whole stack on loopback: redis (unless redis_url is given),
+    `drafters` drafters, `verifiers` verifiers, and the gateway on `port`."""
+    if drafters < 0 or verifiers < 1:
+        raise ValueError("need drafters >= 0 and verifiers >= 1")
+    specs: list[ChildSpec] = []
+    if redis_url is None:
+        redis_port = free_port(host)
+        redis_url = f"redis://{host}:{redis_port}/0"
+        argv = redis_command(find_redis_server(), redis_port, host)
+        specs.append(ChildSpec("redis", argv, redis_ready(host, redis_port), stage=0, ready_timeout=30.0))
+    model_flags = ["--dtype", dtype] if dtype else []
+
+    def service(kind: str, index: int, model: str, extra: Sequence[str]) -> tuple[ChildSpec, str]:
+        address = f"{host}:{free_port(host)}"
+        argv = [python, "-m", f"{kind}_service", "--model", model, "--host", host]
+        argv += ["--port", address.rpartition(":")[2], *model_flags, *extra]
+        ready = grpc_ready(address)
+        return ChildSpec(f"{kind}-{index}", argv, ready, stage=1, ready_timeout=ready_timeout), address
+
+    drafter_addrs, verifier_addrs = [], []
+    for i in range(drafters):
+        spec, addr = service("drafter", i, draft, drafter_args)
+        specs.append(spec)
+        drafter_addrs.append(addr)
+    for i in range(verifiers):
+        spec, addr = service("verifier", i, target, verifier_args)
+        specs.append(spec)
+        verifier_addrs.append(addr)
+    gateway = f"{host}:{port}"
+    argv = [python, "-m", "gateway", "--port", str(port)]
+    if drafter_addrs:
+        argv += ["--drafters", ",".join(drafter_addrs)]
+    argv += ["--verifiers", ",".join(verifier_addrs), "--redis-url", redis_url, *gateway_args]
+    specs.append(ChildSpec("gateway", argv, grpc_ready(gateway), stage=2, ready_timeout=120.0))
+    return StackPlan(specs, gateway, drafter_addrs, verifier_addrs, redis_url)
+
+
+def run_stack(
+    draft: str = "default-draft",
+    target: str = "default-target",
+    drafters: int = 1,
+    port: int = 50051,
+    dtype: str | None = None,
+    redis_url: str | None = None,
+    *,
+    grace: float = 10.0,
+    on_ready: Callable[[StackPlan], None] | None = None,
+    **plan_options: Any,
+) -> int:
+    """Run the stack in the foreground until SIGINT / SIGTERM; the exit status for `specmesh up`.
+
+    `plan_options` go to plan_stack (verifiers, host, ready_timeout, *_args, ...); `on_ready` is
+    called once every child is ready (e.g. to print the gateway's address).
+    """
+    plan = plan_stack(draft, target, drafters, port, dtype, redis_url, **plan_options)
+    announce = (lambda: on_ready(plan)) if on_ready is not None else None
+    return asyncio.run(Supervisor(plan.specs, grace=grace, on_ready=announce).run())

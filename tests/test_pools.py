@@ -1,0 +1,165 @@
+"""gateway.pools against real grpc.aio servers that run the standard health service."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from gateway.pools import NoHealthyReplica, ReplicaPool, Target, parse_targets
+
+FAST = {"health_interval": 0.05, "health_timeout": 0.5, "failure_cooldown": 0.2}
+
+
+class HealthServer:
+    """A gRPC server with only grpc.health.v1, like a replica without its model."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host, self.port = host, port
+        self.server: grpc.aio.Server | None = None
+        self.servicer = health.aio.HealthServicer()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> HealthServer:
+        self.server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, self.server)
+        self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        await self.server.start()
+        return self
+
+    async def stop(self) -> None:
+        await self.server.stop(None)
+
+
+async def servers(n: int) -> list[HealthServer]:
+    return [await HealthServer().start() for _ in range(n)]
+
+
+async def until(predicate, timeout: float = 3.0) -> None:
+    async def poll():
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+    await asyncio.wait_for(poll(), timeout)
+
+
+def test_parse_targets():
+    assert parse_targets("a:1, b:2,a:1") == [Target("a", 1, False), Target("b", 2, False)]
+    assert parse_targets(["dns:///drafter:50061", "[::1]:7"]) == [
+        Target("drafter", 50061, True),
+        Target("::1", 7, False),
+    ]
+    assert Target("::1", 7, False).address == "[::1]:7"
+    for bad in ("", "a", "a:b", "a:0", "dns:///name", ":5"):
+        with pytest.raises(ValueError):
+            parse_targets(bad)
+
+
+def test_static_list_affinity_and_spread():
+    async def scenario():
+        a, b = await servers(2)
+        async with ReplicaPool(f"{a.address},{b.address}", name="drafter", **FAST) as pool:
+            assert pool.healthy() == [a.address, b.address]
+            first = pool.pick("s1")
+            assert all(pool.pick("s1") == first for _ in range(5))  # affinity
+            second = pool.pick("s2")
+            assert {first, second} == {a.address, b.address}  # least loaded spreads sessions
+            assert pool.pick("s3", preferred=first) == first  # the stored assignment wins
+            assert pool.pick("s3", exclude=[first]) == second
+            pool.release("s3")
+            assert pool.assigned("s3") is None
+        await a.stop()
+        await b.stop()
+
+    asyncio.run(scenario())
+
+
+def test_failover_when_a_replica_stops_and_recovery():
+    async def scenario():
+        a, b = await servers(2)
+        async with ReplicaPool([a.address, b.address], name="verifier", **FAST) as pool:
+            session_on = {pool.pick(s): s for s in ("s1", "s2")}
+            moved = session_on[a.address]
+            await a.stop()
+            await until(lambda: pool.healthy() == [b.address])
+            assert pool.pick(moved) == b.address
+            assert pool.pick(moved) == b.address  # and it stays there
+            restarted = await HealthServer(port=a.port).start()
+            await until(lambda: a.address in pool.healthy())
+            assert pool.pick(moved) == b.address  # its cache is on b now: no move back
+            await restarted.stop()
+        await b.stop()
+
+    asyncio.run(scenario())
+
+
+def test_mark_failed_takes_a_replica_out_for_the_cooldown():
+    async def scenario():
+        a, b = await servers(2)
+        async with ReplicaPool([a.address, b.address], **FAST) as pool:
+            on = pool.pick("s")
+            other = b.address if on == a.address else a.address
+            pool.mark_failed(on, "Draft failed: UNAVAILABLE")
+            assert pool.healthy() == [other]
+            assert pool.pick("s") == other
+            await until(lambda: on in pool.healthy())  # healthy again after the cooldown
+        await a.stop()
+        await b.stop()
+
+    asyncio.run(scenario())
+
+
+def test_not_serving_and_no_healthy_replica():
+    async def scenario():
+        (a,) = await servers(1)
+        async with ReplicaPool(a.address, name="drafter", **FAST) as pool:
+            await a.servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await until(lambda: not pool.healthy())
+            with pytest.raises(NoHealthyReplica, match="NOT_SERVING"):
+                pool.pick("s")
+            await a.servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            assert await pool.wait_healthy(1, timeout=3) == [a.address]
+            await a.stop()
+            await until(lambda: not pool.healthy())
+            with pytest.raises(NoHealthyReplica, match="no healthy drafter replica"):
+                pool.pick("s")
+            with pytest.raises(TimeoutError):
+                await pool.wait_healthy(1, timeout=0.2)
+
+    asyncio.run(scenario())
+
+
+def test_service_specific_health():
+    async def scenario():
+        (a,) = await servers(1)
+        await a.servicer.set("specmesh.v1.Drafter", health_pb2.HealthCheckResponse.SERVING)
+        async with ReplicaPool(a.address, service="specmesh.v1.Drafter", **FAST) as pool:
+            assert pool.healthy() == [a.address]
+        async with ReplicaPool(a.address, service="specmesh.v1.Verifier", **FAST) as pool:
+            assert pool.healthy() == []  # NOT_FOUND: that server is no verifier
+        await a.stop()
+
+    asyncio.run(scenario())
+
+
+def test_dns_name_resolves_to_replicas():
+    async def scenario():
+        server = await HealthServer(host="[::]").start()  # all interfaces, v4 and v6
+        async with ReplicaPool(f"dns:///localhost:{server.port}", resolve_interval=0.1, **FAST) as pool:
+            addresses = pool.addresses()
+            assert f"127.0.0.1:{server.port}" in addresses
+            assert all(a.endswith(f":{server.port}") for a in addresses)
+            assert pool.healthy() == addresses
+            assert pool.pick("s") in addresses
+        async with ReplicaPool(f"dns:///no-such-host.invalid:{server.port}", **FAST) as pool:
+            assert pool.addresses() == []
+            with pytest.raises(NoHealthyReplica, match="resolved to no address"):
+                pool.pick("s")
+        await server.stop()
+
+    asyncio.run(scenario())
