@@ -42,6 +42,18 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_gateway(args: argparse.Namespace) -> int:
+    from specmesh.bench.gateway import bench_gateway
+
+    results = bench_gateway(
+        args.address, args.prompts, args.max_new_tokens, tuple(args.temperatures), args.engine_json
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
 DEMO_PROMPT = 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
 
 
@@ -243,6 +255,15 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     engine.add_argument("--json", help="also write the results here")
     engine.set_defaults(func=_bench_engine)
+
+    gw = bench.add_parser("gateway", help="tokens/s through a running gateway (start it with specmesh up)")
+    gw.add_argument("--address", default="127.0.0.1:50051")
+    gw.add_argument("--prompts", type=int, default=3)
+    gw.add_argument("--max-new-tokens", type=int, default=64)
+    gw.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    gw.add_argument("--engine-json", help="results of `specmesh bench engine --json`, to compare")
+    gw.add_argument("--json", help="also write the results here")
+    gw.set_defaults(func=_bench_gateway)
 
     demo = sub.add_parser("demo", help="in-process generation on the default pair, AR vs speculative")
     demo.add_argument("prompt", nargs="?", default=DEMO_PROMPT)

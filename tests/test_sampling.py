@@ -84,3 +84,14 @@ def test_gumbel_top_k_drops_zero_probability_tokens() -> None:
     p = torch.tensor([0.0, 0.7, 0.0, 0.3])
     out = gumbel_top_k(p.log(), 4, torch.Generator().manual_seed(0))
     assert sorted(out.tolist()) == [1, 3]
+
+
+def test_sample_iid_matches_the_distribution_and_skips_zero_mass() -> None:
+    from specmesh.sampling import sample, sample_iid
+
+    p = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    g = torch.Generator().manual_seed(0)
+    draws = sample_iid(p, 60_000, g).tolist() + [sample(p, g) for _ in range(2_000)]
+    counts = Counter(draws)
+    assert set(counts) == {1, 3, 4}
+    assert chi_square_pvalue(counts, {i: float(p[i]) for i in range(6)}) > 1e-4
