@@ -30,10 +30,10 @@ import torch
 from specmesh.drafting import Path, TreeSpec, build_tree
 from specmesh.models import LoadedModel, check_pair
 from specmesh.runtime import ModelRunner, Step
-from specmesh.sampling import SamplingParams, derive_generator, sample, warp
+from specmesh.sampling import SamplingParams, derive_generator
 from specmesh.stats import GenerationResult, GenerationStats
 from specmesh.tree import DraftTree
-from specmesh.verification import Verdict, verify_tree
+from specmesh.verification import autoregressive_step, verify_tree
 
 
 @dataclass
@@ -237,10 +237,7 @@ class SpeculativeEngine:
             generator = derive_generator(s.seed, len(s.tokens), "verify")
             params = s.request.params
             if s.tree is None or s.request.spec.method == "none":
-                next_token = (
-                    int(logits[0].argmax()) if params.greedy else sample(warp(logits[0], params), generator)
-                )
-                verdict = Verdict([], [], next_token, bonus=True)
+                verdict = autoregressive_step(logits[0], params, generator)
             else:
                 verdict = verify_tree(s.tree, logits, params, generator)
                 self.drafter.commit(s.id, draft_keep_nodes(s.tree, verdict.accepted_nodes, s.draft_nodes))

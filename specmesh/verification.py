@@ -58,6 +58,16 @@ def verify_tree(
     return _verify_rejection(tree, target_logits, params, generator)
 
 
+def autoregressive_step(
+    root_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> Verdict:
+    """No tree (method "none", the baseline): the next token from q after the committed context.
+
+    One rule for the engine and the verifier service. Greedy gives the argmax (warp is one-hot).
+    """
+    return Verdict([], [], sample(warp(root_logits, params), generator), bonus=True)
+
+
 def _children_of(parents: torch.Tensor) -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for node, parent in enumerate(parents.tolist()):

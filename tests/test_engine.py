@@ -4,11 +4,11 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from specmesh.drafting import TreeSpec
 from specmesh.engine import Request, SpeculativeEngine
 from specmesh.sampling import SamplingParams
+from tests.tiny import tiny_lm
 
 VOCAB = 97
 SPECS = {
@@ -24,22 +24,7 @@ SPECS = {
 
 def tiny_pair(arch: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """A tiny random target and a draft that is a noisy copy of it (it agrees often, not always)."""
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        attn_implementation="sdpa",
-    )
-    target = (
-        LlamaForCausalLM(LlamaConfig(**common))
-        if arch == "llama"
-        else Qwen2ForCausalLM(Qwen2Config(**common))
-    ).eval()
+    target = tiny_lm(arch, VOCAB, attn_implementation="sdpa")
     with torch.no_grad():  # random init gives near-uniform logits; sharpen them so argmax is stable
         target.lm_head.weight.mul_(8.0)
     draft = copy.deepcopy(target)

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast
 
 from specmesh import model_store
 from specmesh.models import LoadedModel, check_pair, load_model, resolve_dtype
+from tests.tiny import tiny_lm
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 
@@ -28,23 +29,8 @@ def make_tokenizer(n_words: int = 96, prefix: str = "w") -> PreTrainedTokenizerF
 
 
 def save_tiny(path: Path, arch: str = "llama", vocab: int = 100, tokenizer=None) -> Path:
-    common = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-    )
-    torch.manual_seed(0)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    model = tiny_lm(arch, vocab, max_position_embeddings=128, **ids)
     model.save_pretrained(path)
     (tokenizer or make_tokenizer(vocab - len(SPECIALS))).save_pretrained(path)
     return path

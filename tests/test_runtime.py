@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from specmesh.runtime import ModelRunner, Step, UnknownSessionError
+from tests.tiny import tiny_lm
 
 TOL = 1e-4
 VOCAB = 97
@@ -19,21 +19,8 @@ MODELS = [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager"), ("qwen2", "e
 
 
 def make_model(kind: str, attn: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.2,  # spread the logits so that a wrong mask or position shows clearly
-        attn_implementation=attn,
-    )
-    if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(**cfg)).eval()
-    return Qwen2ForCausalLM(Qwen2Config(**cfg)).eval()
+    # a wide init spreads the logits, so that a wrong mask or position shows clearly
+    return tiny_lm(kind, VOCAB, initializer_range=0.2, attn_implementation=attn)
 
 
 @pytest.fixture(params=MODELS, ids=lambda m: "-".join(m))

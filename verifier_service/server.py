@@ -20,10 +20,10 @@ from specmesh import wire
 from specmesh.models import LoadedModel
 from specmesh.proto import pb2, pb2_grpc
 from specmesh.runtime import Step
-from specmesh.sampling import derive_generator, sample, warp
+from specmesh.sampling import derive_generator
 from specmesh.serving import ModelService, ServiceConfig, ServiceMetrics, count_labels, main, rpc
 from specmesh.tree import DraftTree
-from specmesh.verification import Verdict, verify_tree
+from specmesh.verification import Verdict, autoregressive_step, verify_tree
 
 DEFAULTS = {"model": "default-target", "port": 50062, "max_wait_ms": 2.0}
 
@@ -76,8 +76,8 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
     def _decide(self, v: wire.VerifyInput, logits: torch.Tensor) -> Verdict:
         """On the model thread, right after the forward: the verdict, then KV compaction."""
         generator = derive_generator(v.params.seed, v.committed_length, "verify")
-        if v.tree is None:  # a plain step (warp is one-hot when greedy: the argmax)
-            verdict = Verdict([], [], sample(warp(logits[0], v.params), generator), bonus=True)
+        if v.tree is None:
+            verdict = autoregressive_step(logits[0], v.params, generator)
         else:
             verdict = verify_tree(v.tree, logits, v.params, generator)
         self.runner.commit(v.session_id, verdict.accepted_nodes)
