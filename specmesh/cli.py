@@ -173,7 +173,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     """The whole stack as supervised subprocesses; one demo completion once it is ready."""
     from specmesh.model_store import pull_default_pair
-    from specmesh.supervisor import StackPlan, run_stack
+    from specmesh.supervisor import StackPlan, plan_stack, run_stack
 
     if args.draft == "default-draft" or args.target == "default-target":
         pull_default_pair(progress=True)
@@ -192,9 +192,8 @@ def _up(args: argparse.Namespace) -> int:
         # The supervisor's event loop calls this; the demo must not block it (it pumps the logs).
         threading.Thread(target=demo, args=(plan,), name="demo", daemon=True).start()
 
-    status = run_stack(
-        args.draft, args.target, args.drafters, args.port, args.dtype, args.redis_url, on_ready=on_ready
-    )
+    plan = plan_stack(args.draft, args.target, args.drafters, args.port, args.dtype, args.redis_url)
+    status = run_stack(plan, on_ready=on_ready)
     if status == 0 and args.exit_after_demo:
         return demo_status[0] if demo_status else 1  # stopped before the demo could finish
     return status

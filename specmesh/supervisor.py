@@ -1,6 +1,6 @@
 """A small process supervisor for `specmesh up`: the whole stack as local subprocesses.
 
-    run_stack("default-draft", "default-target", drafters=2, port=50051)   # blocks until Ctrl-C
+    run_stack(plan_stack("default-draft", "default-target", drafters=2, port=50051))  # until Ctrl-C
 
 Children start stage by stage (redis, then the model services, then the gateway); within a stage
 they start together and all must be ready (TCP port accepting, gRPC health SERVING, Redis PING)
@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TextIO
 
 from specmesh.redis_server import find_redis_server, free_port, redis_command, redis_ping
 
@@ -403,22 +403,9 @@ def plan_stack(
 
 
 def run_stack(
-    draft: str = "default-draft",
-    target: str = "default-target",
-    drafters: int = 1,
-    port: int = 50051,
-    dtype: str | None = None,
-    redis_url: str | None = None,
-    *,
-    grace: float = 10.0,
-    on_ready: Callable[[StackPlan], None] | None = None,
-    **plan_options: Any,
+    plan: StackPlan, *, grace: float = 10.0, on_ready: Callable[[StackPlan], None] | None = None
 ) -> int:
-    """Run the stack in the foreground until SIGINT / SIGTERM; the exit status for `specmesh up`.
-
-    `plan_options` go to plan_stack (verifiers, host, ready_timeout, *_args, ...); `on_ready` is
-    called once every child is ready (e.g. to print the gateway's address).
-    """
-    plan = plan_stack(draft, target, drafters, port, dtype, redis_url, **plan_options)
+    """Run a planned stack in the foreground until SIGINT / SIGTERM; the exit status for
+    `specmesh up`. `on_ready` is called once every child is ready (e.g. to print the address)."""
     announce = (lambda: on_ready(plan)) if on_ready is not None else None
     return asyncio.run(Supervisor(plan.specs, grace=grace, on_ready=announce).run())
