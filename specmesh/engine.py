@@ -68,7 +68,6 @@ class LevelBatcher:
     def __init__(self, runner: ModelRunner, participants: int) -> None:
         self.runner = runner
         self.participants = participants
-        self.calls = 0
         self._cv = threading.Condition()
         self._waiting: dict[str, Step] = {}
         self._results: dict[str, torch.Tensor | BaseException] = {}
@@ -94,7 +93,6 @@ class LevelBatcher:
             return
         steps = list(self._waiting.values())
         self._waiting.clear()
-        self.calls += 1
         try:
             outputs: Sequence[torch.Tensor | BaseException] = self.runner.forward(steps)
         except BaseException as exc:  # every waiting caller gets the error

@@ -116,15 +116,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(sample_iid(probs, 1, generator))
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    g = torch.Generator()
-    if seed is None:
-        g.seed()
-    else:
-        g.manual_seed(seed)
-    return g
-
-
 def derive_generator(seed: int, position: int, purpose: str) -> torch.Generator:
     """A generator that depends only on (seed, position, purpose).
 
