@@ -51,6 +51,7 @@ class GenerationPlan:
     stop_token_ids: tuple[int, ...]  # the request's and the tokenizer's end-of-sequence token
     params: SamplingParams
     spec: TreeSpec
+    adaptive: bool = False  # spec is then the tree family and the first round's depth
 
 
 def parse_generate_request(request: Any, tokenizer: Any, limits: ModelLimits) -> GenerationPlan:
@@ -66,6 +67,7 @@ def parse_generate_request(request: Any, tokenizer: Any, limits: ModelLimits) ->
         stop_token_ids=stop_ids,
         params=sampling_params(request.sampling),
         spec=tree_spec(request.speculation),
+        adaptive=request.speculation.adaptive,
     )
 
 
@@ -205,6 +207,7 @@ def _check_applicable(msg: Any, method: str) -> None:
         "beam_width": msg.beam_width > 0 and method not in _BEAMED,
         "replacement": msg.replacement and method != "mcsd",
         "mtad_threshold": msg.HasField("mtad_threshold") and method != "mtad",
+        "adaptive": msg.adaptive and method == "none",
     }
     for name, wrong in given.items():
         if wrong:

@@ -39,6 +39,7 @@ from gateway.pools import NoHealthyReplica, ReplicaPool
 from gateway.requests import GenerationPlan
 from gateway.session_store import SessionStore, StoreError
 from gateway.text import TextStream
+from specmesh.adaptive import PolicyMemory
 from specmesh.engine import keep_emitted
 from specmesh.proto import pb2_grpc
 from specmesh.remote import ReplicaFailure, RoundClient, RoundResult, release_session
@@ -76,6 +77,7 @@ class GatewayEnv:
     round_timeout: float
     max_attempts: int
     cleanups: set[asyncio.Task] = dataclasses.field(default_factory=set)  # outliving their request
+    policies: PolicyMemory = dataclasses.field(default_factory=PolicyMemory)  # adaptive sessions' warm start
 
     def pool(self, role: str) -> ReplicaPool:
         pool = self.drafters if role == "drafter" else self.verifiers
@@ -101,7 +103,8 @@ class SessionRun:
         self.plan, self.env, self.text, self.deadline = plan, env, text, deadline
         self.id = uuid.uuid4().hex
         self.roles = ("verifier",) if plan.spec.method == "none" else ("drafter", "verifier")
-        self.client = RoundClient(self.id, plan.params, plan.spec, None, None)
+        policy = env.policies.new_policy(plan.spec, plan.params) if plan.adaptive else None
+        self.client = RoundClient(self.id, plan.params, plan.spec, None, None, policy=policy)
         self.tokens = list(plan.prompt_ids)  # committed, as in Redis
         self.round = 0
         self.stats = GenerationStats()
@@ -136,7 +139,7 @@ class SessionRun:
                 drafter=self.addresses.get("drafter", ""),
                 verifier=self.addresses["verifier"],
                 sampling=dataclasses.asdict(p.params),
-                speculation=dataclasses.asdict(p.spec),
+                speculation={**dataclasses.asdict(p.spec), "adaptive": p.adaptive},
                 max_new_tokens=p.max_new_tokens,
                 extra={"stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids)},
             )
@@ -158,6 +161,8 @@ class SessionRun:
 
     async def _cleanup(self) -> None:
         self.env.metrics.sessions.dec()
+        if self.client.policy is not None:
+            self.env.policies.remember(self.client.policy, self.plan.params)
         releases = [
             release_session(_STUBS[role](self.env.pool(role).channel(addr)), self.id, RELEASE_TIMEOUT)
             for role, addr in sorted(self.touched)

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any, TextIO
 
 
@@ -39,6 +40,33 @@ def _bench_engine(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    return 0
+
+
+def _bench_report(args: argparse.Namespace) -> int:
+    from specmesh.bench.suite import PHASES, SuiteConfig, run_suite
+
+    phases = tuple(p for p in args.phases.split(",") if p)
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        raise SystemExit(f"--phases: unknown {sorted(unknown)}; use {','.join(PHASES)}")
+    cfg = SuiteConfig(
+        draft=args.draft,
+        target=args.target,
+        draft_dtypes=tuple(args.draft_dtypes.split(",")),
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        sweep_prompts=args.sweep_prompts,
+        sweep_max_new_tokens=args.sweep_max_new_tokens,
+        scaling=tuple(args.scaling),
+        scaling_max_new_tokens=args.scaling_max_new_tokens,
+        phases=phases,
+        out=Path(args.out),
+    )
+    results = run_suite(cfg)
+    for goal in results["goals"]:
+        print(f"goal {goal['name']}: {goal['measured']} (target {goal['target']}) {goal['detail']}")
+    print(f"wrote {cfg.out / 'results.json'} and {cfg.out / 'README.md'}")
     return 0
 
 
@@ -123,6 +151,7 @@ def generate_request(prompt: str, args: argparse.Namespace) -> Any:
     spec.depth = args.depth or 0
     spec.branching.extend(args.branching)
     spec.beam_width = args.beam_width or 0
+    spec.adaptive = args.adaptive
     return request
 
 
@@ -189,10 +218,22 @@ def _up(args: argparse.Namespace) -> int:
             print(f"--- serving on {plan.gateway}; Ctrl-C stops everything", flush=True)
 
     def on_ready(plan: StackPlan) -> None:
+        if args.no_demo:
+            print(f"--- serving on {plan.gateway}; Ctrl-C stops everything", flush=True)
+            return
         # The supervisor's event loop calls this; the demo must not block it (it pumps the logs).
         threading.Thread(target=demo, args=(plan,), name="demo", daemon=True).start()
 
-    plan = plan_stack(args.draft, args.target, args.drafters, args.port, args.dtype, args.redis_url)
+    drafter_args = ["--dtype", args.draft_dtype] if args.draft_dtype else []
+    plan = plan_stack(
+        args.draft,
+        args.target,
+        args.drafters,
+        args.port,
+        args.dtype,
+        args.redis_url,
+        drafter_args=drafter_args,
+    )
     status = run_stack(plan, on_ready=on_ready)
     if status == 0 and args.exit_after_demo:
         return demo_status[0] if demo_status else 1  # stopped before the demo could finish
@@ -222,6 +263,9 @@ def _add_request_flags(parser: argparse.ArgumentParser, max_new_tokens: int | No
         "--branching", type=_int_list, default=[], help="mcsd, rsd_c: children per level, e.g. 2,2,1"
     )
     parser.add_argument("--beam-width", type=int, default=None, help="rsd_s, mtad")
+    parser.add_argument(
+        "--adaptive", action="store_true", help="choose each round's depth (0 = off) from measured costs"
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds (the request's deadline)")
 
 
@@ -255,6 +299,28 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--json", help="also write the results here")
     engine.set_defaults(func=_bench_engine)
 
+    report = bench.add_parser(
+        "report", help="every benchmark of docs/benchmarks (papers' sweeps, baselines, gateway, scaling)"
+    )
+    report.add_argument(
+        "--phases",
+        default="sweeps,baselines,gateway,scaling",
+        help="run only these (the other rows are kept)",
+    )
+    report.add_argument("--out", default="docs/benchmarks")
+    report.add_argument("--draft", default="default-draft")
+    report.add_argument("--target", default="default-target")
+    report.add_argument(
+        "--draft-dtypes", default="int8,bf16", help="drafter dtypes; the sweeps use the first"
+    )
+    report.add_argument("--prompts", type=int, default=6)
+    report.add_argument("--max-new-tokens", type=int, default=96)
+    report.add_argument("--sweep-prompts", type=int, default=2)
+    report.add_argument("--sweep-max-new-tokens", type=int, default=64)
+    report.add_argument("--scaling", type=_int_list, default=[1, 2, 4, 8], help="concurrent sessions")
+    report.add_argument("--scaling-max-new-tokens", type=int, default=64)
+    report.set_defaults(func=_bench_report)
+
     gw = bench.add_parser("gateway", help="tokens/s through a running gateway (start it with specmesh up)")
     gw.add_argument("--address", default="127.0.0.1:50051")
     gw.add_argument("--prompts", type=int, default=3)
@@ -283,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--drafters", type=int, default=1, help="drafter replicas")
     up.add_argument("--port", type=int, default=50051, help="the gateway's port")
     up.add_argument("--dtype", default=None, help="model dtype (default: the services' bf16)")
+    up.add_argument(
+        "--draft-dtype",
+        default=None,
+        help="the drafters' dtype if not --dtype, e.g. int8 (CPU: ~2x faster drafts)",
+    )
+    up.add_argument("--no-demo", action="store_true", help="serve without running the demo completion")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     up.add_argument("--demo-prompt", default=DEMO_PROMPT)
     up.add_argument("--exit-after-demo", action="store_true", help="stop the stack after the demo")

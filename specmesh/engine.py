@@ -27,6 +27,7 @@ from itertools import count
 
 import torch
 
+from specmesh.adaptive import AdaptivePolicy, PolicyMemory
 from specmesh.drafting import Path, TreeSpec, build_tree
 from specmesh.models import LoadedModel, check_pair
 from specmesh.runtime import ModelRunner, Step
@@ -43,6 +44,7 @@ class Request:
     params: SamplingParams
     max_new_tokens: int
     stop_token_ids: Sequence[int] = ()
+    adaptive: bool = False  # spec is then the tree family and the first round's depth
 
 
 @dataclass
@@ -56,6 +58,9 @@ class _Session:
     stats: GenerationStats = field(default_factory=GenerationStats)
     tree: DraftTree | None = None
     draft_nodes: dict[Path, int] = field(default_factory=dict)  # path -> the drafter's pending node
+    policy: AdaptivePolicy | None = None
+    spec: TreeSpec = field(default_factory=lambda: TreeSpec("none"))  # this round's
+    last_round: tuple[int, int] = (0, 0)  # (tree nodes, accepted) of the last verified round
 
 
 class LevelBatcher:
@@ -157,6 +162,7 @@ class SpeculativeEngine:
                 f"({self.verifier.vocab_size})"
             )
         self._ids = count()
+        self.policies = PolicyMemory()
 
     def generate(
         self,
@@ -165,8 +171,10 @@ class SpeculativeEngine:
         params: SamplingParams,
         max_new_tokens: int,
         stop_token_ids: Sequence[int] | None = None,
+        *,
+        adaptive: bool = False,
     ) -> GenerationResult:
-        request = Request(prompt_ids, spec, params, max_new_tokens, tuple(stop_token_ids or ()))
+        request = Request(prompt_ids, spec, params, max_new_tokens, tuple(stop_token_ids or ()), adaptive)
         return self.generate_many([request])[0]
 
     def generate_many(self, requests: Sequence[Request]) -> list[GenerationResult]:
@@ -175,6 +183,8 @@ class SpeculativeEngine:
         try:
             active = [s for s in sessions if s.finish_reason is None]
             while active:
+                for s in active:
+                    s.spec = s.policy.next_spec() if s.policy else s.request.spec
                 start = time.perf_counter()
                 self._draft(active)
                 mid = time.perf_counter()
@@ -184,11 +194,27 @@ class SpeculativeEngine:
                     s.stats.draft_seconds += mid - start
                     s.stats.verify_seconds += end - mid
                     s.stats.total_seconds += end - start
+                    if s.policy:
+                        nodes, accepted = s.last_round
+                        drafted = s.spec.method != "none"
+                        s.policy.observe(
+                            s.spec,
+                            GenerationStats.for_round(
+                                drafted_tokens=nodes,
+                                accepted_tokens=accepted,
+                                tree_depth=s.spec.depth if drafted else 0,
+                                draft_seconds=mid - start if drafted else 0.0,
+                                verify_seconds=end - mid,
+                                total_seconds=end - start,
+                            ),
+                        )
                 active = [s for s in active if s.finish_reason is None]
         finally:
             for s in sessions:
                 self.drafter.release(s.id)
                 self.verifier.release(s.id)
+                if s.policy:
+                    self.policies.remember(s.policy, s.request.params)
         return [GenerationResult(s.generated, s.finish_reason or "length", s.stats) for s in sessions]
 
     def _start(self, request: Request) -> _Session:
@@ -197,10 +223,12 @@ class SpeculativeEngine:
         if request.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
         seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
-        return _Session(f"engine-{next(self._ids)}", request, seed, [int(t) for t in request.prompt_ids])
+        policy = self.policies.new_policy(request.spec, request.params) if request.adaptive else None
+        sid = f"engine-{next(self._ids)}"
+        return _Session(sid, request, seed, [int(t) for t in request.prompt_ids], policy=policy)
 
     def _draft(self, sessions: list[_Session]) -> None:
-        drafting = [s for s in sessions if s.request.spec.method != "none"]
+        drafting = [s for s in sessions if s.spec.method != "none"]
         if not drafting:
             return
         batcher = LevelBatcher(self.drafter, len(drafting))
@@ -211,8 +239,8 @@ class SpeculativeEngine:
                 s.draft_nodes = {}
                 next_logits = drafter_next_logits(batcher.forward, s.id, s.tokens[known:], s.draft_nodes)
                 generator = derive_generator(s.seed, len(s.tokens), "draft")
-                s.tree = build_tree(s.request.spec, next_logits, s.request.params, generator)
-                s.stats.draft_calls += s.request.spec.depth
+                s.tree = build_tree(s.spec, next_logits, s.request.params, generator)
+                s.stats.draft_calls += s.spec.depth
             finally:
                 batcher.leave()
 
@@ -227,20 +255,21 @@ class SpeculativeEngine:
         steps = []
         for s in sessions:
             known = len(self.verifier.committed_tokens(s.id) or ())
-            tree = s.tree if s.request.spec.method != "none" else None
+            tree = s.tree if s.spec.method != "none" else None
             nodes = tree.tokens.tolist() if tree is not None else []
             parents = tree.parents.tolist() if tree is not None else []
             steps.append(Step(s.id, s.tokens[known:], nodes, parents))
         for s, logits in zip(sessions, self.verifier.forward(steps), strict=True):
             generator = derive_generator(s.seed, len(s.tokens), "verify")
             params = s.request.params
-            if s.tree is None or s.request.spec.method == "none":
+            if s.tree is None or s.spec.method == "none":
                 verdict = autoregressive_step(logits[0], params, generator)
             else:
                 verdict = verify_tree(s.tree, logits, params, generator)
                 self.drafter.commit(s.id, draft_keep_nodes(s.tree, verdict.accepted_nodes, s.draft_nodes))
             self.verifier.commit(s.id, verdict.accepted_nodes)
             s.stats.record(s.tree, len(verdict.accepted_nodes))
+            s.last_round = (s.tree.num_nodes if s.tree is not None else 0, len(verdict.accepted_nodes))
             self._emit(s, verdict.emitted_tokens)
             s.tree = None
 

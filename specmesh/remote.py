@@ -27,6 +27,7 @@ import grpc
 import torch
 
 from specmesh import wire
+from specmesh.adaptive import AdaptivePolicy
 from specmesh.drafting import TreeSpec
 from specmesh.engine import Request, keep_emitted
 from specmesh.proto import pb2, pb2_grpc
@@ -88,9 +89,12 @@ class RoundClient:
         verifier: pb2_grpc.VerifierStub | None,
         *,
         timeout: float | None = 60.0,
+        policy: AdaptivePolicy | None = None,
     ) -> None:
+        """policy: adaptive speculation; `spec` is then only its family and first depth."""
         self.id, self.params, self.spec = session_id, params, spec
         self.drafter, self.verifier, self.timeout = drafter, verifier, timeout
+        self.policy = policy
         self.held = {"drafter": 0, "verifier": 0}
         self.resyncs = 0
 
@@ -100,11 +104,12 @@ class RoundClient:
         Stats: draft_seconds and verify_seconds are what the services report (tree build time,
         batched forward time), total_seconds the round's wall time; the rest is network."""
         start = time.perf_counter()
+        spec = self.policy.next_spec() if self.policy else self.spec
         drafted = None
-        if self.spec.method != "none":
+        if spec.method != "none":
             if self.drafter is None:
-                raise ValueError(f"method {self.spec.method!r} needs a drafter")
-            make_draft = functools.partial(self._draft_request, tokens)
+                raise ValueError(f"method {spec.method!r} needs a drafter")
+            make_draft = functools.partial(self._draft_request, tokens, spec)
             drafted = await self._call("drafter", self.drafter.Draft, make_draft, len(tokens))
         tree = drafted.tree if drafted is not None else None
         make_verify = functools.partial(self._verify_request, tokens, tree)
@@ -120,10 +125,12 @@ class RoundClient:
             verify_seconds=verified.forward_seconds,
             total_seconds=time.perf_counter() - start,
         )
+        if self.policy:
+            self.policy.observe(spec, stats)
         return RoundResult(verdict, stats)
 
-    def _draft_request(self, tokens: Sequence[int], position: int) -> pb2.DraftRequest:
-        return wire.draft_request(self.id, position, list(tokens[position:]), self.params, self.spec)
+    def _draft_request(self, tokens: Sequence[int], spec: TreeSpec, position: int) -> pb2.DraftRequest:
+        return wire.draft_request(self.id, position, list(tokens[position:]), self.params, spec)
 
     def _verify_request(
         self, tokens: Sequence[int], tree: pb2.DraftTree | None, position: int
@@ -190,7 +197,13 @@ class RemoteSession(RoundClient):
         seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
         params = replace(request.params, seed=seed)
         super().__init__(
-            session_id or uuid.uuid4().hex, params, request.spec, drafter, verifier, timeout=timeout
+            session_id or uuid.uuid4().hex,
+            params,
+            request.spec,
+            drafter,
+            verifier,
+            timeout=timeout,
+            policy=AdaptivePolicy(request.spec) if request.adaptive else None,
         )
         self.request = request
         self.tokens = [int(t) for t in request.prompt_ids]  # committed: prompt + generated

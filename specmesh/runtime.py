@@ -149,7 +149,7 @@ class ModelRunner:
         self.num_layers = cfg.num_hidden_layers
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = model.get_output_embeddings().out_features  # also for int8 (quantized) heads
         self.max_cache_tokens = max_cache_tokens
         self.stats: dict[str, Any] = {
             "forwards": 0,

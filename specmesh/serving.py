@@ -115,7 +115,7 @@ _HELP: dict[str, tuple[type, str]] = {
     "host": (str, "address to listen on"),
     "port": (int, "gRPC port (0 = any free port; the log says which)"),
     "metrics_port": (int, "Prometheus /metrics port (0 = off)"),
-    "dtype": (str, "model dtype: bf16, fp16 or fp32"),
+    "dtype": (str, "model dtype: bf16, fp16, fp32, or int8 (int8 weights, CPU; for drafters)"),
     "device": (str, "torch device (empty = cuda when available, else cpu)"),
     "max_batch_size": (int, "sessions per model forward"),
     "max_batch_tokens": (int, "query tokens per model forward (a single larger step runs alone)"),
@@ -715,7 +715,7 @@ class ModelService(RpcService):
             model_id=self.model.source,
             vocab_size=self.vocab_size,
             tokenizer_fingerprint=self.model.tokenizer_fingerprint,
-            dtype=str(self.model.dtype).removeprefix("torch."),
+            dtype=self.model.weights or str(self.model.dtype).removeprefix("torch."),
             device=str(self.model.device),
             max_sessions=0,
             max_cache_tokens=c.max_cache_tokens,
@@ -756,7 +756,7 @@ async def _serve_model(config: ServiceConfig, service_cls: type[ModelService]) -
     hf_logging.disable_progress_bar()  # keep stderr to JSON lines
     model = load_model(config.model, dtype=config.dtype, device=config.device or None)
     service = service_cls(config, model, ServiceMetrics())
-    details = {"model": config.model, "dtype": str(model.dtype), "device": str(model.device)}
+    details = {"model": config.model, "dtype": model.weights, "device": str(model.device)}
     await serve(service, config, config.max_message_bytes, details)
 
 

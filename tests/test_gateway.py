@@ -198,6 +198,17 @@ def test_greedy_through_the_gateway_equals_the_engine_and_the_targets_greedy_dec
         assert stats.block_efficiency > 1.0 and stats.accepted_tokens > 0 and stats.draft_seconds > 0
 
 
+@pytest.mark.parametrize("method", ["chain", "rsd_s"])
+def test_adaptive_greedy_through_the_gateway_equals_the_targets_greedy_decode(
+    stub, target_greedy, method: str
+) -> None:
+    request = make_request(SPECS[method], max_new_tokens=24)
+    request.speculation.adaptive = True
+    response = stub.Generate(request, timeout=60)
+    assert list(response.token_ids) == target_greedy[:24]
+    assert response.stats.accepted_tokens > 0
+
+
 def test_sampled_streaming_equals_unary_and_the_engine(stub, reference) -> None:
     spec = SPECS["rsd_s"]
     request = make_request(spec, max_new_tokens=16, params=SamplingParams(1.0, seed=7))
@@ -388,6 +399,10 @@ BAD_INPUT: dict[str, tuple[gateway_pb2.GenerateRequest, str]] = {
         "speculation.beam_width: ",
     ),
     "depth-for-none": (with_fields(speculation={"method": "none", "depth": 2}), "speculation.depth: "),
+    "adaptive-for-none": (
+        with_fields(speculation={"method": "none", "depth": 0, "adaptive": True}),
+        "speculation.adaptive: ",
+    ),
     "mtad-threshold-above-one": (
         with_fields(speculation={"method": "mtad", "mtadThreshold": 1.5}),
         "speculation.mtad_threshold: ",

@@ -232,3 +232,27 @@ def test_default_pair_generates():
         out = lm.model.generate(ids, max_new_tokens=8, do_sample=False)
         assert out.shape[1] == ids.shape[1] + 8
         assert lm.tokenizer.decode(out[0, ids.shape[1] :]).strip()
+
+
+def test_int8_weights_for_drafters(tiny_dirs):
+    """dtype int8: Linear weights quantized (fp32 activations, CPU), logits close to fp32's, and
+    the engine with an int8 draft still emits exactly the target's greedy decode."""
+    from specmesh.drafting import TreeSpec
+    from specmesh.engine import SpeculativeEngine
+    from specmesh.sampling import SamplingParams
+
+    q = load_model(tiny_dirs["qwen2"], dtype="int8")
+    full = load_model(tiny_dirs["qwen2"], dtype="fp32", device="cpu")
+    assert q.weights == "int8" and full.weights == "float32" and q.dtype == torch.float32
+    assert not any(type(m) is torch.nn.Linear for m in q.model.modules())
+    ids = torch.tensor([[5, 9, 14, 30]])
+    with torch.no_grad():
+        diff = (q.model(ids).logits - full.model(ids).logits).abs().max().item()
+    assert 0 < diff < 0.05
+    prompt = [5, 9, 14, 30, 41]
+    want = full.model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    engine = SpeculativeEngine(q, full)
+    result = engine.generate(prompt, TreeSpec("chain", depth=3), SamplingParams(0.0), 12)
+    assert result.token_ids == want[0, len(prompt) :].tolist()
+    with pytest.raises(ValueError, match="CPU only"):
+        load_model(tiny_dirs["qwen2"], dtype="int8", device="meta")

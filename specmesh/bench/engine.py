@@ -1,21 +1,18 @@
-"""Engine tokens/s on the real pair: autoregressive vs chain vs tree methods, same run.
+"""Quick engine tokens/s on the real pair: autoregressive vs chain vs tree methods, same run.
 
-Each method generates from the same HumanEval prompts with the same seed; speed is reported as
-a ratio to plain autoregressive decoding of the target measured in the same process.
+`specmesh bench report` (suite.py) is the full benchmark; this is the two-minute check. Each
+method generates from the same HumanEval prompts with the same seeds; speed is a ratio to plain
+autoregressive decoding measured in the same process.
 """
 
 from __future__ import annotations
 
 import platform
 import time
-from dataclasses import dataclass
 
 import torch
 
 from specmesh.drafting import TreeSpec
-from specmesh.engine import SpeculativeEngine
-from specmesh.models import load_model
-from specmesh.sampling import SamplingParams
 
 DEFAULT_SPECS = {
     "none": TreeSpec("none"),
@@ -32,23 +29,6 @@ def humaneval_prompts(n: int) -> list[str]:
     return [problems[f"HumanEval/{i}"]["prompt"] for i in range(n)]
 
 
-@dataclass
-class EngineRow:
-    method: str
-    temperature: float
-    tokens: int
-    seconds: float
-    target_calls: int
-    block_efficiency: float
-    acceptance_per_depth: list[float]
-    draft_seconds: float
-    verify_seconds: float
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds
-
-
 def bench_engine(
     draft: str = "default-draft",
     target: str = "default-target",
@@ -58,35 +38,32 @@ def bench_engine(
     temperatures: tuple[float, ...] = (0.0, 1.0),
     specs: dict[str, TreeSpec] | None = None,
 ) -> dict:
+    from specmesh.bench.suite import run_engine, stats_fields
+    from specmesh.engine import SpeculativeEngine
+    from specmesh.models import load_model
+    from specmesh.sampling import SamplingParams
+
     specs = specs or DEFAULT_SPECS
     d, t = load_model(draft, dtype=dtype), load_model(target, dtype=dtype)
     engine = SpeculativeEngine(d, t)
-    texts = humaneval_prompts(prompts)
-    ids = [t.tokenizer(text)["input_ids"] for text in texts]
+    ids = [t.tokenizer(text)["input_ids"] for text in humaneval_prompts(prompts)]
     engine.generate(ids[0], TreeSpec("chain", depth=2), SamplingParams(0.0), 4)  # warm-up
     rows = []
     for temperature in temperatures:
+        base = None
         for name, spec in specs.items():
-            row = EngineRow(name, temperature, 0, 0.0, 0, 0.0, [], 0.0, 0.0)
-            etas, accs = [], []
-            for i, prompt in enumerate(ids):
-                params = SamplingParams(temperature=temperature, seed=1000 + i)
-                start = time.perf_counter()
-                result = engine.generate(prompt, spec, params, max_new_tokens)
-                row.seconds += time.perf_counter() - start
-                row.tokens += len(result.token_ids)
-                row.target_calls += result.stats.target_calls
-                row.draft_seconds += result.stats.draft_seconds
-                row.verify_seconds += result.stats.verify_seconds
-                etas.append(result.stats.block_efficiency)
-                accs.append(result.stats.acceptance_per_depth)
-            row.block_efficiency = sum(etas) / len(etas)
-            depth = max(len(a) for a in accs)
-            row.acceptance_per_depth = [
-                sum(a[k] for a in accs if len(a) > k) / len(accs) for k in range(depth)
-            ]
+            tokens, seconds, stats, _ = run_engine(engine, ids, spec, temperature, max_new_tokens)
+            row = dict(method=name, temperature=temperature, tokens=tokens, seconds=seconds)
+            row.update(tokens_per_second=tokens / seconds, target_calls=stats.rounds, **stats_fields(stats))
+            base = base or row["tokens_per_second"]
             rows.append(row)
-            print(_format(row, rows), flush=True)
+            acc = " ".join(f"{a:.2f}" for a in row["acceptance_per_depth"])
+            print(
+                f"T={temperature:<3} {name:<12} {row['tokens_per_second']:6.2f} tok/s  "
+                f"x{row['tokens_per_second'] / base:4.2f} vs AR  eta {row['block_efficiency']:4.2f}  "
+                f"draft {row['draft_seconds']:6.1f}s verify {row['verify_seconds']:6.1f}s  acc/depth [{acc}]",
+                flush=True,
+            )
     return dict(
         machine=f"{platform.node()} {platform.processor() or platform.machine()}",
         threads=torch.get_num_threads(),
@@ -95,16 +72,5 @@ def bench_engine(
         date=time.strftime("%Y-%m-%d %H:%M:%S"),
         max_new_tokens=max_new_tokens,
         prompts=prompts,
-        rows=[dict(vars(r), tokens_per_second=r.tokens_per_second) for r in rows],
-    )
-
-
-def _format(row: EngineRow, rows: list[EngineRow]) -> str:
-    base = next((r for r in rows if r.method == "none" and r.temperature == row.temperature), None)
-    ratio = row.tokens_per_second / base.tokens_per_second if base else float("nan")
-    acc = " ".join(f"{a:.2f}" for a in row.acceptance_per_depth)
-    return (
-        f"T={row.temperature:<3} {row.method:<12} {row.tokens_per_second:6.2f} tok/s  x{ratio:4.2f} vs AR  "
-        f"eta {row.block_efficiency:4.2f}  calls {row.target_calls:4d}  "
-        f"draft {row.draft_seconds:6.1f}s verify {row.verify_seconds:6.1f}s  acc/depth [{acc}]"
+        rows=rows,
     )

@@ -17,13 +17,15 @@ from specmesh.drafting import TreeSpec
 from specmesh.proto import load
 
 
-def _speculation(pb2, spec: TreeSpec):
+def speculation_message(pb2, spec: TreeSpec, adaptive: bool = False):
+    """The public API's Speculation for a TreeSpec (fields the method does not use left unset)."""
     return pb2.Speculation(
         method=spec.method,
         depth=spec.depth if spec.method != "none" else 0,
-        branching=list(spec.branching),
+        branching=list(spec.branching) if spec.method in ("mcsd", "rsd_c") else [],
         beam_width=spec.beam_width if spec.method in ("rsd_s", "mtad") else 0,
         replacement=spec.replacement,
+        adaptive=adaptive,
     )
 
 
@@ -52,7 +54,7 @@ def bench_gateway(
                         prompt=text,
                         max_new_tokens=max_new_tokens,
                         sampling=pb2.Sampling(temperature=temperature, seed=1000 + i),
-                        speculation=_speculation(pb2, spec),
+                        speculation=speculation_message(pb2, spec),
                     )
                     start = time.perf_counter()
                     response = stub.Generate(request, timeout=600)

@@ -1,0 +1,612 @@
+"""`specmesh bench report`: every comparison of the benchmark issue in one run, on the real pair.
+
+Phases (each can be re-run alone with --phases; its rows replace the old ones in results.json):
+  sweeps     in-process engine: RSD Exp1 (fixed depth), Exp2 (fixed node budget), MCSD's k table,
+             MTAD vs chain with perplexity under the target; one autoregressive row per
+             temperature is the reference for their speedups
+  baselines  transformers: plain `generate` and `generate(assistant_model=...)` (assisted)
+  gateway    a stack started by this command (`specmesh up --no-demo`): autoregressive, fixed
+             shapes and the adaptive mode through the public API, for each draft dtype
+  scaling    1, 2, 4, 8 concurrent streams through the gateway: aggregate tokens/s, per-token
+             latency, time to first token
+Every speedup is a ratio of two rows measured in this run (the VM's speed drifts between runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specmesh.drafting import TreeSpec
+from specmesh.sampling import SamplingParams
+from specmesh.stats import GenerationStats
+
+PHASES = ("sweeps", "baselines", "gateway", "scaling")
+AR = TreeSpec("none")
+
+
+@dataclass
+class SuiteConfig:
+    draft: str = "default-draft"
+    target: str = "default-target"
+    dtype: str = "bf16"  # the target's, always
+    draft_dtypes: tuple[str, ...] = ("int8", "bf16")  # gateway phase; sweeps use the first
+    prompts: int = 6  # headline: baselines and gateway
+    max_new_tokens: int = 96
+    sweep_prompts: int = 2
+    sweep_max_new_tokens: int = 64
+    scaling: tuple[int, ...] = (1, 2, 4, 8)
+    scaling_max_new_tokens: int = 64
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    phases: tuple[str, ...] = PHASES
+    out: Path = Path("docs/benchmarks")
+    headline: dict[str, tuple[TreeSpec, bool]] = field(default_factory=lambda: dict(HEADLINE))
+
+
+# label -> (tree, adaptive); the adaptive rows give the family and the first round's depth
+HEADLINE = {
+    "chain L=4": (TreeSpec("chain", depth=4), False),
+    "rsd_s 2x4": (TreeSpec("rsd_s", depth=4, beam_width=2), False),
+    "rsd_s 3x4": (TreeSpec("rsd_s", depth=4, beam_width=3), False),
+    "adaptive chain": (TreeSpec("chain", depth=4), True),
+}
+SECOND_DTYPE = ("chain L=4", "adaptive chain")  # what the other draft dtypes' stacks run
+SCALING = ("autoregressive", "chain L=4", "adaptive chain")
+
+
+# ---- the papers' shapes ------------------------------------------------------------------------
+
+
+def _dashes(branching: Sequence[int]) -> str:
+    return "-".join(str(b) for b in branching)
+
+
+def exp1_specs(depth: int) -> list[tuple[str, TreeSpec]]:
+    """RSD paper 001 App. C.3.1 at draft length L: K×L for K independent sequences (here MCSD's
+    [K,1,…,1] tree, i.i.d. and without replacement: K-SEQ is not implemented) and RSD-S beams."""
+    k_small, k_large = {2: (2, 3), 3: (3, 4), 4: (5, 7), 5: (6, 12)}[depth]
+    seq = (k_small,) + (1,) * (depth - 1)
+    return [
+        (f"chain L={depth}", TreeSpec("chain", depth=depth)),
+        (f"mcsd iid {_dashes(seq)}", TreeSpec("mcsd", depth=depth, branching=seq, replacement=True)),
+        (f"mcsd wor {_dashes(seq)}", TreeSpec("mcsd", depth=depth, branching=seq)),
+        (f"rsd_c {_dashes((2,) * depth)}", TreeSpec("rsd_c", depth=depth, branching=(2,) * depth)),
+        (f"rsd_s {k_small}x{depth}", TreeSpec("rsd_s", depth=depth, beam_width=k_small)),
+        (f"rsd_s {k_large}x{depth}", TreeSpec("rsd_s", depth=depth, beam_width=k_large)),
+    ]
+
+
+# App. C.3.2: budget -> RSD-S (beam, depth) shapes and the first RSD-C shape; SD drafts B tokens.
+EXP2 = {
+    6: ([(2, 3), (3, 2)], (2, 1, 1)),
+    10: ([(2, 5), (5, 2)], (2, 1, 1, 1, 1)),
+    14: ([(2, 7), (7, 2)], (2, 1, 1, 1, 1, 1, 1)),
+    21: ([(3, 7), (7, 3)], (3, 1, 1, 1, 1, 1, 1)),
+    30: ([(5, 6), (6, 5)], (2, 2, 2, 2)),
+}
+
+
+def exp2_specs(budget: int) -> list[tuple[str, TreeSpec]]:
+    beams, rsd_c = EXP2[budget]
+    out = [(f"chain L={budget}", TreeSpec("chain", depth=budget))]
+    out += [(f"rsd_s {w}x{d}", TreeSpec("rsd_s", depth=d, beam_width=w)) for w, d in beams]
+    out.append((f"rsd_c {_dashes(rsd_c)}", TreeSpec("rsd_c", depth=len(rsd_c), branching=rsd_c)))
+    return out
+
+
+def mcsd_specs() -> list[tuple[str, int, TreeSpec]]:
+    """MCSD paper 004: k = 1 vs k = 4 candidates per step (depth 2), then k-configs with at most
+    32 leaves (their Tables 1–3 search space), without replacement."""
+    out = [
+        ("mcsd k=1 1-1", 1, TreeSpec("mcsd", depth=2, branching=(1, 1), replacement=True)),
+        ("mcsd iid k=4 4-4", 4, TreeSpec("mcsd", depth=2, branching=(4, 4), replacement=True)),
+        ("mcsd wor k=4 4-4", 4, TreeSpec("mcsd", depth=2, branching=(4, 4))),
+    ]
+    for config in ((2, 2, 1), (4, 2, 1), (4, 2, 2), (8, 2, 1)):
+        out.append((f"mcsd wor {_dashes(config)}", config[0], TreeSpec("mcsd", depth=3, branching=config)))
+    return out
+
+
+MTAD = [
+    ("mtad 3x3", TreeSpec("mtad", depth=3, beam_width=3)),
+    ("mtad 3x4", TreeSpec("mtad", depth=4, beam_width=3)),
+    ("chain L=3", TreeSpec("chain", depth=3)),
+    ("chain L=4", TreeSpec("chain", depth=4)),
+]
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+
+
+def alpha(stats: GenerationStats) -> float | None:
+    """Per-step acceptance: levels passed / levels examined (a level is examined when the path
+    reached its parent), MCSD's α made explicit."""
+    reach = stats.accepted_per_depth
+    if not stats.rounds or not reach:
+        return None
+    tried = [stats.rounds, *reach[:-1]]
+    return sum(reach) / sum(tried)
+
+
+def _row(experiment: str, label: str, temperature: float, **values) -> dict:
+    row = dict(
+        experiment=experiment, label=label, temperature=temperature, date=time.strftime("%Y-%m-%d %H:%M")
+    )
+    row.update(values)
+    if row.get("seconds"):
+        row["tokens_per_second"] = row["tokens"] / row["seconds"]
+    return row
+
+
+def stats_fields(stats: GenerationStats) -> dict:
+    return dict(
+        block_efficiency=stats.block_efficiency,
+        acceptance_per_depth=stats.acceptance_per_depth,
+        alpha=alpha(stats),
+        draft_seconds=stats.draft_seconds,
+        verify_seconds=stats.verify_seconds,
+        network_seconds=stats.network_seconds,
+    )
+
+
+def _spec_fields(spec: TreeSpec) -> dict:
+    drafted = spec.method != "none"
+    return dict(method=spec.method, depth=spec.depth if drafted else 0, nodes=spec.max_nodes)
+
+
+def run_engine(engine, prompts: list[list[int]], spec: TreeSpec, temperature: float, max_new: int):
+    """Generate every prompt (seed 1000 + i); -> (tokens, seconds, summed stats, outputs)."""
+    stats, seconds, outputs = GenerationStats(), 0.0, []
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=temperature, seed=1000 + i)
+        start = time.perf_counter()
+        result = engine.generate(prompt, spec, params, max_new)
+        seconds += time.perf_counter() - start
+        stats += result.stats
+        outputs.append(result.token_ids)
+    return sum(len(o) for o in outputs), seconds, stats, outputs
+
+
+@torch.inference_mode()
+def perplexity(model, prompts: list[list[int]], outputs: list[list[int]]) -> float:
+    """exp(mean negative log-likelihood of the generated tokens under `model`)."""
+    nll, count = 0.0, 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        ids = torch.tensor([prompt + out], device=model.device)
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        nll -= logp.gather(1, torch.tensor(out, device=model.device)[:, None]).sum().item()
+        count += len(out)
+    return math.exp(nll / count)
+
+
+def sweeps(cfg: SuiteConfig, draft, target, texts: list[str]) -> list[dict]:
+    from specmesh.engine import SpeculativeEngine
+
+    engine = SpeculativeEngine(draft, target)
+    prompts = [target.tokenizer(t)["input_ids"] for t in texts[: cfg.sweep_prompts]]
+    max_new = cfg.sweep_max_new_tokens
+    engine.generate(prompts[0], TreeSpec("chain", depth=2), SamplingParams(0.0), 4)  # warm-up
+    rows = []
+    for t in cfg.temperatures:
+        tokens, seconds, stats, outputs = run_engine(engine, prompts, AR, t, max_new)
+        ar_rate = tokens / seconds
+        ppl = perplexity(target.model, prompts, outputs)
+        ar = dict(tokens=tokens, seconds=seconds, via="engine", speedup=1.0, **_spec_fields(AR))
+        for experiment in ("exp1", "exp2", "mtad"):
+            rows.append(_row(experiment, "autoregressive", t, **ar, perplexity=ppl, **stats_fields(stats)))
+        _log(rows[-1])
+
+        def measure(experiment: str, label: str, spec: TreeSpec, with_ppl: bool = False, **extra) -> None:
+            tokens, seconds, stats, outputs = run_engine(engine, prompts, spec, t, max_new)  # noqa: B023
+            rate = tokens / seconds
+            row = _row(experiment, label, t, tokens=tokens, seconds=seconds, via="engine", **extra)  # noqa: B023
+            row["draft_dtype"] = cfg.draft_dtypes[0]
+            row.update(speedup=rate / ar_rate, **_spec_fields(spec), **stats_fields(stats))  # noqa: B023
+            if with_ppl:
+                row["perplexity"] = perplexity(target.model, prompts, outputs)
+            rows.append(row)
+            _log(row)
+
+        for depth in (2, 3, 4, 5):
+            for label, spec in exp1_specs(depth):
+                measure("exp1", label, spec)
+        for budget in EXP2:
+            for label, spec in exp2_specs(budget):
+                measure("exp2", label, spec)
+        for label, k, spec in mcsd_specs():
+            measure("mcsd", label, spec, k=k)
+        for label, spec in MTAD:
+            measure("mtad", label, spec, with_ppl=True)
+    return rows
+
+
+def baselines(cfg: SuiteConfig, draft_bf16, target, texts: list[str]) -> list[dict]:
+    """transformers' own decoding of the same prompts: plain generate and assisted generation."""
+    rows = []
+    prompts = [target.tokenizer(t, return_tensors="pt")["input_ids"] for t in texts[: cfg.prompts]]
+    eos = target.tokenizer.eos_token_id
+    for t in cfg.temperatures:
+        plain_rate = None
+        for label, assistant in (("hf generate", None), ("hf assisted", draft_bf16.model)):
+            tokens, seconds = 0, 0.0
+            for i, ids in enumerate(prompts):
+                torch.manual_seed(1000 + i)
+                sampling = dict(temperature=t, top_k=0, top_p=1.0) if t > 0 else {}
+                start = time.perf_counter()
+                out = target.model.generate(
+                    ids.to(target.device),
+                    attention_mask=torch.ones_like(ids).to(target.device),
+                    assistant_model=assistant,
+                    max_new_tokens=cfg.max_new_tokens,
+                    do_sample=t > 0,
+                    repetition_penalty=1.0,
+                    eos_token_id=eos,
+                    pad_token_id=eos,
+                    **sampling,
+                )
+                seconds += time.perf_counter() - start
+                tokens += out.shape[1] - ids.shape[1]
+            row = _row(
+                "baseline", label, t, tokens=tokens, seconds=seconds, via="transformers",
+                method="hf_assisted" if assistant is not None else "hf_generate", draft_dtype="bf16",
+            )  # fmt: skip
+            plain_rate = plain_rate or row["tokens_per_second"]
+            row["speedup"] = row["tokens_per_second"] / plain_rate
+            rows.append(row)
+            _log(row)
+    return rows
+
+
+# ---- through the gateway -----------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_stack(cfg: SuiteConfig, draft_dtype: str) -> Iterator[str]:
+    """`specmesh up` in a child process; yields the gateway address once it answers."""
+    import grpc
+
+    from specmesh.proto import load
+
+    port = _free_port()
+    argv = [sys.executable, "-m", "specmesh.cli", "up", "--no-demo", "--port", str(port)]
+    argv += ["--draft", cfg.draft, "--target", cfg.target, "--dtype", cfg.dtype, "--draft-dtype", draft_dtype]
+    log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in the finally below)
+        "w", prefix=f"specmesh-stack-{draft_dtype}-", suffix=".log", delete=False
+    )
+    child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    try:
+        pb2, pb2_grpc = load("gateway")
+        deadline = time.monotonic() + 900
+        while True:
+            if child.poll() is not None:
+                raise RuntimeError(f"specmesh up exited with {child.returncode}; see {log.name}")
+            with grpc.insecure_channel(address) as channel:
+                try:
+                    request = pb2.GenerateRequest(prompt="def f():", max_new_tokens=1)
+                    pb2_grpc.GatewayStub(channel).Generate(request, timeout=30)
+                    break
+                except grpc.RpcError:
+                    if time.monotonic() > deadline:
+                        raise
+            time.sleep(2)
+        yield address
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGTERM)
+        try:
+            child.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+        log.close()
+
+
+async def _stream(stub, request) -> dict:
+    """One streamed generation: chunk arrival times, tokens, final stats."""
+    start = time.perf_counter()
+    arrivals, last = [], None
+    async for chunk in stub.GenerateStream(request, timeout=900):
+        if chunk.token_ids:
+            arrivals.append((time.perf_counter() - start, len(chunk.token_ids)))
+        last = chunk
+    return dict(arrivals=arrivals, seconds=time.perf_counter() - start, stats=last.stats)
+
+
+async def run_gateway(
+    address: str, texts: list[str], spec: TreeSpec, adaptive: bool, temperature: float, max_new: int,
+    concurrency: int,
+) -> dict:  # fmt: skip
+    """`concurrency` streams at once, each its own prompt (seed 1000 + i); sequential batches
+    until every text is done. Returns tokens, wall seconds, latencies and summed stats."""
+    import grpc
+
+    from specmesh.bench.gateway import speculation_message
+    from specmesh.proto import load
+
+    pb2, pb2_grpc = load("gateway")
+    results, wall = [], 0.0
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb2_grpc.GatewayStub(channel)
+        for first in range(0, len(texts), concurrency):
+            batch = [
+                pb2.GenerateRequest(
+                    prompt=text,
+                    max_new_tokens=max_new,
+                    sampling=pb2.Sampling(temperature=temperature, seed=1000 + first + i),
+                    speculation=speculation_message(pb2, spec, adaptive),
+                )
+                for i, text in enumerate(texts[first : first + concurrency])
+            ]
+            start = time.perf_counter()
+            results += await asyncio.gather(*(_stream(stub, r) for r in batch))
+            wall += time.perf_counter() - start
+    ttft = [r["arrivals"][0][0] * 1000 for r in results if r["arrivals"]]
+    per_token = []  # a chunk's gap to the previous chunk, shared by its tokens
+    for r in results:
+        prev = None
+        for at, n in r["arrivals"]:
+            if prev is not None:
+                per_token += [(at - prev) * 1000 / n] * n
+            prev = at
+    stats = GenerationStats()
+    rounds = etas = 0
+    for r in results:
+        s = r["stats"]
+        rounds += s.target_calls
+        etas += s.block_efficiency * s.target_calls
+        stats.draft_seconds += s.draft_seconds
+        stats.verify_seconds += s.verify_seconds
+        stats.network_seconds += s.network_seconds
+    return dict(
+        tokens=sum(n for r in results for _, n in r["arrivals"]),
+        seconds=wall,
+        block_efficiency=etas / rounds if rounds else None,
+        draft_seconds=stats.draft_seconds,
+        verify_seconds=stats.verify_seconds,
+        network_seconds=stats.network_seconds,
+        ttft_p50_ms=_percentile(ttft, 50),
+        ttft_p95_ms=_percentile(ttft, 95),
+        token_latency_p50_ms=_percentile(per_token, 50),
+        token_latency_p95_ms=_percentile(per_token, 95),
+    )
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return float(torch.quantile(torch.tensor(values, dtype=torch.float64), q / 100))
+
+
+def gateway_rows(cfg: SuiteConfig, texts: list[str], phases: Sequence[str]) -> list[dict]:
+    rows = []
+    for n, draft_dtype in enumerate(cfg.draft_dtypes):
+        scaling = "scaling" in phases and n == 0
+        if "gateway" not in phases and not scaling:
+            continue
+        with running_stack(cfg, draft_dtype) as address:
+            if "gateway" in phases:
+                rows += _headline(cfg, address, texts, draft_dtype, full=n == 0)
+            if scaling:
+                rows += _scaling(cfg, address, texts, draft_dtype)
+    return rows
+
+
+def _headline(cfg: SuiteConfig, address: str, texts: list[str], draft_dtype: str, full: bool) -> list[dict]:
+    """Autoregressive and every headline shape; with a second draft dtype only SECOND_DTYPE."""
+    rows = []
+    shapes = {"autoregressive": (AR, False)}
+    shapes.update({k: v for k, v in cfg.headline.items() if full or k in SECOND_DTYPE})
+    for t in cfg.temperatures:
+        base = None
+        for label, (spec, adaptive) in shapes.items():
+            m = asyncio.run(
+                run_gateway(address, texts[: cfg.prompts], spec, adaptive, t, cfg.max_new_tokens, 1)
+            )
+            drafts = spec.method != "none"
+            dtype = draft_dtype if drafts else None
+            row = _row("headline", label, t, via="gateway", draft_dtype=dtype, **_spec_fields(spec), **m)
+            row["method"] = "adaptive" if adaptive else spec.method
+            base = base or row["tokens_per_second"]
+            row["speedup"] = row["tokens_per_second"] / base
+            if draft_dtype != cfg.draft_dtypes[0]:  # its own stack: its own autoregressive reference
+                row["label"] = (
+                    f"{label} ({draft_dtype}-draft stack)" if drafts else f"{label} ({draft_dtype} stack)"
+                )
+            rows.append(row)
+            _log(row)
+    return rows
+
+
+def _scaling(cfg: SuiteConfig, address: str, texts: list[str], draft_dtype: str) -> list[dict]:
+    rows = []
+    shapes = {"autoregressive": (AR, False), **cfg.headline}
+    for t in cfg.temperatures:
+        for concurrency in cfg.scaling:
+            base = None
+            for label in SCALING:
+                spec, adaptive = shapes[label]
+                m = asyncio.run(
+                    run_gateway(address, texts[:concurrency], spec, adaptive, t, cfg.scaling_max_new_tokens,
+                                concurrency)
+                )  # fmt: skip
+                row = _row(
+                    "scaling", label, t, via="gateway", concurrency=concurrency, draft_dtype=draft_dtype,
+                    **_spec_fields(spec), **m,
+                )  # fmt: skip
+                row["method"] = "adaptive" if adaptive else spec.method
+                base = base or row["tokens_per_second"]
+                row["speedup"] = row["tokens_per_second"] / base
+                rows.append(row)
+                _log(row)
+    return rows
+
+
+# ---- the whole run -----------------------------------------------------------------------------
+
+
+def _log(row: dict) -> None:
+    eta = row.get("block_efficiency")
+    print(
+        f"[{row['experiment']:<8}] T={row['temperature']:<3} {row['label']:<26} "
+        f"{row.get('tokens_per_second', 0):6.2f} tok/s  x{row.get('speedup') or 0:4.2f}  "
+        f"eta {eta if eta is not None else float('nan'):4.2f}"
+        + (f"  c={row['concurrency']}" if row.get("concurrency") else ""),
+        flush=True,
+    )
+
+
+def _model_name(source: str) -> str:
+    from specmesh.model_store import DEFAULT_SOURCES
+
+    known = DEFAULT_SOURCES.get(source)
+    return f"{source} = {known.name} (GGUF Q4_K_M, dequantised)" if known else source
+
+
+def meta(cfg: SuiteConfig, pair: Sequence[str], seconds: float) -> dict:
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return dict(
+        machine=f"{platform.node()} ({os.cpu_count()} cores, {gpu})",
+        cpu=cpu,
+        threads=torch.get_num_threads(),
+        dtype=cfg.dtype,
+        draft_dtype=cfg.draft_dtypes[0],
+        pair=[_model_name(p) for p in pair],
+        date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        prompts=cfg.prompts,
+        max_new_tokens=cfg.max_new_tokens,
+        sweep_prompts=cfg.sweep_prompts,
+        sweep_max_new_tokens=cfg.sweep_max_new_tokens,
+        command="specmesh bench report",
+        seconds=seconds,  # the last invocation's
+        phases_run=list(cfg.phases),  # by the last invocation; the rows' own dates say when
+    )
+
+
+ISSUE_ASSISTED_SPEEDUP = {0.0: 1.69, 1.0: 1.42}  # transformers assisted / plain, as the issue states
+
+
+def goals(rows: list[dict]) -> list[dict]:
+    """The issue's goals, from this run's rows (best row per goal)."""
+
+    def pick(experiment: str, t: float, pred) -> list[dict]:
+        return [r for r in rows if r["experiment"] == experiment and r["temperature"] == t and pred(r)]
+
+    out = []
+    for t, target in ((0.0, 2.0), (1.0, 1.7)):
+        spec_rows = pick("headline", t, lambda r: r["method"] != "none")
+        best = max(spec_rows, key=lambda r: r["tokens_per_second"], default=None)
+        out.append(_goal(f"gateway vs autoregressive, T={t:g}", target, best and best["speedup"], best))
+        hf = pick("baseline", t, lambda r: r["method"] == "hf_assisted")
+        ratio = best["tokens_per_second"] / hf[0]["tokens_per_second"] if best and hf else None
+        out.append(_goal(f"gateway vs transformers assisted, T={t:g}", 1.25, ratio, best))
+        # The issue measured assisted generation at 1.69x / 1.42x plain generate on this machine;
+        # also hold the gateway to that figure, in case this run's assisted number is low.
+        plain = pick("baseline", t, lambda r: r["method"] == "hf_generate")
+        quoted = ISSUE_ASSISTED_SPEEDUP[t]
+        ratio = None
+        if best and plain:
+            ratio = best["tokens_per_second"] / (quoted * plain[0]["tokens_per_second"])
+        name = f"gateway vs the issue's assisted figure ({quoted}x plain generate), T={t:g}"
+        out.append(_goal(name, 1.25, ratio, best))
+    exp1 = [r for r in rows if r["experiment"] == "exp1" and r["temperature"] == 1.0]
+    ratios = []
+    for depth in sorted({r["depth"] for r in exp1 if r["depth"]}):
+        chain = [r for r in exp1 if r["depth"] == depth and r["method"] == "chain"]
+        trees = [r for r in exp1 if r["depth"] == depth and r["method"] not in ("chain", "none")]
+        if chain and trees:
+            tree = max(trees, key=lambda r: r["block_efficiency"])
+            ratios.append((tree["block_efficiency"] / chain[0]["block_efficiency"], depth, tree["label"]))
+    if ratios:
+        ratio, depth, label = max(ratios)
+        out.append(
+            dict(name="best tree η / chain η at the same depth, T=1", target=1.15, measured=ratio,
+                 met=ratio >= 1.15, detail=f"L={depth}: {label}; all depths: "
+                 + ", ".join(f"L={d} {r:.2f}" for r, d, _ in sorted(ratios, key=lambda x: x[1])))
+        )  # fmt: skip
+    return out
+
+
+def _goal(name: str, target: float, measured: float | None, row: dict | None) -> dict:
+    detail = f"best: {row['label']} ({row.get('draft_dtype') or '-'} draft)" if row else ""
+    met = None if measured is None else measured >= target
+    return dict(name=name, target=target, measured=measured, met=met, detail=detail)
+
+
+def run_suite(cfg: SuiteConfig) -> dict:
+    """Run the phases, merge with the rows of phases not re-run, write JSON + the report."""
+    from specmesh.bench.engine import humaneval_prompts
+    from specmesh.bench.report import write_report
+    from specmesh.models import load_model
+
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    path = cfg.out / "results.json"
+    old = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    started = time.perf_counter()
+    texts = humaneval_prompts(max(cfg.prompts, cfg.sweep_prompts, max(cfg.scaling)))
+    rows: list[dict] = []
+    redone: set[str] = set()
+    if "sweeps" in cfg.phases or "baselines" in cfg.phases:
+        target = load_model(cfg.target, dtype=cfg.dtype)
+        if "baselines" in cfg.phases:
+            draft_bf16 = load_model(cfg.draft, dtype=cfg.dtype)
+            rows += baselines(cfg, draft_bf16, target, texts)
+            redone.add("baseline")
+            del draft_bf16
+        if "sweeps" in cfg.phases:
+            draft = load_model(cfg.draft, dtype=cfg.draft_dtypes[0])
+            rows += sweeps(cfg, draft, target, texts)
+            redone |= {"exp1", "exp2", "mcsd", "mtad"}
+            del draft
+        del target
+        gc.collect()
+    rows += gateway_rows(cfg, texts, cfg.phases)
+    redone |= {"headline"} if "gateway" in cfg.phases else set()
+    redone |= {"scaling"} if "scaling" in cfg.phases else set()
+    rows = [r for r in old["rows"] if r["experiment"] not in redone] + rows
+    info = meta(cfg, (cfg.draft, cfg.target), time.perf_counter() - started)
+    if not redone:  # only re-rendering: the measurements' own meta stands
+        info.update(
+            {k: old["meta"][k] for k in ("date", "seconds", "phases_run") if k in old.get("meta", {})}
+        )
+    measured: dict[str, str] = {}
+    for r in rows:
+        measured[r["experiment"]] = min(measured.get(r["experiment"], r.get("date", "?")), r.get("date", "?"))
+    info["measured"] = measured
+    results = dict(meta=info, goals=goals(rows), rows=rows)
+    path.write_text(json.dumps(results, indent=1))
+    write_report(results, cfg.out)
+    return results

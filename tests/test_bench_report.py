@@ -1,0 +1,331 @@
+"""specmesh.bench.report: the markdown report and its plots from a synthetic results dict."""
+
+from __future__ import annotations
+
+import re
+
+from specmesh.bench.report import write_report
+
+SECTIONS = {
+    "baseline": "## Headline: through the gateway",
+    "exp1": "## Exp1: fixed depth L",
+    "exp2": "## Exp2: fixed node budget B",
+    "mcsd": "## MCSD: k = 1 vs k = 4 and the best k-config",
+    "mtad": "## MTAD vs chain",
+    "scaling": "## Scaling: concurrent sessions through the gateway",
+}
+PLOTS = {"headline.png", "exp1.png", "exp1_speedup.png", "exp2.png", "exp2_speedup.png", "scaling.png"}
+
+
+def row(experiment: str, temperature: float, label: str, method: str, **fields) -> dict:
+    """A results row; fields the experiment does not measure are left absent or None."""
+    return {
+        "experiment": experiment,
+        "temperature": temperature,
+        "label": label,
+        "method": method,
+        "via": "engine",
+        "tokens": 256,
+        "seconds": 10.0,
+        **fields,
+    }
+
+
+def meta() -> dict:
+    return {
+        "machine": "bench-box-7",
+        "cpu": "Xeon Test 9999",
+        "threads": 16,
+        "dtype": "bf16",
+        "draft_dtype": "int8",
+        "pair": ["org/draft-0.5b", "org/target-7b"],
+        "date": "2031-04-05",
+        "torch": "2.13.0",
+        "transformers": "5.23.1",
+        "prompts": 8,
+        "max_new_tokens": 128,
+        "sweep_prompts": 4,
+        "sweep_max_new_tokens": 64,
+        "command": "specmesh bench all --out bench/",
+        "seconds": 5400.0,
+    }
+
+
+def full_results() -> dict:
+    rows = []
+    for t in (0.0, 1.0):
+        rows += [
+            row("baseline", t, "autoregressive", "none", via="gateway", tokens_per_second=10.0, speedup=1.0),
+            row("baseline", t, "hf assisted", "hf_assisted", via="transformers", tokens_per_second=14.0),
+            row(
+                "headline",
+                t,
+                "adaptive",
+                "adaptive",
+                via="gateway",
+                draft_dtype="int8",
+                tokens_per_second=15.3456 + t,
+                speedup=1.5346 + t / 10,
+                block_efficiency=2.104,
+                draft_seconds=1.5,
+                verify_seconds=6.25,
+                network_seconds=None,
+            ),
+        ]
+        for depth in (2, 3):
+            rows += [
+                row(
+                    "exp1",
+                    t,
+                    f"chain L={depth}",
+                    "chain",
+                    depth=depth,
+                    nodes=depth,
+                    block_efficiency=1.5 + depth / 10,
+                    acceptance_per_depth=[0.9, 0.72, 0.5][:depth],
+                    tokens_per_second=11.0 + depth,
+                    speedup=1.1 + depth / 10,
+                ),
+                row(
+                    "exp1",
+                    t,
+                    f"rsd_s {depth}x2",
+                    "rsd_s",
+                    depth=depth,
+                    nodes=2 * depth,
+                    block_efficiency=1.9 + depth / 10,
+                    tokens_per_second=12.0,
+                    speedup=1.2,
+                ),
+                row("exp1", t, f"mcsd wor 2-{depth}", "mcsd", depth=depth, nodes=4, block_efficiency=1.7),
+                row("exp1", t, f"mcsd iid 2-{depth}", "mcsd", depth=depth, nodes=4, block_efficiency=None),
+            ]
+        for nodes in (4, 8):
+            rows += [
+                row(
+                    "exp2",
+                    t,
+                    f"rsd_c B={nodes}",
+                    "rsd_c",
+                    depth=3,
+                    nodes=nodes,
+                    block_efficiency=2.0 + nodes / 100,
+                    tokens_per_second=13.5,
+                    speedup=1.35,
+                ),
+                row(
+                    "exp2",
+                    t,
+                    f"chain B={nodes}",
+                    "chain",
+                    depth=nodes,
+                    nodes=nodes,
+                    block_efficiency=1.8,
+                    tokens_per_second=12.25,
+                    speedup=1.225,
+                ),
+            ]
+        rows += [
+            row("mcsd", t, "autoregressive", "none", tokens_per_second=10.0, speedup=1.0),
+            row(
+                "mcsd",
+                t,
+                "mcsd wor 1-1-1",
+                "mcsd",
+                k=1,
+                depth=3,
+                nodes=3,
+                alpha=0.61,
+                block_efficiency=1.9,
+                tokens_per_second=13.0,
+                speedup=1.3,
+            ),
+            row(
+                "mcsd",
+                t,
+                f"mcsd wor 4-1-1 T{t:g}",
+                "mcsd",
+                k=4,
+                depth=3,
+                nodes=6,
+                alpha=0.777,
+                block_efficiency=2.456,
+                tokens_per_second=17.0,
+                speedup=1.7 + t,
+            ),
+            row(
+                "mtad",
+                t,
+                "chain L=3",
+                "chain",
+                block_efficiency=1.8,
+                tokens_per_second=12.0,
+                speedup=1.2,
+                perplexity=3.14159,
+            ),
+            row(
+                "mtad",
+                t,
+                "mtad L=3",
+                "mtad",
+                block_efficiency=1.95,
+                tokens_per_second=12.5,
+                speedup=1.25,
+                perplexity=None,
+            ),
+        ]
+        for n in (1, 4):
+            rows.append(
+                row(
+                    "scaling",
+                    t,
+                    "adaptive",
+                    "adaptive",
+                    via="gateway",
+                    concurrency=n,
+                    tokens_per_second=15.0 * n,
+                    token_latency_p50_ms=60.4 * n,
+                    token_latency_p95_ms=95.6 * n,
+                    ttft_p50_ms=200.0,
+                    ttft_p95_ms=349.5,
+                    block_efficiency=2.0,
+                )
+            )
+    goals = [
+        {
+            "name": "headline speedup T=0",
+            "target": 1.5,
+            "measured": 1.5346,
+            "met": True,
+            "detail": "adaptive",
+        },
+        {"name": "scaling p95", "target": 120.0, "measured": None, "met": None, "detail": "not run"},
+        {"name": "mtad perplexity", "target": 3.0, "measured": 3.14159, "met": False, "detail": "above"},
+    ]
+    return {"meta": meta(), "goals": goals, "rows": rows}
+
+
+def table_rows(text: str, first_cell: str) -> list[list[str]]:
+    """Cells of the markdown table rows whose first cell is `first_cell`."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()]
+    return [r for r in rows if r and r[0] == first_cell]
+
+
+def images(text: str) -> set[str]:
+    return set(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text))
+
+
+def test_full_report(tmp_path):
+    readme = write_report(full_results(), tmp_path / "out")
+    assert readme == tmp_path / "out" / "README.md"
+    text = readme.read_text(encoding="utf-8")
+
+    assert text.startswith("# Benchmarks\n")
+    assert "## Goals" in text
+    for heading in SECTIONS.values():
+        assert heading in text
+    for field in (
+        "bench-box-7",
+        "Xeon Test 9999",
+        "16 threads",
+        "bf16",
+        "int8",
+        "org/draft-0.5b",
+        "org/target-7b",
+        "2031-04-05",
+        "2.13.0",
+        "5.23.1",
+    ):
+        assert field in text
+    assert "8 prompts × 128 new tokens" in text and "4 prompts × 64 new tokens" in text
+    assert "5400 s (90.0 min)" in text
+    assert "```bash\nspecmesh bench all --out bench/\n```" in text
+
+    # goals: formatted numbers and the three met states
+    assert table_rows(text, "headline speedup T=0") == [
+        ["headline speedup T=0", "1.50", "1.53", "✅", "adaptive"]
+    ]
+    assert table_rows(text, "scaling p95") == [["scaling p95", "120.00", "–", "–", "not run"]]
+    assert table_rows(text, "mtad perplexity")[0][3] == "❌"
+
+    # headline: tok/s 2 decimals, speedup as a ratio, η, the draft / verify / network split with a gap
+    headline = text.split(SECTIONS["baseline"])[1].split("## Exp1")[0]
+    assert "### T=0" in headline and "### T=1" in headline
+    adaptive = table_rows(headline, "adaptive")
+    assert adaptive[0] == ["adaptive", "gateway", "int8", "15.35", "1.53x", "2.10", "1.50 / 6.25 / –"]
+    assert adaptive[1][3:5] == ["16.35", "1.63x"]
+    assert table_rows(headline, "hf assisted")[0] == [
+        "hf assisted",
+        "transformers",
+        "–",
+        "14.00",
+        "–",
+        "–",
+        "– / – / –",
+    ]
+    assert headline.index("| autoregressive") < headline.index("| adaptive")  # baseline rows first
+
+    # exp1: one row per (L, label), acceptance per depth space-separated
+    exp1 = text.split(SECTIONS["exp1"])[1].split("## Exp2")[0]
+    assert ["3", "chain L=3", "3", "1.80", "0.90 0.72 0.50", "14.00", "1.40x"] in table_rows(exp1, "3")
+    assert ["2", "mcsd iid 2-2", "4", "–", "–", "–", "–"] in table_rows(exp1, "2")
+    assert len(table_rows(exp1, "2")) == 2 * 4  # four methods, both temperatures
+
+    exp2 = text.split(SECTIONS["exp2"])[1].split("## MCSD")[0]
+    assert ["8", "rsd_c B=8", "3", "2.08", "13.50", "1.35x"] in table_rows(exp2, "8")
+
+    mcsd = text.split(SECTIONS["mcsd"])[1].split("## MTAD")[0]
+    assert table_rows(mcsd, "mcsd wor 4-1-1 T0") == [
+        ["mcsd wor 4-1-1 T0", "4", "3", "6", "0.78", "2.46", "17.00", "1.70x"]
+    ]
+    assert "best k-config at T=0: mcsd wor 4-1-1 T0 (1.70x, η 2.46)" in mcsd
+    assert "best k-config at T=1: mcsd wor 4-1-1 T1 (2.70x, η 2.46)" in mcsd
+
+    mtad = text.split(SECTIONS["mtad"])[1].split("## Scaling")[0]
+    assert table_rows(mtad, "0") == [
+        ["0", "chain L=3", "1.80", "12.00", "1.20x", "3.14"],
+        ["0", "mtad L=3", "1.95", "12.50", "1.25x", "–"],
+    ]
+    assert len(table_rows(mtad, "1")) == 2
+
+    scaling = text.split(SECTIONS["scaling"])[1]
+    assert ["4", "adaptive", "60.00", "242 / 382", "200 / 350", "2.00"] in table_rows(scaling, "4")
+
+    assert images(text) == PLOTS
+    for name in PLOTS:
+        assert (tmp_path / "out" / name).read_bytes().startswith(b"\x89PNG")
+
+
+def test_baseline_only(tmp_path):
+    results = {
+        "meta": meta(),
+        "goals": [],
+        "rows": [row("baseline", 0.0, "autoregressive", "none", tokens_per_second=9.5, speedup=1.0)],
+    }
+    text = write_report(results, tmp_path).read_text(encoding="utf-8")
+    assert SECTIONS["baseline"] in text
+    assert table_rows(text, "autoregressive")[0][3:5] == ["9.50", "1.00x"]
+    for experiment, heading in SECTIONS.items():
+        assert (heading in text) == (experiment == "baseline")
+    assert "## Goals" not in text
+    assert images(text) == {"headline.png"}
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["headline.png"]
+
+
+def test_unmeasured_rows_and_missing_meta(tmp_path):
+    """Rows with nothing to plot still get tables (all dashes) but no plot; absent meta fields are dashes."""
+    results = {
+        "meta": {"machine": "m"},
+        "rows": [
+            row("exp1", 1.0, "chain L=2", "chain", depth=2),
+            row("scaling", 0.0, "adaptive", "adaptive"),
+        ],
+    }
+    text = write_report(results, tmp_path).read_text(encoding="utf-8")
+    assert "- Target dtype: –; draft dtype: –" in text
+    assert next(line for line in text.splitlines() if "wall time" in line.lower()).endswith(": –")
+    assert ["2", "chain L=2", "–", "–", "–", "–", "–"] in table_rows(text, "2")
+    assert ["–", "adaptive", "–", "– / –", "– / –", "–"] in table_rows(text, "–")
+    assert SECTIONS["exp1"] in text and SECTIONS["scaling"] in text and SECTIONS["baseline"] not in text
+    assert images(text) == set()
+    assert list(tmp_path.glob("*.png")) == []
