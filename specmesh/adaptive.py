@@ -74,6 +74,7 @@ class AdaptivePolicy:
 
     base: TreeSpec
     max_depth: int = 8
+    max_nodes: int = 64  # the replicas' default --max-tree-nodes: deeper trees would be refused
     decay: float = 0.8  # costs: follow the load quickly
     acceptance_decay: float = 0.95  # acceptance: ~20 rounds, one rejection is not a trend
     probe_every: int = 8
@@ -87,6 +88,7 @@ class AdaptivePolicy:
             raise ValueError("adaptive speculation needs a tree family, not method 'none'")
         if self.max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
+        self.max_depth = max(self.max_depth, self.base.depth)
         self.reached = [0.0] * self.max_depth  # decayed rounds whose path reached depth j+1
         self.tried = [0.0] * self.max_depth  # decayed rounds that reached depth j (could go on)
         self.verify = _LineFit(self.decay)
@@ -94,6 +96,13 @@ class AdaptivePolicy:
         self.other: float | None = None  # seconds per round outside drafting and verifying
         self.rounds = 0
         self.off_rounds = 0
+        self.last_depth: int | None = None
+        # depths this family may take: the requested one (the replicas accepted it), and those
+        # within max_depth and max_nodes
+        fits = {
+            d for d in range(1, self.max_depth + 1) if family_spec(self.base, d).max_nodes <= self.max_nodes
+        }
+        self.depths = [0, *sorted(fits | {self.base.depth})]
 
     def alphas(self) -> list[float]:
         """α_j per depth; unobserved depths lean on the depth above (acceptance rarely rises)."""
@@ -112,16 +121,17 @@ class AdaptivePolicy:
         return expected_tokens(self.alphas(), depth) / seconds if seconds > 0 else float("inf")
 
     def choose_depth(self) -> int:
+        """The next round's depth. Not pure: counts off rounds, to probe every `probe_every`."""
         if self.draft_level is None:  # nothing measured yet (or only the prefill round)
-            return min(self.base.depth, self.max_depth)
-        rates = [self.predicted_rate(d) for d in range(self.max_depth + 1)]
+            return self.base.depth
+        rates = {d: self.predicted_rate(d) for d in self.depths}
         # The rate is flat near its maximum and acceptance estimates are noisy: take the shallowest
         # depth within `tolerance` of the best (cheaper rounds, less draft work wasted).
-        best = next(d for d, r in enumerate(rates) if r >= (1 - self.tolerance) * max(rates))
+        best = min(d for d, r in rates.items() if r >= (1 - self.tolerance) * max(rates.values()))
         if best == 0:
             self.off_rounds += 1
             if self.off_rounds % self.probe_every == 0:
-                return min(self.probe_depth, self.max_depth)
+                return min(self.probe_depth, max(self.depths))
         return best
 
     def next_spec(self) -> TreeSpec:
@@ -136,10 +146,11 @@ class AdaptivePolicy:
         depth = 0 if spec.method == "none" else spec.depth
         if self.rounds > 1:  # the first round's times include both models' prompt prefill
             self.verify.add(float(stats.drafted_tokens), stats.verify_seconds)
-            other = max(0.0, stats.total_seconds - stats.draft_seconds - stats.verify_seconds)
-            self.other = self._mean(self.other, other)
-            if depth:
+            self.other = self._mean(self.other, stats.network_seconds)
+            # after autoregressive rounds the drafter first catches up on the skipped tokens
+            if depth and self.last_depth != 0:
                 self.draft_level = self._mean(self.draft_level, stats.draft_seconds / depth)
+        self.last_depth = depth
         if depth == 0:
             return
         self.reached = [r * self.acceptance_decay for r in self.reached]
@@ -161,7 +172,7 @@ class PolicyMemory:
 
     @staticmethod
     def _key(base: TreeSpec, params: SamplingParams) -> tuple:
-        family = family_spec(base, 1)
+        family = family_spec(base, 16)  # the whole family: branching (4,2,1) differs from (4,4,2)
         return (family, params.temperature, params.top_k, params.top_p)
 
     def new_policy(self, base: TreeSpec, params: SamplingParams) -> AdaptivePolicy:

@@ -195,19 +195,7 @@ class SpeculativeEngine:
                     s.stats.verify_seconds += end - mid
                     s.stats.total_seconds += end - start
                     if s.policy:
-                        nodes, accepted = s.last_round
-                        drafted = s.spec.method != "none"
-                        s.policy.observe(
-                            s.spec,
-                            GenerationStats.for_round(
-                                drafted_tokens=nodes,
-                                accepted_tokens=accepted,
-                                tree_depth=s.spec.depth if drafted else 0,
-                                draft_seconds=mid - start if drafted else 0.0,
-                                verify_seconds=end - mid,
-                                total_seconds=end - start,
-                            ),
-                        )
+                        self._learn(s, active, mid - start, end - mid)
                 active = [s for s in active if s.finish_reason is None]
         finally:
             for s in sessions:
@@ -216,6 +204,24 @@ class SpeculativeEngine:
                 if s.policy:
                     self.policies.remember(s.policy, s.request.params)
         return [GenerationResult(s.generated, s.finish_reason or "length", s.stats) for s in sessions]
+
+    @staticmethod
+    def _learn(s: _Session, active: list[_Session], draft_seconds: float, verify_seconds: float) -> None:
+        """Feed an adaptive session's policy its round, charged for the draft levels it took part in
+        (the batch ran as many levels as its deepest tree)."""
+        depths = [x.spec.depth for x in active if x.spec.method != "none"]
+        depth = s.spec.depth if s.spec.method != "none" else 0
+        share = draft_seconds * depth / max(depths) if depth else 0.0
+        nodes, accepted = s.last_round
+        round_stats = GenerationStats.for_round(
+            drafted_tokens=nodes,
+            accepted_tokens=accepted,
+            tree_depth=depth,
+            draft_seconds=share,
+            verify_seconds=verify_seconds,
+            total_seconds=share + verify_seconds,
+        )
+        s.policy.observe(s.spec, round_stats)
 
     def _start(self, request: Request) -> _Session:
         if not request.prompt_ids:

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from specmesh.adaptive import AdaptivePolicy, expected_tokens, family_spec
+from specmesh.adaptive import AdaptivePolicy, PolicyMemory, expected_tokens, family_spec
 from specmesh.drafting import TreeSpec, build_tree
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
@@ -16,7 +16,7 @@ from specmesh.stats import GenerationStats
 from specmesh.verification import autoregressive_step, verify_tree
 from tests.stats import chi_square_pvalue
 from tests.test_engine import PROMPT, hf_greedy, tiny_pair
-from tests.test_lossless import DRAFT, P_VALUE_THRESHOLD, SAMPLES, TARGET, VOCAB, exact_two_token_distribution
+from tests.test_lossless import DRAFT, P_VALUE_THRESHOLD, SAMPLES, TARGET, exact_two_token_distribution
 
 
 def round_stats(
@@ -115,15 +115,72 @@ def test_adaptive_rounds_keep_the_target_distribution() -> None:
     assert len(depths) == 4 and min(depths.values()) > SAMPLES // 50, depths  # the policy really moves
     p_value = chi_square_pvalue(counts, exact_two_token_distribution(params))
     assert p_value > P_VALUE_THRESHOLD, f"p = {p_value:.3g}, depths {depths}"
-    assert VOCAB == 8
+
+
+SCRIPT = [0, 3, 0, 0, 1, 5, 2, 0, 4, 4, 1, 0, 6, 3]  # autoregressive and drafting rounds mixed
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("base", [TreeSpec("chain", depth=2), TreeSpec("rsd_s", depth=2, beam_width=2)])
-def test_adaptive_greedy_equals_the_targets_greedy_decode(arch: str, base: TreeSpec) -> None:
+def test_switching_depths_and_autoregressive_rounds_keeps_the_greedy_decode(
+    arch: str, base: TreeSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine with a policy whose depths are scripted: the drafter catches up after
+    autoregressive rounds, trees of every depth are verified, and the output stays exact."""
+    script = iter(SCRIPT * 4)
+    monkeypatch.setattr(AdaptivePolicy, "choose_depth", lambda self: next(script))
+    draft, target = tiny_pair(arch)
+    result = SpeculativeEngine(draft, target).generate(PROMPT, base, SamplingParams(0.0), 40, adaptive=True)
+    assert result.token_ids == hf_greedy(target, PROMPT, 40)
+    rounds = result.stats.rounds
+    assert result.stats.draft_calls == sum((SCRIPT * 4)[:rounds])  # every scripted depth was drafted
+    assert result.stats.accepted_tokens > 0 and rounds > len(SCRIPT) // 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_engines_adaptive_mode_keeps_the_greedy_decode(arch: str) -> None:
     draft, target = tiny_pair(arch)
     engine = SpeculativeEngine(draft, target)
-    result = engine.generate(PROMPT, base, SamplingParams(0.0), 32, adaptive=True)
-    assert result.token_ids == hf_greedy(target, PROMPT, 32)
-    # tiny models draft as slowly as they verify, so the policy may switch drafting off; it drafted
-    assert result.stats.draft_calls > 0
+    for _ in range(2):  # the second session starts from what the first one learned
+        result = engine.generate(PROMPT, TreeSpec("chain", depth=2), SamplingParams(0.0), 32, adaptive=True)
+        assert result.token_ids == hf_greedy(target, PROMPT, 32)
+
+
+def test_depths_stay_within_the_replicas_node_limit() -> None:
+    base = TreeSpec("mcsd", depth=3, branching=(4, 4, 2))  # 52 nodes: accepted by the replicas
+    policy = AdaptivePolicy(base)
+    assert policy.depths == [0, 1, 2, 3]  # depth 4 would be 84 nodes
+    depths = simulate(policy, 0.99, 0.001, 0.0, 30)
+    assert max(depths) == 3 and depths[-1] == 3
+    assert AdaptivePolicy(TreeSpec("chain", depth=12)).depths[-1] == 12  # a deeper request is kept
+
+
+def test_memory_keeps_families_apart_and_warm_starts() -> None:
+    memory, greedy = PolicyMemory(), SamplingParams(0.0)
+    a, b = TreeSpec("mcsd", depth=3, branching=(4, 2, 1)), TreeSpec("mcsd", depth=3, branching=(4, 4, 2))
+    learned = memory.new_policy(a, greedy)
+    simulate(learned, 0.95, 0.02, 0.001, 20)
+    memory.remember(learned, greedy)
+    assert memory.new_policy(a, greedy).tried == learned.tried
+    assert memory.new_policy(a, greedy).draft_level == learned.draft_level
+    assert memory.new_policy(b, greedy).draft_level is None  # another family starts cold
+    assert memory.new_policy(a, SamplingParams(1.0)).draft_level is None  # other sampling too
+
+
+def test_the_catch_up_after_autoregressive_rounds_is_not_a_draft_cost() -> None:
+    policy = AdaptivePolicy(TreeSpec("chain", depth=2))
+    chain, off = TreeSpec("chain", depth=2), TreeSpec("none")
+    for spec in (chain, chain, chain):
+        policy.observe(spec, round_stats(spec, 1, 0.02, 0.1, 0.0))
+    assert policy.draft_level == pytest.approx(0.02)
+    policy.observe(off, round_stats(off, 0, 0.02, 0.1, 0.0))
+    catch_up = GenerationStats.for_round(
+        drafted_tokens=2,
+        accepted_tokens=1,
+        tree_depth=2,
+        draft_seconds=2.0,
+        verify_seconds=0.1,
+        total_seconds=2.1,
+    )
+    policy.observe(chain, catch_up)  # a slow first draft after the autoregressive round
+    assert policy.draft_level == pytest.approx(0.02)

@@ -50,12 +50,13 @@ def bench_engine(
     engine.generate(ids[0], TreeSpec("chain", depth=2), SamplingParams(0.0), 4)  # warm-up
     rows = []
     for temperature in temperatures:
-        base = None
+        base = float("nan")  # the "none" row's tokens/s, when the specs have one
         for name, spec in specs.items():
             tokens, seconds, stats, _ = run_engine(engine, ids, spec, temperature, max_new_tokens)
             row = dict(method=name, temperature=temperature, tokens=tokens, seconds=seconds)
             row.update(tokens_per_second=tokens / seconds, target_calls=stats.rounds, **stats_fields(stats))
-            base = base or row["tokens_per_second"]
+            if spec.method == "none":
+                base = row["tokens_per_second"]
             rows.append(row)
             acc = " ".join(f"{a:.2f}" for a in row["acceptance_per_depth"])
             print(

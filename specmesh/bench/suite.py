@@ -9,7 +9,9 @@ Phases (each can be re-run alone with --phases; its rows replace the old ones in
              shapes and the adaptive mode through the public API, for each draft dtype
   scaling    1, 2, 4, 8 concurrent streams through the gateway: aggregate tokens/s, per-token
              latency, time to first token
-Every speedup is a ratio of two rows measured in this run (the VM's speed drifts between runs).
+Every speedup is a ratio of two rows measured in the same invocation (the VM's speed drifts
+between runs); the goals compare the gateway with transformers, so re-run `baselines` and
+`gateway` together.
 """
 
 from __future__ import annotations
@@ -333,6 +335,8 @@ async def _stream(stub, request) -> dict:
         if chunk.token_ids:
             arrivals.append((time.perf_counter() - start, len(chunk.token_ids)))
         last = chunk
+    if last is None:
+        raise RuntimeError("the gateway closed the stream without a chunk")
     return dict(arrivals=arrivals, seconds=time.perf_counter() - start, stats=last.stats)
 
 
@@ -576,7 +580,7 @@ def run_suite(cfg: SuiteConfig) -> dict:
     path = cfg.out / "results.json"
     old = json.loads(path.read_text()) if path.exists() else {"rows": []}
     started = time.perf_counter()
-    texts = humaneval_prompts(max(cfg.prompts, cfg.sweep_prompts, max(cfg.scaling)))
+    texts = humaneval_prompts(max(cfg.prompts, cfg.sweep_prompts, *cfg.scaling))
     rows: list[dict] = []
     redone: set[str] = set()
     if "sweeps" in cfg.phases or "baselines" in cfg.phases:
