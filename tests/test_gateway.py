@@ -209,6 +209,20 @@ def test_adaptive_greedy_through_the_gateway_equals_the_targets_greedy_decode(
     assert response.stats.accepted_tokens > 0
 
 
+def test_the_benchmark_client_measures_concurrent_streams(stack, target_greedy) -> None:
+    """specmesh.bench.suite.run_gateway, what the benchmarks measure with, on the real stack."""
+    import asyncio
+
+    from specmesh.bench.suite import run_gateway
+
+    text = " ".join(f"w{t - 4}" for t in PROMPT)  # the tiny tokenizer's words for PROMPT
+    m = asyncio.run(run_gateway(stack.gateway.address, [text] * 3, SPECS["chain"], False, 0.0, 12, 2))
+    assert m["tokens"] == 36 and m["seconds"] > 0 and m["block_efficiency"] > 1.0
+    assert m["target_calls"] < 36 and m["draft_seconds"] > 0 and m["verify_seconds"] > 0
+    assert 0 < m["ttft_p50_ms"] <= m["ttft_p95_ms"]
+    assert 0 < m["token_latency_p50_ms"] <= m["token_latency_p95_ms"]
+
+
 def test_sampled_streaming_equals_unary_and_the_engine(stub, reference) -> None:
     spec = SPECS["rsd_s"]
     request = make_request(spec, max_new_tokens=16, params=SamplingParams(1.0, seed=7))

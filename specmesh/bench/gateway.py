@@ -7,14 +7,12 @@ engine's tokens/s for the same method: the ratio is the cost of the network and 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
-import grpc
-
 from specmesh.bench.engine import DEFAULT_SPECS, humaneval_prompts
 from specmesh.drafting import TreeSpec
-from specmesh.proto import load
 
 
 def speculation_message(pb2, spec: TreeSpec, adaptive: bool = False):
@@ -36,54 +34,29 @@ def bench_gateway(
     temperatures: tuple[float, ...] = (0.0, 1.0),
     engine_json: str | None = None,
 ) -> dict:
-    pb2, pb2_grpc = load("gateway")
+    from specmesh.bench.suite import run_gateway
+
     engine = {}
     if engine_json:
         with open(engine_json) as f:
             engine = {(r["method"], r["temperature"]): r for r in json.load(f)["rows"]}
     texts = humaneval_prompts(prompts)
     rows = []
-    with grpc.insecure_channel(address) as channel:
-        stub = pb2_grpc.GatewayStub(channel)
-        for temperature in temperatures:
-            base = None
-            for name, spec in DEFAULT_SPECS.items():
-                tokens, seconds, etas, calls, network = 0, 0.0, [], 0, 0.0
-                for i, text in enumerate(texts):
-                    request = pb2.GenerateRequest(
-                        prompt=text,
-                        max_new_tokens=max_new_tokens,
-                        sampling=pb2.Sampling(temperature=temperature, seed=1000 + i),
-                        speculation=speculation_message(pb2, spec),
-                    )
-                    start = time.perf_counter()
-                    response = stub.Generate(request, timeout=600)
-                    seconds += time.perf_counter() - start
-                    tokens += len(response.token_ids)
-                    etas.append(response.stats.block_efficiency)
-                    calls += response.stats.target_calls
-                    network += response.stats.network_seconds
-                row = dict(
-                    method=name,
-                    temperature=temperature,
-                    tokens=tokens,
-                    seconds=seconds,
-                    tokens_per_second=tokens / seconds,
-                    block_efficiency=sum(etas) / len(etas),
-                    target_calls=calls,
-                    network_seconds=network,
-                )
-                base = base or row
-                ref = engine.get((name, temperature))
-                row["engine_tokens_per_second"] = ref["tokens_per_second"] if ref else None
-                rows.append(row)
-                vs_engine = (
-                    f"x{row['tokens_per_second'] / ref['tokens_per_second']:.2f} of engine" if ref else ""
-                )
-                print(
-                    f"T={temperature:<3} {name:<12} {row['tokens_per_second']:6.2f} tok/s  "
-                    f"x{row['tokens_per_second'] / base['tokens_per_second']:4.2f} vs AR  "
-                    f"eta {row['block_efficiency']:4.2f}  network {network:5.1f}s  {vs_engine}",
-                    flush=True,
-                )
+    for temperature in temperatures:
+        base = None
+        for name, spec in DEFAULT_SPECS.items():
+            measured = asyncio.run(run_gateway(address, texts, spec, False, temperature, max_new_tokens, 1))
+            row = dict(method=name, temperature=temperature, **measured)
+            row["tokens_per_second"] = row["tokens"] / row["seconds"]
+            base = base or row
+            ref = engine.get((name, temperature))
+            row["engine_tokens_per_second"] = ref["tokens_per_second"] if ref else None
+            rows.append(row)
+            vs_engine = f"x{row['tokens_per_second'] / ref['tokens_per_second']:.2f} of engine" if ref else ""
+            print(
+                f"T={temperature:<3} {name:<12} {row['tokens_per_second']:6.2f} tok/s  "
+                f"x{row['tokens_per_second'] / base['tokens_per_second']:4.2f} vs AR  "
+                f"eta {row['block_efficiency']:4.2f}  network {row['network_seconds']:5.1f}s  {vs_engine}",
+                flush=True,
+            )
     return dict(address=address, date=time.strftime("%Y-%m-%d %H:%M:%S"), rows=rows)

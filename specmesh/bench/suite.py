@@ -376,22 +376,16 @@ async def run_gateway(
             if prev is not None:
                 per_token += [(at - prev) * 1000 / n] * n
             prev = at
-    stats = GenerationStats()
-    rounds = etas = 0
-    for r in results:
-        s = r["stats"]
-        rounds += s.target_calls
-        etas += s.block_efficiency * s.target_calls
-        stats.draft_seconds += s.draft_seconds
-        stats.verify_seconds += s.verify_seconds
-        stats.network_seconds += s.network_seconds
+    stats = [r["stats"] for r in results]  # the final chunks' specmesh.v1.GenerationStats
+    rounds = sum(s.target_calls for s in stats)
     return dict(
         tokens=sum(n for r in results for _, n in r["arrivals"]),
         seconds=wall,
-        block_efficiency=etas / rounds if rounds else None,
-        draft_seconds=stats.draft_seconds,
-        verify_seconds=stats.verify_seconds,
-        network_seconds=stats.network_seconds,
+        block_efficiency=sum(s.block_efficiency * s.target_calls for s in stats) / rounds if rounds else None,
+        target_calls=rounds,
+        draft_seconds=sum(s.draft_seconds for s in stats),
+        verify_seconds=sum(s.verify_seconds for s in stats),
+        network_seconds=sum(s.network_seconds for s in stats),
         ttft_p50_ms=_percentile(ttft, 50),
         ttft_p95_ms=_percentile(ttft, 95),
         token_latency_p50_ms=_percentile(per_token, 50),
