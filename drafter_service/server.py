@@ -1,19 +1,15 @@
 """The drafter service: `Draft` builds one tree per request with the engine's tree builders and
-seeding; the level forwards of concurrent requests share one ModelRunner.forward.
+seeding (specmesh.core.rounds.draft_round); the level forwards of concurrent requests share one
+ModelRunner.forward.
 
 Every Draft runs `build_tree` in a builder thread (the builders ask for one level at a time,
 synchronously). Each level goes through the shared ForwardBatcher, where every running builder is a
 participant: a level forward starts as soon as all of them have asked for their next level (or
 after --max-wait-ms), so sessions that arrive together draft in lockstep, one forward per level.
 
-Compaction (how the drafter learns the verdict). After a Draft the session's tree stays pending in
-the runner, with a map path -> pending node. The next Draft's new_token_ids are the tokens
-committed since (normally the accepted path plus the recovered or bonus token). The drafter keeps
-the pending nodes whose paths are proper prefixes of them, which are exactly the accepted path's
-nodes it has run (what `engine.draft_keep_nodes` keeps in-process), commits them right before
-the root forward, and feeds the rest. The last new token is always fed: its logits are the root of
-the next tree. Whatever the caller sends (a verdict from another replica, a restart) is handled
-the same way, because a kept node's KV is the KV of that token at that position.
+The drafter is never told the verdict: the next Draft's new tokens say what was committed, and
+the pending nodes on that path are kept (specmesh.runtime.rounds, the same rule the in-process
+engine follows). The compaction runs on the model thread right before the root forward.
 """
 
 from __future__ import annotations
@@ -28,41 +24,25 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from specmesh import wire
-from specmesh.drafting import Path, build_tree
-from specmesh.engine import drafter_next_logits
-from specmesh.models import LoadedModel
-from specmesh.proto import pb2, pb2_grpc
-from specmesh.runtime import Step
-from specmesh.sampling import derive_generator
-from specmesh.serving import (
-    ForwardBatcher,
-    ModelService,
-    RequestCancelled,
-    ServiceConfig,
-    ServiceMetrics,
-    count_labels,
-    main,
-    rpc,
-)
-from specmesh.tree import DraftTree
+from specmesh.core.drafting import Path
+from specmesh.core.rounds import draft_round
+from specmesh.core.tree import DraftTree
+from specmesh.rpc import wire
+from specmesh.rpc.metrics import count_labels
+from specmesh.rpc.proto import pb2, pb2_grpc
+from specmesh.rpc.server import rpc
+from specmesh.runtime.models import LoadedModel
+from specmesh.runtime.rounds import level_forwards, reusable_nodes
+from specmesh.runtime.runner import Step
+from specmesh.services.batching import ForwardBatcher
+from specmesh.services.metrics import ServiceMetrics
+from specmesh.services.model_service import ModelService, RequestCancelled, ServiceConfig, main
 
 DEFAULTS = {"model": "default-draft", "port": 50061, "max_wait_ms": 10.0}
 
 
-def reusable_nodes(pending: dict[Path, int], new_tokens: list[int]) -> list[int]:
-    """The pending nodes to commit: those whose paths are proper prefixes of new_tokens, root first."""
-    keep = []
-    for end in range(1, len(new_tokens)):
-        node = pending.get(tuple(new_tokens[:end]))
-        if node is None:
-            break
-        keep.append(node)
-    return keep
-
-
 class _LevelForward:
-    """`runner_forward` for drafter_next_logits: every level goes through the shared batcher, the
+    """`runner_forward` for level_forwards: every level goes through the shared batcher, the
     first one carries the compaction, and a cancelled request stops at its next level."""
 
     def __init__(
@@ -134,10 +114,8 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         nodes: dict[Path, int] = {}
         self.loop.call_soon_threadsafe(self.batcher.join)
         try:
-            next_logits = drafter_next_logits(forward, sid, d.new_tokens[len(keep) :], nodes)
-            tree = build_tree(
-                d.spec, next_logits, d.params, derive_generator(d.params.seed, d.committed_length, "draft")
-            )
+            next_logits = level_forwards(forward, sid, d.new_tokens[len(keep) :], nodes)
+            tree = draft_round(d.spec, next_logits, d.params, d.params.seed, d.committed_length)
         finally:
             self.loop.call_soon_threadsafe(self.batcher.leave)
         self._pending[sid] = nodes

@@ -1,33 +1,32 @@
 """A GenerateRequest checked and completed with the gateway's defaults (docs/gateway.md).
 
-Every problem raises `specmesh.wire.WireError`, whose message starts with the request's field
+Every problem raises `specmesh.rpc.wire.WireError`, whose message starts with the request's field
 path (`prompt`, `max_new_tokens`, `sampling.temperature`, `speculation.branching`, ...); the
 gateway answers it with INVALID_ARGUMENT before anything is stored or sent to a replica.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from specmesh import wire
-from specmesh.drafting import METHODS, TreeSpec
-from specmesh.sampling import SamplingParams
+from specmesh.core.drafting import TreeSpec
+from specmesh.core.methods import METHODS, Method
+from specmesh.core.rounds import session_seed
+from specmesh.core.sampling import SamplingParams
+from specmesh.rpc import wire
 
-DEFAULT_METHOD = "rsd_s"
+DEFAULT_METHOD = Method.RSD_S
 # The tree each method drafts when the request leaves a field unset (0 / empty).
-METHOD_DEFAULTS: dict[str, TreeSpec] = {
-    "none": TreeSpec("none"),
-    "chain": TreeSpec("chain", depth=3),
-    "mcsd": TreeSpec("mcsd", depth=3, branching=(2, 2, 1)),
-    "rsd_c": TreeSpec("rsd_c", depth=3, branching=(2, 2, 1)),
-    "rsd_s": TreeSpec("rsd_s", depth=3, beam_width=3),
-    "mtad": TreeSpec("mtad", depth=3, beam_width=3, mtad_threshold=0.1),
+METHOD_DEFAULTS: dict[Method, TreeSpec] = {
+    Method.NONE: TreeSpec(Method.NONE),
+    Method.CHAIN: TreeSpec(Method.CHAIN, depth=3),
+    Method.MCSD: TreeSpec(Method.MCSD, depth=3, branching=(2, 2, 1)),
+    Method.RSD_C: TreeSpec(Method.RSD_C, depth=3, branching=(2, 2, 1)),
+    Method.RSD_S: TreeSpec(Method.RSD_S, depth=3, beam_width=3),
+    Method.MTAD: TreeSpec(Method.MTAD, depth=3, beam_width=3, mtad_threshold=0.1),
 }
-_BRANCHED = ("mcsd", "rsd_c")
-_BEAMED = ("rsd_s", "mtad")
 
 
 @dataclass(frozen=True)
@@ -158,28 +157,24 @@ def _stop_strings(values: Sequence[str]) -> tuple[str, ...]:
 def sampling_params(msg: Any) -> SamplingParams:
     """msg: specmesh.v1.Sampling. An unset seed is drawn here, once: stored with the session, it
     makes a failover reproduce the same randomness."""
-    seed = msg.seed if msg.HasField("seed") else random.getrandbits(63)
-    top_p = msg.top_p if msg.HasField("top_p") else 1.0
-    try:
-        return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, seed=seed)
-    except ValueError as exc:
-        raise wire.core_error("sampling", exc) from None
+    params = wire.sampling_from_proto(msg, "sampling")
+    return replace(params, seed=session_seed(params))
 
 
 def tree_spec(msg: Any) -> TreeSpec:
     """msg: specmesh.v1.Speculation; unset fields take METHOD_DEFAULTS[method]."""
-    method = msg.method or DEFAULT_METHOD
-    if method not in METHOD_DEFAULTS:
+    if msg.method and msg.method not in METHODS:
         raise wire.WireError(
-            "speculation.method", f"unknown method {method!r}; use one of {', '.join(METHODS)}"
+            "speculation.method", f"unknown method {msg.method!r}; use one of {', '.join(METHODS)}"
         )
+    method = Method(msg.method or DEFAULT_METHOD)
     _check_applicable(msg, method)
     base = METHOD_DEFAULTS[method]
-    if method == "none":
+    if not method.drafts:
         return base
     branching = tuple(msg.branching)
     depth = msg.depth or len(branching) or base.depth
-    if method in _BRANCHED:
+    if method.branched:
         branching = branching or default_branching(depth)
         if len(branching) != depth:
             raise wire.WireError(
@@ -199,15 +194,15 @@ def default_branching(depth: int) -> tuple[int, ...]:
     return tuple(2 if level < 2 else 1 for level in range(depth))
 
 
-def _check_applicable(msg: Any, method: str) -> None:
+def _check_applicable(msg: Any, method: Method) -> None:
     """Refuse a field the method does not use, rather than silently ignoring it."""
     given = {
-        "depth": msg.depth > 0 and method == "none",
-        "branching": bool(msg.branching) and method not in _BRANCHED,
-        "beam_width": msg.beam_width > 0 and method not in _BEAMED,
-        "replacement": msg.replacement and method != "mcsd",
-        "mtad_threshold": msg.HasField("mtad_threshold") and method != "mtad",
-        "adaptive": msg.adaptive and method == "none",
+        "depth": msg.depth > 0 and not method.drafts,
+        "branching": bool(msg.branching) and not method.branched,
+        "beam_width": msg.beam_width > 0 and not method.beamed,
+        "replacement": msg.replacement and method is not Method.MCSD,
+        "mtad_threshold": msg.HasField("mtad_threshold") and method is not Method.MTAD,
+        "adaptive": msg.adaptive and not method.drafts,
     }
     for name, wrong in given.items():
         if wrong:

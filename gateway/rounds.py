@@ -5,10 +5,10 @@
             piece = await run.step()                           # one committed round
 
 Each step picks a drafter and a verifier (session affinity: the replica the session is on, while
-it is healthy), runs one `RoundClient.round` (specmesh/remote.py, the one round implementation)
-on the committed tokens, cuts the result at a stop token, max_new_tokens or a stop sequence, and
-commits it with `commit_round(expected_round=…)`. Only a committed round is handed out, so the
-client sees exactly the tokens in Redis.
+it is healthy), runs one `RoundClient.round` (specmesh/rpc/round_client.py, the one round
+implementation) on the committed tokens with that `Placement`, cuts the result at a stop token,
+max_new_tokens or a stop sequence, and commits it with `commit_round(expected_round=…)`. Only a
+committed round is handed out, so the client sees exactly the tokens in Redis.
 
 Failover: a replica call that fails at the transport level (UNAVAILABLE, DEADLINE_EXCEEDED,
 CANCELLED by a stopping server, INTERNAL, UNKNOWN) takes that replica out of its pool and redoes
@@ -34,16 +34,24 @@ from typing import Any
 
 import grpc
 
+from gateway.api import stats_to_proto
 from gateway.metrics import GatewayMetrics
 from gateway.pools import NoHealthyReplica, ReplicaPool
 from gateway.requests import GenerationPlan
 from gateway.session_store import SessionStore, StoreError
 from gateway.text import TextStream
-from specmesh.adaptive import PolicyMemory
-from specmesh.engine import keep_emitted
-from specmesh.proto import pb2_grpc
-from specmesh.remote import ReplicaFailure, RoundClient, RoundResult, release_session
-from specmesh.stats import GenerationStats
+from specmesh.core.adaptive import PolicyMemory
+from specmesh.core.rounds import keep_emitted
+from specmesh.core.stats import GenerationStats
+from specmesh.rpc.proto import pb2_grpc
+from specmesh.rpc.round_client import (
+    Placement,
+    ReplicaFailure,
+    Role,
+    RoundClient,
+    RoundResult,
+    release_session,
+)
 
 log = logging.getLogger("specmesh.gateway.rounds")
 
@@ -54,7 +62,7 @@ _FAILOVER = {
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN,
 }
-_STUBS = {"drafter": pb2_grpc.DrafterStub, "verifier": pb2_grpc.VerifierStub}
+_STUBS = {Role.DRAFTER: pb2_grpc.DrafterStub, Role.VERIFIER: pb2_grpc.VerifierStub}
 RELEASE_TIMEOUT = 2.0
 
 
@@ -79,8 +87,8 @@ class GatewayEnv:
     cleanups: set[asyncio.Task] = dataclasses.field(default_factory=set)  # outliving their request
     policies: PolicyMemory = dataclasses.field(default_factory=PolicyMemory)  # adaptive sessions' warm start
 
-    def pool(self, role: str) -> ReplicaPool:
-        pool = self.drafters if role == "drafter" else self.verifiers
+    def pool(self, role: Role) -> ReplicaPool:
+        pool = self.drafters if role is Role.DRAFTER else self.verifiers
         assert pool is not None
         return pool
 
@@ -102,16 +110,16 @@ class SessionRun:
     ) -> None:
         self.plan, self.env, self.text, self.deadline = plan, env, text, deadline
         self.id = uuid.uuid4().hex
-        self.roles = ("verifier",) if plan.spec.method == "none" else ("drafter", "verifier")
+        self.roles = (Role.DRAFTER, Role.VERIFIER) if plan.spec.method.drafts else (Role.VERIFIER,)
         policy = env.policies.new_policy(plan.spec, plan.params) if plan.adaptive else None
-        self.client = RoundClient(self.id, plan.params, plan.spec, None, None, policy=policy)
+        self.client = RoundClient(self.id, plan.params, plan.spec, policy=policy)
         self.tokens = list(plan.prompt_ids)  # committed, as in Redis
         self.round = 0
         self.stats = GenerationStats()
         self.finish_reason: str | None = None
-        self.addresses: dict[str, str] = {}  # role -> the replica serving the session now
+        self.addresses: dict[Role, str] = {}  # the replica serving the session now, per role
         self.lengths: dict[str, int] = {}  # replica address -> committed tokens it holds
-        self.touched: set[tuple[str, str]] = set()  # (role, address): where to release
+        self.touched: set[tuple[Role, str]] = set()  # (role, address): where to release
         self.created = False
 
     @property
@@ -124,7 +132,8 @@ class SessionRun:
 
     def stats_message(self) -> Any:
         """The public specmesh.v1.GenerationStats of the run so far."""
-        return self.stats.to_proto(prompt_tokens=len(self.plan.prompt_ids), generated_tokens=self.generated)
+        prompt_tokens = len(self.plan.prompt_ids)
+        return stats_to_proto(self.stats, prompt_tokens=prompt_tokens, generated_tokens=self.generated)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -136,8 +145,8 @@ class SessionRun:
             await self.env.store.create(
                 self.id,
                 p.prompt_ids,
-                drafter=self.addresses.get("drafter", ""),
-                verifier=self.addresses["verifier"],
+                drafter=self.addresses.get(Role.DRAFTER, ""),
+                verifier=self.addresses[Role.VERIFIER],
                 sampling=dataclasses.asdict(p.params),
                 speculation={**dataclasses.asdict(p.spec), "adaptive": p.adaptive},
                 max_new_tokens=p.max_new_tokens,
@@ -184,7 +193,7 @@ class SessionRun:
             result = await self._run_round()
             start = time.perf_counter()
             kept, finish = self._cut(result)
-            lengths = {self.addresses[role]: self.client.held[role] for role in self.roles}
+            lengths = {self.addresses[role]: result.held[role] for role in self.roles}
             committed = await self.env.store.commit_round(
                 self.id, self.round, kept, result.stats, lengths, finish_reason=finish
             )
@@ -225,25 +234,24 @@ class SessionRun:
     async def _run_round(self) -> RoundResult:
         failure: ReplicaFailure | None = None
         for _ in range(self.env.max_attempts):
-            await self._place()
-            self.client.timeout = self._time_left()
+            placement = await self._place()
             try:
-                result = await self.client.round(self.tokens)
+                result = await self.client.round(self.tokens, placement)
             except ReplicaFailure as exc:
-                self._remember_lengths()
+                self._remember_lengths(exc.held)
                 failure = exc
                 await self._recover(exc)
             else:
-                self._remember_lengths()
+                self._remember_lengths(result.held)
                 return result
         raise GatewayError(
             grpc.StatusCode.UNAVAILABLE,
             f"round {self.round} failed {self.env.max_attempts} times; last error: {failure}",
         )
 
-    def _remember_lengths(self) -> None:
+    def _remember_lengths(self, held: dict[Role, int]) -> None:
         for role, address in self.addresses.items():
-            self.lengths[address] = self.client.held[role]
+            self.lengths[address] = held[role]
 
     async def _recover(self, failure: ReplicaFailure) -> None:
         """After a failed call: retry the same replica (ABORTED), fail over, or give up."""
@@ -267,8 +275,8 @@ class SessionRun:
 
     # ---- placement -----------------------------------------------------------------------------
 
-    async def _place(self) -> None:
-        """Point the round client at the session's replicas, moving it off unhealthy ones."""
+    async def _place(self) -> Placement:
+        """The session's replicas for the next round, moved off unhealthy ones."""
         moved = False
         for role in self.roles:
             address = await self._pick(role)
@@ -277,14 +285,19 @@ class SessionRun:
             moved = True
             self.addresses[role] = address
             self.touched.add((role, address))
-            setattr(self.client, role, _STUBS[role](self.env.pool(role).channel(address)))
-            self.client.held[role] = self.lengths.get(address, 0)
         if moved and self.created:
             await self.env.store.assign(
-                self.id, drafter=self.addresses.get("drafter"), verifier=self.addresses["verifier"]
+                self.id, drafter=self.addresses.get(Role.DRAFTER), verifier=self.addresses[Role.VERIFIER]
             )
+        stubs = {role: _STUBS[role](self.env.pool(role).channel(a)) for role, a in self.addresses.items()}
+        return Placement(
+            verifier=stubs[Role.VERIFIER],
+            drafter=stubs.get(Role.DRAFTER),
+            held={role: self.lengths.get(a, 0) for role, a in self.addresses.items()},
+            timeout=self._time_left(),
+        )
 
-    async def _pick(self, role: str) -> str:
+    async def _pick(self, role: Role) -> str:
         pool = self.env.pool(role)
         while True:
             try:

@@ -20,17 +20,17 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from gateway.api import gateway_pb2, gateway_pb2_grpc
 from gateway.metrics import GatewayMetrics
 from gateway.pools import NoHealthyReplica, ReplicaPool
 from gateway.requests import GenerationPlan, ModelLimits, parse_generate_request
 from gateway.rounds import GatewayEnv, GatewayError, SessionRun
 from gateway.session_store import SessionNotFound, SessionStore, StoreError, StoreUnavailable
 from gateway.text import TextStream
-from specmesh.models import load_tokenizer, tokenizer_fingerprint
-from specmesh.proto import load, pb2, pb2_grpc
-from specmesh.serving import RpcService, configure_logging, flag_parser, rpc, serve
+from specmesh.rpc.proto import pb2, pb2_grpc
+from specmesh.rpc.server import RpcService, ServerConfig, configure_logging, parse_flags, rpc, serve
+from specmesh.runtime.models import load_tokenizer, tokenizer_fingerprint
 
-gateway_pb2, gateway_pb2_grpc = load("gateway")
 log = logging.getLogger("specmesh.gateway")
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # requests are prompts, answers text and token ids
@@ -39,10 +39,7 @@ READY_RETRY_SECONDS = 5.0  # between attempts to learn the model (a verifier sta
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
-    host: str
-    port: int
-    metrics_port: int
+class GatewayConfig(ServerConfig):
     drafters: str
     verifiers: str
     redis_url: str
@@ -54,14 +51,9 @@ class GatewayConfig:
     round_timeout: float
     max_attempts: int
     health_interval: float
-    grace_seconds: float
-    log_level: str
 
 
-_HELP: dict[str, tuple[type, str]] = {
-    "host": (str, "address to listen on (gRPC and metrics)"),
-    "port": (int, "gRPC port (0 = any free port; the log says which)"),
-    "metrics_port": (int, "Prometheus /metrics port (0 = off)"),
+_FLAGS: dict[str, tuple[type, str]] = {
     "drafters": (
         str,
         "drafter replicas: host:port and/or dns:///name:port, comma-separated (empty: method none only)",
@@ -79,14 +71,10 @@ _HELP: dict[str, tuple[type, str]] = {
         float,
         "seconds between health checks of the replicas (also the cooldown after a failure)",
     ),
-    "grace_seconds": (float, "on SIGTERM / SIGINT, how long in-flight requests may still finish"),
-    "log_level": (str, "debug, info, warning or error"),
 }
 
 DEFAULTS: dict[str, Any] = {
-    "host": "127.0.0.1",
     "port": 50051,
-    "metrics_port": 0,
     "drafters": "",
     "redis_url": "redis://127.0.0.1:6379/0",
     "tokenizer": "",
@@ -97,21 +85,15 @@ DEFAULTS: dict[str, Any] = {
     "round_timeout": 60.0,
     "max_attempts": 5,
     "health_interval": 1.0,
-    "grace_seconds": 10.0,
-    "log_level": "info",
-}  # --verifiers has no default: it is required
+}  # --verifiers has no default: it is required; the flags every server has: ServerConfig
 
 
 def parse_config(argv: list[str] | None = None) -> GatewayConfig:
-    parser = flag_parser("python -m gateway", GatewayConfig, _HELP, DEFAULTS)
-    config = GatewayConfig(**vars(parser.parse_args(argv)))
-    for name in ("max_new_tokens_limit", "default_max_new_tokens", "max_attempts"):
-        if getattr(config, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("session_ttl", "round_timeout", "health_interval"):
-        if getattr(config, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be > 0")
-    return config
+    return parse_flags(
+        "python -m gateway", GatewayConfig, _FLAGS, DEFAULTS, argv,
+        at_least_one=("max_new_tokens_limit", "default_max_new_tokens", "max_attempts"),
+        positive=("session_ttl", "round_timeout", "health_interval"),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -269,7 +251,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             )
 
     def _check_servable(self, plan: GenerationPlan) -> None:
-        if plan.spec.method != "none" and self.env.drafters is None:
+        if plan.spec.method.drafts and self.env.drafters is None:
             raise GatewayError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"speculation.method: {plan.spec.method!r} needs drafters; this gateway has none "

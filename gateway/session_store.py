@@ -1,13 +1,13 @@
 """Session metadata in Redis: committed tokens, replica cache lengths, assignment, round, stats.
 
-No replica is the only holder of a session (DESIGN.md §1): the committed tokens live here, so a
+No replica is the only holder of a session (docs/architecture.md): the committed tokens live here, so a
 restarted or replaced replica can be resynced from them. The key schema and the commit protocol
 are documented in docs/redis.md; in short, each session has four keys sharing one hash tag
 
     specmesh:{<id>}:meta      hash   round, prompt_len, drafter, verifier, params, times, finish_reason
     specmesh:{<id>}:tokens    list   committed token ids (prompt + generated)
     specmesh:{<id>}:replicas  hash   replica address -> KV cache length it holds
-    specmesh:{<id>}:stats     hash   counters (gateway/stats.py)
+    specmesh:{<id>}:stats     hash   GenerationStats counters (`stats_int_fields`, `stats_float_fields`)
 
 and every write is one Lua script that checks before its first write that it can finish (Redis
 does not roll back a script that fails halfway) and refreshes the TTL of all four keys. A round
@@ -36,7 +36,7 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from specmesh.stats import GenerationStats
+from specmesh.core.stats import GenerationStats
 
 __all__ = [
     "Session",
@@ -396,7 +396,7 @@ class SessionStore:
             speculation=json.loads(meta.get("speculation", "{}")),
             max_new_tokens=int(meta.get("max_new_tokens", 0)),
             extra=json.loads(meta.get("extra", "{}")),
-            stats=GenerationStats.from_hash(stats),
+            stats=stats_from_hash(stats),
             created_at=float(meta.get("created_at", 0.0)),
             updated_at=float(meta.get("updated_at", 0.0)),
             finish_reason=meta.get("finish_reason"),
@@ -427,8 +427,8 @@ class SessionStore:
         tokens = _tokens(new_tokens)
         delta = stats_delta or GenerationStats()
         replicas = _flat({addr: int(n) for addr, n in (replica_lengths or {}).items()})
-        ints = _flat({k: int(v) for k, v in delta.int_fields().items()})
-        floats = _flat({k: _float(v) for k, v in delta.float_fields().items()})
+        ints = _flat({k: int(v) for k, v in stats_int_fields(delta).items()})
+        floats = _flat({k: _float(v) for k, v in stats_float_fields(delta).items()})
         # A fresh id per call: redis-py's own retry resends the same id and is recognised as a
         # replay; a second call (a duplicate reply) has another id and is refused.
         commit_id = uuid.uuid4().hex
@@ -482,3 +482,32 @@ class SessionStore:
         """Remove every key of the session (one DEL, atomic); False if there was nothing."""
         async with self._guard("delete"):
             return bool(await self._redis.delete(*self.keys(session_id).all()))
+
+
+# ---- GenerationStats as a Redis hash -----------------------------------------------------------
+
+_INT_FIELDS = ("rounds", "draft_calls", "drafted_tokens", "accepted_tokens", "round_tokens")
+_FLOAT_FIELDS = ("draft_seconds", "verify_seconds", "network_seconds", "total_seconds")
+_DEPTH_PREFIX = "accepted_per_depth:"
+
+
+def stats_int_fields(stats: GenerationStats) -> dict[str, int]:
+    """Integer counters as hash fields; per-depth counts as `accepted_per_depth:<d>`."""
+    out = {name: getattr(stats, name) for name in _INT_FIELDS}
+    out.update({f"{_DEPTH_PREFIX}{d}": n for d, n in enumerate(stats.accepted_per_depth)})
+    return out
+
+
+def stats_float_fields(stats: GenerationStats) -> dict[str, float]:
+    return {name: getattr(stats, name) for name in _FLOAT_FIELDS}
+
+
+def stats_from_hash(values: Mapping[str, str]) -> GenerationStats:
+    prefixed = {k.removeprefix(_DEPTH_PREFIX): v for k, v in values.items() if k.startswith(_DEPTH_PREFIX)}
+    depths = {int(d): int(n) for d, n in prefixed.items()}
+    per_depth = [depths.get(d, 0) for d in range(max(depths) + 1)] if depths else []
+    return GenerationStats(
+        **{name: int(values.get(name, 0)) for name in _INT_FIELDS},
+        **{name: float(values.get(name, 0.0)) for name in _FLOAT_FIELDS},
+        accepted_per_depth=per_depth,
+    )

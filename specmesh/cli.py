@@ -11,9 +11,11 @@ import threading
 from pathlib import Path
 from typing import Any, TextIO
 
+from specmesh.core.methods import METHODS, Method
+
 
 def _models_pull(args: argparse.Namespace) -> int:
-    from specmesh.model_store import pull_default_pair
+    from specmesh.runtime.model_store import pull_default_pair
 
     draft, target = pull_default_pair(progress=not args.quiet)
     print(f"draft:  {draft}\ntarget: {target}")
@@ -89,11 +91,11 @@ def _demo(args: argparse.Namespace) -> int:
     """Provision the default pair, then generate one completion autoregressively and speculatively."""
     import time
 
-    from specmesh.drafting import TreeSpec
-    from specmesh.engine import SpeculativeEngine
-    from specmesh.model_store import pull_default_pair
-    from specmesh.models import load_model
-    from specmesh.sampling import SamplingParams
+    from specmesh.core.drafting import TreeSpec
+    from specmesh.core.sampling import SamplingParams
+    from specmesh.runtime.engine import SpeculativeEngine
+    from specmesh.runtime.model_store import pull_default_pair
+    from specmesh.runtime.models import load_model
 
     if args.draft == "default-draft" or args.target == "default-target":
         pull_default_pair(progress=True)
@@ -104,7 +106,7 @@ def _demo(args: argparse.Namespace) -> int:
     spec = _demo_spec(args.method, args.depth, args.beam_width)
     print(f"prompt:\n{args.prompt}")
     runs = {}
-    for name, s in (("autoregressive", TreeSpec("none")), (args.method, spec)):
+    for name, s in (("autoregressive", TreeSpec(Method.NONE)), (args.method, spec)):
         start = time.perf_counter()
         result = engine.generate(prompt, s, params, args.max_new_tokens, [target.tokenizer.eos_token_id])
         seconds = time.perf_counter() - start
@@ -117,9 +119,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _demo_spec(method: str, depth: int, beam_width: int):
-    from specmesh.drafting import TreeSpec
+    from specmesh.core.drafting import TreeSpec
 
-    if method in ("mcsd", "rsd_c"):
+    if Method(method).branched:
         return TreeSpec(method, depth=depth, branching=(2,) + (1,) * (depth - 1))
     return TreeSpec(method, depth=depth, beam_width=beam_width)
 
@@ -130,7 +132,7 @@ def _demo_spec(method: str, depth: int, beam_width: int):
 def generate_request(prompt: str, args: argparse.Namespace) -> Any:
     """A specmesh.v1.GenerateRequest from `specmesh generate` / `specmesh up` flags; unset flags
     leave the gateway's defaults (docs/gateway.md)."""
-    from specmesh.proto import load
+    from specmesh.rpc.proto import load
 
     gateway_pb2, _ = load("gateway")
     request = gateway_pb2.GenerateRequest(stop=args.stop or [])
@@ -160,7 +162,7 @@ def stream_completion(address: str, request: Any, out: TextIO, timeout: float | 
     reason and stats). Raises grpc.RpcError."""
     import grpc
 
-    from specmesh.proto import load
+    from specmesh.rpc.proto import load
 
     _, gateway_grpc = load("gateway")
     last = None
@@ -201,8 +203,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     """The whole stack as supervised subprocesses; one demo completion once it is ready."""
-    from specmesh.model_store import pull_default_pair
-    from specmesh.supervisor import StackPlan, plan_stack, run_stack
+    from specmesh.runtime.model_store import pull_default_pair
+    from specmesh.stack.supervisor import StackPlan, plan_stack, run_stack
 
     if args.draft == "default-draft" or args.target == "default-target":
         pull_default_pair(progress=True)
@@ -335,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--draft", default="default-draft")
     demo.add_argument("--target", default="default-target")
     demo.add_argument("--dtype", default="bf16")
-    demo.add_argument("--method", default="rsd_s", choices=["chain", "mcsd", "rsd_c", "rsd_s", "mtad"])
+    demo.add_argument("--method", default="rsd_s", choices=[m for m in METHODS if Method(m).drafts])
     demo.add_argument("--depth", type=int, default=3)
     demo.add_argument("--beam-width", type=int, default=3)
     demo.add_argument("--temperature", type=float, default=0.0)

@@ -4,9 +4,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specmesh.engine import Request, SpeculativeEngine
-from specmesh.models import load_model
-from specmesh.stats import GenerationResult
+from specmesh.core.rounds import Request
+from specmesh.core.stats import GenerationResult
+from specmesh.runtime.engine import SpeculativeEngine
+from specmesh.runtime.models import load_model
 from tests.servers import save_tiny_models
 
 # Tests run in parallel workers (pytest -n 2 on 2 cores) on tiny tensors: one thread each.

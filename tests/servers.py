@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from specmesh.redis_server import free_port
+from specmesh.stack.ports import free_port
 from tests.test_engine import VOCAB, tiny_pair
 from tests.test_models import SPECIALS, make_tokenizer
 

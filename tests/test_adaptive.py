@@ -8,12 +8,12 @@ from collections import Counter
 import pytest
 import torch
 
-from specmesh.adaptive import AdaptivePolicy, PolicyMemory, expected_tokens, family_spec
-from specmesh.drafting import TreeSpec, build_tree
-from specmesh.engine import SpeculativeEngine
-from specmesh.sampling import SamplingParams
-from specmesh.stats import GenerationStats
-from specmesh.verification import autoregressive_step, verify_tree
+from specmesh.core.adaptive import AdaptivePolicy, PolicyMemory, expected_tokens, family_spec
+from specmesh.core.drafting import TreeSpec, build_tree
+from specmesh.core.sampling import SamplingParams
+from specmesh.core.stats import GenerationStats
+from specmesh.core.verification import autoregressive_step, verify_tree
+from specmesh.runtime.engine import SpeculativeEngine
 from tests.stats import chi_square_pvalue
 from tests.test_engine import PROMPT, hf_greedy, tiny_pair
 from tests.test_lossless import DRAFT, P_VALUE_THRESHOLD, SAMPLES, TARGET, exact_two_token_distribution

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from specmesh.bench.suite import EXP2, alpha, exp1_specs, exp2_specs, goals, mcsd_specs, perplexity
-from specmesh.stats import GenerationStats
+from specmesh.bench.measure import alpha
+from specmesh.bench.suite import EXP2, exp1_specs, exp2_specs, goals, mcsd_specs, perplexity
+from specmesh.core.stats import GenerationStats
 from tests.tiny import tiny_lm
 
 

@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from specmesh.redis_server import free_port
+from specmesh.stack.ports import free_port
 from tests.servers import ROOT
 
 

@@ -53,7 +53,7 @@ def test_healthchecks(services):
     assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
     for name in (*MODEL_SERVICES, "gateway"):
         test = services[name]["healthcheck"]["test"]
-        assert test[:4] == ["CMD", "python", "-m", "specmesh.healthcheck"], name
+        assert test[:4] == ["CMD", "python", "-m", "specmesh.rpc.health"], name
         assert test[4] == f"127.0.0.1:{flag(services[name]['command'], '--port')}", name
     assert "healthcheck" not in services["models"]  # a one-shot job
 

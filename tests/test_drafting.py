@@ -6,9 +6,9 @@ from collections import Counter, defaultdict
 import pytest
 import torch
 
-from specmesh.drafting import TreeSpec, build_tree, truncated_gumbel
-from specmesh.sampling import SamplingParams, warp
-from specmesh.tree import SamplingMode
+from specmesh.core.drafting import TreeSpec, build_tree, truncated_gumbel
+from specmesh.core.sampling import SamplingParams, warp
+from specmesh.core.tree import SamplingMode
 from tests.stats import chi_square_pvalue
 from tests.toy import ToyModel
 

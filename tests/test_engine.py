@@ -5,9 +5,10 @@ import copy
 import pytest
 import torch
 
-from specmesh.drafting import TreeSpec
-from specmesh.engine import Request, SpeculativeEngine
-from specmesh.sampling import SamplingParams
+from specmesh.core.drafting import TreeSpec
+from specmesh.core.rounds import Request
+from specmesh.core.sampling import SamplingParams
+from specmesh.runtime.engine import SpeculativeEngine
 from tests.tiny import tiny_lm
 
 VOCAB = 97
@@ -115,8 +116,8 @@ def test_real_pair_greedy_through_the_engine() -> None:
     target's own greedy decode. Run with SPECMESH_SLOW=1."""
     import os
 
-    from specmesh import model_store
-    from specmesh.models import load_model
+    from specmesh.runtime import model_store
+    from specmesh.runtime.models import load_model
 
     if os.environ.get("SPECMESH_SLOW") != "1" or not model_store.is_provisioned():
         pytest.skip("needs SPECMESH_SLOW=1 and the provisioned default pair (specmesh models pull)")

@@ -21,12 +21,12 @@ import redis
 from google.protobuf import json_format
 
 from specmesh import cli
-from specmesh.drafting import TreeSpec
-from specmesh.engine import Request
-from specmesh.models import load_model
-from specmesh.proto import load
-from specmesh.redis_server import RedisServer
-from specmesh.sampling import SamplingParams
+from specmesh.core.drafting import TreeSpec
+from specmesh.core.rounds import Request
+from specmesh.core.sampling import SamplingParams
+from specmesh.rpc.proto import load
+from specmesh.runtime.models import load_model
+from specmesh.stack.redis_server import RedisServer
 from tests.servers import Server, grpcurl, replica, start_all, stop_all, wait_until
 from tests.test_engine import PROMPT, SPECS, hf_greedy
 
@@ -213,7 +213,7 @@ def test_the_benchmark_client_measures_concurrent_streams(stack, target_greedy) 
     """specmesh.bench.suite.run_gateway, what the benchmarks measure with, on the real stack."""
     import asyncio
 
-    from specmesh.bench.suite import run_gateway
+    from specmesh.bench.measure import run_gateway
 
     text = " ".join(f"w{t - 4}" for t in PROMPT)  # the tiny tokenizer's words for PROMPT
     m = asyncio.run(run_gateway(stack.gateway.address, [text] * 3, SPECS["chain"], False, 0.0, 12, 2))

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from google.protobuf import json_format
 
-from specmesh.proto import load
-from specmesh.stats import GenerationStats
-
-gateway_pb2, gateway_pb2_grpc = load("gateway")
+from gateway.api import gateway_pb2, gateway_pb2_grpc, stats_to_proto
+from specmesh.core.stats import GenerationStats
 
 
 def test_request_fields_and_json_form():
@@ -50,7 +48,7 @@ def test_stats_to_proto():
         verify_seconds=0.2,
         total_seconds=0.5,
     ) + GenerationStats.for_round(drafted_tokens=4, accepted_tokens=0, tree_depth=3, total_seconds=0.1)
-    message = stats.to_proto(prompt_tokens=7, generated_tokens=4)
+    message = stats_to_proto(stats, prompt_tokens=7, generated_tokens=4)
     assert (message.target_calls, message.rounds, message.drafted_tokens, message.accepted_tokens) == (
         2,
         2,

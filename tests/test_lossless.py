@@ -13,11 +13,11 @@ from collections import Counter
 import pytest
 import torch
 
-import specmesh.verification as verification
-from specmesh.drafting import TreeSpec, build_tree
-from specmesh.sampling import SamplingParams
-from specmesh.tree import SamplingMode
-from specmesh.verification import verify_tree
+import specmesh.core.verification as verification
+from specmesh.core.drafting import TreeSpec, build_tree
+from specmesh.core.sampling import SamplingParams
+from specmesh.core.tree import SamplingMode
+from specmesh.core.verification import verify_tree
 from tests.stats import chi_square_pvalue
 from tests.toy import ToyModel
 

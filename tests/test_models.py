@@ -12,8 +12,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from specmesh import model_store
-from specmesh.models import LoadedModel, check_pair, load_model, resolve_dtype
+from specmesh.runtime import model_store
+from specmesh.runtime.models import LoadedModel, check_pair, load_model, resolve_dtype
 from tests.tiny import tiny_lm
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
@@ -237,9 +237,9 @@ def test_default_pair_generates():
 def test_int8_weights_for_drafters(tiny_dirs):
     """dtype int8: Linear weights quantized (fp32 activations, CPU), logits close to fp32's, and
     the engine with an int8 draft still emits exactly the target's greedy decode."""
-    from specmesh.drafting import TreeSpec
-    from specmesh.engine import SpeculativeEngine
-    from specmesh.sampling import SamplingParams
+    from specmesh.core.drafting import TreeSpec
+    from specmesh.core.sampling import SamplingParams
+    from specmesh.runtime.engine import SpeculativeEngine
 
     q = load_model(tiny_dirs["qwen2"], dtype="int8")
     full = load_model(tiny_dirs["qwen2"], dtype="fp32", device="cpu")

@@ -7,10 +7,10 @@ from collections import Counter
 
 import torch
 
-from specmesh.drafting import TreeSpec, build_tree
-from specmesh.sampling import SamplingParams, warp
-from specmesh.tree import DraftTree, SamplingMode
-from specmesh.verification import verify_tree
+from specmesh.core.drafting import TreeSpec, build_tree
+from specmesh.core.sampling import SamplingParams, warp
+from specmesh.core.tree import DraftTree, SamplingMode
+from specmesh.core.verification import verify_tree
 from tests.stats import chi_square_pvalue
 from tests.toy import ToyModel
 

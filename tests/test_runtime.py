@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specmesh.runtime import ModelRunner, Step, UnknownSessionError
+from specmesh.runtime.runner import ModelRunner, Step, UnknownSessionError
 from tests.tiny import tiny_lm
 
 TOL = 1e-4

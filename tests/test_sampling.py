@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from specmesh.sampling import SamplingParams, gumbel_top_k, warp
+from specmesh.core.sampling import SamplingParams, gumbel_top_k, warp
 from tests.stats import chi_square_pvalue
 
 
@@ -87,7 +87,7 @@ def test_gumbel_top_k_drops_zero_probability_tokens() -> None:
 
 
 def test_sample_iid_matches_the_distribution_and_skips_zero_mass() -> None:
-    from specmesh.sampling import sample, sample_iid
+    from specmesh.core.sampling import sample, sample_iid
 
     p = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
     g = torch.Generator().manual_seed(0)

@@ -18,15 +18,15 @@ import grpc
 import pytest
 import torch
 
-from specmesh import wire
-from specmesh.engine import Request
-from specmesh.models import load_model
-from specmesh.proto import pb2, pb2_grpc
-from specmesh.redis_server import free_port
-from specmesh.remote import RemoteSession, generate_remote, needs_resync, open_channel
-from specmesh.sampling import SamplingParams, warp
-from specmesh.stats import GenerationResult
-from specmesh.tree import DraftTree, SamplingMode
+from specmesh.core.rounds import Request
+from specmesh.core.sampling import SamplingParams, warp
+from specmesh.core.stats import GenerationResult
+from specmesh.core.tree import DraftTree, SamplingMode
+from specmesh.rpc import wire
+from specmesh.rpc.proto import pb2, pb2_grpc
+from specmesh.rpc.round_client import RemoteSession, generate_remote, needs_resync, open_channel
+from specmesh.runtime.models import load_model
+from specmesh.stack.ports import free_port
 from tests.servers import Server, grpcurl, replica, start_all, stop_all
 from tests.test_engine import PROMPT, SPECS, VOCAB
 
@@ -209,7 +209,7 @@ def test_release_forgets_the_session_and_the_next_round_resyncs(stack, reference
                 (await stubs.verifier.Release(pb2.ReleaseRequest(session_id=session.id))).released,
                 (await stubs.verifier.Release(pb2.ReleaseRequest(session_id=session.id))).released,
             ]
-            stale = wire.verify_request(session.id, len(PROMPT), [5], session.params, None)
+            stale = wire.verify_request(session.id, len(PROMPT), [5], session.client.params, None)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stubs.verifier.Verify(stale)
             result = await session.run()

@@ -1,4 +1,4 @@
-"""gateway.session_store against a real redis-server (specmesh.redis_server), no fakes."""
+"""gateway.session_store against a real redis-server (specmesh.stack.redis_server), no fakes."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from gateway.session_store import (
     StoreError,
     StoreUnavailable,
 )
-from specmesh.redis_server import RedisServer, free_port
-from specmesh.stats import GenerationStats
+from specmesh.core.stats import GenerationStats
+from specmesh.stack.ports import free_port
+from specmesh.stack.redis_server import RedisServer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""specmesh.supervisor with small real child processes (TCP and gRPC health servers)."""
+"""specmesh.stack.supervisor with small real child processes (TCP and gRPC health servers)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from specmesh.redis_server import free_port
-from specmesh.supervisor import ChildFailed, ChildSpec, Supervisor, grpc_ready, plan_stack, tcp_ready
+from specmesh.stack.ports import free_port
+from specmesh.stack.supervisor import ChildFailed, ChildSpec, Supervisor, grpc_ready, plan_stack, tcp_ready
 
 CHILD = textwrap.dedent(
     """
@@ -229,7 +229,7 @@ def test_sigint_to_the_supervisor_is_forwarded_in_reverse_order(child, tmp_path)
     program = textwrap.dedent(
         f"""
         import asyncio, sys
-        from specmesh.supervisor import ChildSpec, Supervisor, tcp_ready
+        from specmesh.stack.supervisor import ChildSpec, Supervisor, tcp_ready
         specs = [{", ".join(_spec_source(s) for s in specs)}]
         sup = Supervisor(specs, grace=5, on_ready=lambda: print("ALL READY", flush=True))
         sys.exit(asyncio.run(sup.run()))

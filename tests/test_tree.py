@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from specmesh.tree import (
+from specmesh.core.tree import (
     DraftTree,
     SamplingMode,
     accepted_cache_indices,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from specmesh.sampling import SamplingParams, warp
+from specmesh.core.sampling import SamplingParams, warp
 
 
 class ToyModel:

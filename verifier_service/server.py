@@ -2,11 +2,10 @@
 
 Concurrent Verify calls from different sessions are merged by the shared ForwardBatcher into one
 target forward (limits: --max-batch-size, --max-batch-tokens, --max-wait-ms) and split again.
-Right after the forward, still on the model thread, each session gets its verdict
-(`verify_tree` with `derive_generator(seed, committed length, "verify")`, or a plain sample from
-the root row for an empty tree) and its KV is compacted to the accepted path, so a session's state
-never holds half a round. A session has at most one request in flight (a second gets ABORTED),
-which keeps its rounds in order.
+Right after the forward, still on the model thread, each session gets its verdict and its KV is
+compacted to the accepted path (specmesh.runtime.rounds.verify_and_commit, the same rule as the
+in-process engine), so a session's state never holds half a round. A session has at most one
+request in flight (a second gets ABORTED), which keeps its rounds in order.
 """
 
 from __future__ import annotations
@@ -16,14 +15,17 @@ import functools
 import grpc
 import torch
 
-from specmesh import wire
-from specmesh.models import LoadedModel
-from specmesh.proto import pb2, pb2_grpc
-from specmesh.runtime import Step
-from specmesh.sampling import derive_generator
-from specmesh.serving import ModelService, ServiceConfig, ServiceMetrics, count_labels, main, rpc
-from specmesh.tree import DraftTree
-from specmesh.verification import Verdict, autoregressive_step, verify_tree
+from specmesh.core.tree import DraftTree
+from specmesh.core.verification import Verdict
+from specmesh.rpc import wire
+from specmesh.rpc.metrics import RoundMetrics, count_labels
+from specmesh.rpc.proto import pb2, pb2_grpc
+from specmesh.rpc.server import rpc
+from specmesh.runtime.models import LoadedModel
+from specmesh.runtime.rounds import verify_and_commit
+from specmesh.runtime.runner import Step
+from specmesh.services.metrics import ServiceMetrics
+from specmesh.services.model_service import ModelService, ServiceConfig, main
 
 DEFAULTS = {"model": "default-target", "port": 50062, "max_wait_ms": 2.0}
 
@@ -33,19 +35,8 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
 
     def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
         super().__init__(config, model, metrics)
-        m = metrics
-        self._rounds = m.counter(
-            "specmesh_rounds", "verification rounds (one per session per target forward)"
-        )
-        self._emitted = m.counter("specmesh_emitted_tokens", "tokens committed: accepted + 1 per round")
-        # vLLM's spec-decode metric names, with the same meaning
-        self._drafts = m.counter("spec_decode_num_drafts", "draft trees verified")
-        self._draft_tokens = m.counter("spec_decode_num_draft_tokens", "drafted tokens verified (tree nodes)")
-        self._accepted = m.counter("spec_decode_num_accepted_tokens", "drafted tokens accepted")
-        self._accepted_per_pos = m.counter(
-            "spec_decode_num_accepted_tokens_per_pos", "accepted tokens by position (0 = depth 1)", "position"
-        )
-        self._per_depth = m.counter(
+        self._rounds = RoundMetrics(metrics)  # vLLM's spec-decode names, with the same meaning
+        self._per_depth = metrics.counter(
             "specmesh_draft_tokens_per_depth",
             "verified tree nodes by depth (1 = children of the root)",
             "depth",
@@ -75,25 +66,14 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
 
     def _decide(self, v: wire.VerifyInput, logits: torch.Tensor) -> Verdict:
         """On the model thread, right after the forward: the verdict, then KV compaction."""
-        generator = derive_generator(v.params.seed, v.committed_length, "verify")
-        if v.tree is None:
-            verdict = autoregressive_step(logits[0], v.params, generator)
-        else:
-            verdict = verify_tree(v.tree, logits, v.params, generator)
-        self.runner.commit(v.session_id, verdict.accepted_nodes)
-        return verdict
+        return verify_and_commit(
+            self.runner, v.session_id, v.tree, logits, v.params, v.params.seed, v.committed_length
+        )
 
     def _record(self, tree: DraftTree | None, verdict: Verdict) -> None:
-        accepted = len(verdict.accepted_nodes)
-        self._rounds.inc()
-        self._emitted.inc(accepted + 1)
-        if tree is None:
-            return
-        self._drafts.inc()
-        self._draft_tokens.inc(tree.num_nodes)
-        self._accepted.inc(accepted)
-        count_labels(self._accepted_per_pos, range(accepted))
-        count_labels(self._per_depth, tree.depths().tolist())
+        self._rounds.observe(tree.num_nodes if tree is not None else 0, len(verdict.accepted_nodes))
+        if tree is not None:
+            count_labels(self._per_depth, tree.depths().tolist())
 
 
 def run(argv: list[str] | None = None) -> None:

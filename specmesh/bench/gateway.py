@@ -11,20 +11,8 @@ import asyncio
 import json
 import time
 
-from specmesh.bench.engine import DEFAULT_SPECS, humaneval_prompts
-from specmesh.drafting import TreeSpec
-
-
-def speculation_message(pb2, spec: TreeSpec, adaptive: bool = False):
-    """The public API's Speculation for a TreeSpec (fields the method does not use left unset)."""
-    return pb2.Speculation(
-        method=spec.method,
-        depth=spec.depth if spec.method != "none" else 0,
-        branching=list(spec.branching) if spec.method in ("mcsd", "rsd_c") else [],
-        beam_width=spec.beam_width if spec.method in ("rsd_s", "mtad") else 0,
-        replacement=spec.replacement,
-        adaptive=adaptive,
-    )
+from specmesh.bench.engine import DEFAULT_SPECS
+from specmesh.bench.measure import humaneval_prompts, run_gateway
 
 
 def bench_gateway(
@@ -34,8 +22,6 @@ def bench_gateway(
     temperatures: tuple[float, ...] = (0.0, 1.0),
     engine_json: str | None = None,
 ) -> dict:
-    from specmesh.bench.suite import run_gateway
-
     engine = {}
     if engine_json:
         with open(engine_json) as f:

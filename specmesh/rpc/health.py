@@ -1,4 +1,4 @@
-"""grpc.health.v1 probe: `python -m specmesh.healthcheck HOST:PORT [--service S] [--timeout T]`.
+"""grpc.health.v1 probe: `python -m specmesh.rpc.health HOST:PORT [--service S] [--timeout T]`.
 
 Exit status 0 when the server answers SERVING, 1 otherwise (the reason goes to stderr). Used by
 the docker compose healthchecks (the image has no grpc_health_probe binary) and by the
@@ -29,7 +29,7 @@ def check(address: str, service: str = "", timeout: float = 2.0) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specmesh.healthcheck", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m specmesh.rpc.health", description=__doc__)
     parser.add_argument("address", help="HOST:PORT of a gRPC server")
     parser.add_argument("--service", default="", help="service name to ask about ('' = the server)")
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds")

@@ -2,39 +2,39 @@
 
     result = await generate_remote("127.0.0.1:50061", "127.0.0.1:50062", prompt_ids, spec, params, 64)
 
-`RoundClient.round(tokens)` is THE round (Draft, then Verify with the tree as the drafter sent
-it), shared by `RemoteSession` (tests, benchmarks) and the gateway (gateway/rounds.py, which
-keeps the committed tokens in Redis and swaps replicas on failover). It produces exactly the
-tokens of the in-process `SpeculativeEngine` for the same seed. The client tracks how many
-committed tokens each replica holds and sends only the rest. A replica that answers
+`RoundClient.round(tokens, placement)` is THE round (Draft, then Verify with the tree as the
+drafter sent it), shared by `RemoteSession` (tests, benchmarks) and the gateway
+(gateway/rounds.py, which keeps the committed tokens in Redis and swaps replicas on failover). It
+produces exactly the tokens of the in-process `SpeculativeEngine` for the same seed. The
+`Placement` says which replicas run the round and how many committed tokens each holds; only the
+rest is sent, and the result says what each holds afterwards. A replica that answers
 FAILED_PRECONDITION with `specmesh-resync: 1` (restart, failover, eviction of its state) gets the
 session's full token list with position 0, once per call. Other errors are raised as
-`ReplicaFailure` naming the replica's role: choosing another replica is the caller's business (it
-can swap `drafter` / `verifier` and their `held` count between rounds).
+`ReplicaFailure` naming the replica's role: choosing another replica is the caller's business.
 """
 
 from __future__ import annotations
 
 import functools
-import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 import grpc
 import torch
 
-from specmesh import wire
-from specmesh.adaptive import AdaptivePolicy
-from specmesh.drafting import TreeSpec
-from specmesh.engine import Request, keep_emitted
-from specmesh.proto import pb2, pb2_grpc
-from specmesh.sampling import SamplingParams
-from specmesh.stats import GenerationResult, GenerationStats
-from specmesh.tree import tree_depths
-from specmesh.verification import Verdict
+from specmesh.core.adaptive import AdaptivePolicy
+from specmesh.core.drafting import TreeSpec
+from specmesh.core.rounds import Request, keep_emitted, session_seed
+from specmesh.core.sampling import SamplingParams
+from specmesh.core.stats import GenerationResult, GenerationStats
+from specmesh.core.tree import tree_depths
+from specmesh.core.verification import Verdict
+from specmesh.rpc import wire
+from specmesh.rpc.proto import pb2, pb2_grpc
 
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -54,19 +54,30 @@ def needs_resync(error: grpc.aio.AioRpcError) -> bool:
     return any(key == wire.RESYNC_KEY and value == "1" for key, value in error.trailing_metadata() or ())
 
 
-class ReplicaFailure(Exception):
-    """A Draft or Verify call failed for another reason than a resync; `role` says which replica."""
+class Role(StrEnum):
+    DRAFTER = "drafter"
+    VERIFIER = "verifier"
 
-    def __init__(self, role: str, error: grpc.aio.AioRpcError) -> None:
-        super().__init__(f"{role}: {error.code().name}: {error.details()}")
-        self.role = role
-        self.error = error
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one round runs: the replicas, what each holds, and how long a call may take.
+
+    held: committed tokens the caller believes each replica holds (0 or missing: nothing, it gets
+    everything with position 0). drafter None: method "none" only."""
+
+    verifier: pb2_grpc.VerifierStub
+    drafter: pb2_grpc.DrafterStub | None = None
+    held: Mapping[Role, int] = field(default_factory=dict)
+    timeout: float | None = 60.0
 
 
 @dataclass(frozen=True)
 class RoundResult:
     verdict: Verdict
     stats: GenerationStats  # this round's delta
+    held: dict[Role, int]  # committed tokens each replica holds after the round
+    resyncs: int  # replicas that answered "resync" and were sent everything
 
     @property
     def tokens(self) -> list[int]:
@@ -74,48 +85,53 @@ class RoundResult:
         return self.verdict.emitted_tokens
 
 
-class RoundClient:
-    """One session's rounds against a drafter and a verifier (drafter None: method "none" only).
+class ReplicaFailure(Exception):
+    """A Draft or Verify call failed for another reason than a resync; `role` says which replica,
+    `held` what each replica holds as far as the round got (a Draft may have succeeded)."""
 
-    `held[role]` is the number of committed tokens the caller believes that replica holds; a
-    caller that swaps a replica sets it to what it knows of the new one (0 if nothing)."""
+    def __init__(self, role: Role, error: grpc.aio.AioRpcError, held: Mapping[Role, int]) -> None:
+        super().__init__(f"{role}: {error.code().name}: {error.details()}")
+        self.role = role
+        self.error = error
+        self.held = dict(held)
+
+
+class RoundClient:
+    """One session's rounds: `round(tokens, placement)` drafts and verifies after the committed
+    `tokens` on the replicas the placement names. The client keeps only what belongs to the
+    session (id, sampling, tree family, adaptive policy); where it runs is the caller's."""
 
     def __init__(
         self,
         session_id: str,
         params: SamplingParams,
         spec: TreeSpec,
-        drafter: pb2_grpc.DrafterStub | None,
-        verifier: pb2_grpc.VerifierStub | None,
         *,
-        timeout: float | None = 60.0,
         policy: AdaptivePolicy | None = None,
     ) -> None:
-        """policy: adaptive speculation; `spec` is then only its family and first depth."""
-        self.id, self.params, self.spec = session_id, params, spec
-        self.drafter, self.verifier, self.timeout = drafter, verifier, timeout
-        self.policy = policy
-        self.held = {"drafter": 0, "verifier": 0}
-        self.resyncs = 0
+        """params: with the session's seed fixed. policy: adaptive speculation; `spec` is then only
+        its family and first depth."""
+        self.id, self.params, self.spec, self.policy = session_id, params, spec, policy
 
-    async def round(self, tokens: Sequence[int]) -> RoundResult:
+    async def round(self, tokens: Sequence[int], placement: Placement) -> RoundResult:
         """Draft and verify after the committed `tokens`; commits nothing on the caller's side.
 
         Stats: draft_seconds and verify_seconds are what the services report (tree build time,
         batched forward time), total_seconds the round's wall time; the rest is network."""
         start = time.perf_counter()
         spec = self.policy.next_spec() if self.policy else self.spec
+        call = _Calls(placement, len(tokens))
         drafted = None
-        if spec.method != "none":
-            if self.drafter is None:
+        if spec.method.drafts:
+            if placement.drafter is None:
                 raise ValueError(f"method {spec.method!r} needs a drafter")
             make_draft = functools.partial(self._draft_request, tokens, spec)
-            drafted = await self._call("drafter", self.drafter.Draft, make_draft, len(tokens))
+            drafted = await call(Role.DRAFTER, placement.drafter.Draft, make_draft)
         tree = drafted.tree if drafted is not None else None
         make_verify = functools.partial(self._verify_request, tokens, tree)
-        verified = await self._call("verifier", self.verifier.Verify, make_verify, len(tokens))
+        verified = await call(Role.VERIFIER, placement.verifier.Verify, make_verify)
         verdict = wire.verdict_from_proto(verified)
-        self.held["verifier"] += len(verdict.accepted_tokens)  # it committed the accepted path itself
+        call.held[Role.VERIFIER] += len(verdict.accepted_tokens)  # it committed the accepted path itself
         stats = GenerationStats.for_round(
             drafted_tokens=len(tree.tokens) if tree is not None else 0,
             accepted_tokens=len(verdict.accepted_tokens),
@@ -127,7 +143,7 @@ class RoundClient:
         )
         if self.policy:
             self.policy.observe(spec, stats)
-        return RoundResult(verdict, stats)
+        return RoundResult(verdict, stats, dict(call.held), call.resyncs)
 
     def _draft_request(self, tokens: Sequence[int], spec: TreeSpec, position: int) -> pb2.DraftRequest:
         return wire.draft_request(self.id, position, list(tokens[position:]), self.params, spec)
@@ -137,20 +153,23 @@ class RoundClient:
     ) -> pb2.VerifyRequest:
         return wire.verify_request(self.id, position, list(tokens[position:]), self.params, tree)
 
-    async def release(self) -> None:
-        """Free the session's KV on both current replicas (best effort: a replica may be gone)."""
-        for stub in (self.drafter, self.verifier):
-            if stub is not None:
-                await release_session(stub, self.id, self.timeout)
 
-    async def _call(
-        self, role: str, method: Callable[..., Awaitable[Any]], make: Callable[[int], Any], committed: int
+class _Calls:
+    """The replica calls of one round, tracking what each replica holds."""
+
+    def __init__(self, placement: Placement, committed: int) -> None:
+        self.held = {role: placement.held.get(role, 0) for role in Role}
+        self.timeout, self.committed, self.resyncs = placement.timeout, committed, 0
+
+    async def __call__(
+        self, role: Role, method: Callable[..., Awaitable[Any]], make: Callable[[int], Any]
     ) -> Any:
         """method(make(position)); on a resync answer, once more with position 0 (all tokens).
 
         With nothing new for the replica (a round retried after its Verify failed), restart the
         session there: new_token_ids may not be empty, they produce the root distribution."""
-        position = self.held[role] if self.held[role] < committed else 0
+        held = self.held[role]
+        position = held if held < self.committed else 0
         try:
             try:
                 response = await method(make(position), timeout=self.timeout)
@@ -160,8 +179,8 @@ class RoundClient:
                 self.resyncs += 1
                 response = await method(make(0), timeout=self.timeout)
         except grpc.aio.AioRpcError as error:
-            raise ReplicaFailure(role, error) from error
-        self.held[role] = committed
+            raise ReplicaFailure(role, error, self.held) from error
+        self.held[role] = self.committed
         return response
 
 
@@ -176,7 +195,7 @@ async def release_session(
     return reply.released
 
 
-class RemoteSession(RoundClient):
+class RemoteSession:
     """One whole generation against a drafter and a verifier, the committed tokens kept here."""
 
     def __init__(
@@ -188,28 +207,23 @@ class RemoteSession(RoundClient):
         session_id: str | None = None,
         timeout: float | None = 60.0,
     ) -> None:
-        if not request.prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
-        if request.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
-        if drafter is None and request.spec.method != "none":
+        if drafter is None and request.spec.method.drafts:
             raise ValueError(f"method {request.spec.method!r} needs a drafter")
-        seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
-        params = replace(request.params, seed=seed)
-        super().__init__(
-            session_id or uuid.uuid4().hex,
-            params,
-            request.spec,
-            drafter,
-            verifier,
-            timeout=timeout,
-            policy=AdaptivePolicy(request.spec) if request.adaptive else None,
-        )
+        params = replace(request.params, seed=session_seed(request.params))
+        policy = AdaptivePolicy(request.spec) if request.adaptive else None
+        self.client = RoundClient(session_id or uuid.uuid4().hex, params, request.spec, policy=policy)
+        self.drafter, self.verifier, self.timeout = drafter, verifier, timeout
+        self.held: dict[Role, int] = {}
+        self.resyncs = 0
         self.request = request
         self.tokens = [int(t) for t in request.prompt_ids]  # committed: prompt + generated
         self.generated: list[int] = []
         self.finish_reason: str | None = None
         self.stats = GenerationStats()
+
+    @property
+    def id(self) -> str:
+        return self.client.id
 
     @property
     def done(self) -> bool:
@@ -221,10 +235,13 @@ class RemoteSession(RoundClient):
     async def step(self) -> list[int]:
         """One round; returns the tokens it emitted (cut at max_new_tokens or a stop token).
         A failed replica call raises its grpc.aio.AioRpcError; the next step retries the round."""
+        placement = Placement(self.verifier, self.drafter, self.held, self.timeout)
         try:
-            result = await self.round(self.tokens)
+            result = await self.client.round(self.tokens, placement)
         except ReplicaFailure as failure:
+            self.held = failure.held
             raise failure.error from None
+        self.held, self.resyncs = result.held, self.resyncs + result.resyncs
         self.stats += result.stats
         r = self.request
         emitted, self.finish_reason = keep_emitted(
@@ -238,6 +255,12 @@ class RemoteSession(RoundClient):
         while not self.done:
             await self.step()
         return self.result()
+
+    async def release(self) -> None:
+        """Free the session's KV on both replicas (best effort: a replica may be gone)."""
+        for stub in (self.drafter, self.verifier):
+            if stub is not None:
+                await release_session(stub, self.id, self.timeout)
 
 
 async def generate_remote(

@@ -28,7 +28,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from specmesh.redis_server import find_redis_server, free_port, redis_command, redis_ping
+from specmesh.stack.ports import free_port
+from specmesh.stack.redis_server import find_redis_server, redis_command, redis_ping
 
 __all__ = [
     "ChildFailed",
@@ -72,7 +73,7 @@ def grpc_ready(address: str, service: str = "") -> ReadyCheck:
     host, _, port = address.rpartition(":")
 
     async def check() -> bool:
-        from specmesh.healthcheck import check as health_check
+        from specmesh.rpc.health import check as health_check
 
         if not await asyncio.to_thread(_tcp_accepts, host.strip("[]"), int(port)):
             return False

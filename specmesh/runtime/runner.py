@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specmesh.tree import accepted_cache_indices, tree_attention_mask, tree_position_ids
+from specmesh.core.tree import accepted_cache_indices, tree_attention_mask, tree_position_ids
 
 _CAPACITY_STEP = 64  # allocation granularity of a session's KV tensor, in positions
 

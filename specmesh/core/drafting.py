@@ -1,0 +1,230 @@
+"""Tree builders: how a draft model's next-token distributions become a DraftTree.
+
+`build_tree(spec, next_logits, params, generator)` asks `next_logits` for one whole tree level
+per call (one draft forward per level) and never sees a model. Methods:
+
+  chain   plain speculative decoding: one child per node                      (iid)
+  mcsd    per-depth k-config, children i.i.d. or without replacement (MCSD)   (iid | without_replacement)
+  rsd_c   per-depth branching, Gumbel-top-k siblings (RSD-C)                  (without_replacement)
+  rsd_s   stochastic beam search with truncated Gumbels (RSD-S)               (without_replacement)
+  mtad    beam sampling, the most likely beam kept as a chain (MTAD)          (mtad)
+
+At temperature 0 every builder is deterministic: siblings are the draft's top-k tokens by raw
+logit, and beams are ranked by the unwarped log-probabilities. Verification is then greedy, so
+any tree is exact; the width only buys more chances to contain the target's argmax.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specmesh.core.methods import METHODS, Method
+from specmesh.core.sampling import SamplingParams, gumbel_like, gumbel_top_k, sample_iid, warp
+from specmesh.core.tree import DraftTree, SamplingMode
+
+Path = tuple[int, ...]
+NextLogits = Callable[[list[Path]], torch.Tensor]  # paths below the committed context -> raw logits [len, V]
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """The shape of the tree to draft. `Method.NONE` is plain autoregressive decoding (depth 0).
+
+    `method` may be given as a string; it is stored as a `Method`."""
+
+    method: Method = Method.CHAIN
+    depth: int = 4
+    branching: tuple[int, ...] = ()
+    beam_width: int = 1
+    replacement: bool = False
+    mtad_threshold: float = 0.1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "branching", tuple(int(b) for b in self.branching))
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        object.__setattr__(self, "method", Method(self.method))
+        if not self.method.drafts:
+            object.__setattr__(self, "depth", 0)  # drafts nothing, whatever was passed
+            return
+        if self.depth < 1:
+            raise ValueError(f"depth must be >= 1, got {self.depth}")
+        if self.method.branched:
+            if len(self.branching) != self.depth:
+                raise ValueError(
+                    f"branching must have one entry per level (depth={self.depth}), got {self.branching}"
+                )
+            if min(self.branching) < 1:
+                raise ValueError(f"branching entries must be >= 1, got {self.branching}")
+        elif self.branching and self.branching != (1,) * self.depth:
+            raise ValueError(f"branching does not apply to method {self.method!r}")
+        if self.method.beamed and self.beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
+        if not (0.0 <= self.mtad_threshold <= 1.0):
+            raise ValueError(f"mtad_threshold must be in [0, 1], got {self.mtad_threshold}")
+
+    @property
+    def max_nodes(self) -> int:
+        """Upper bound on the number of tree nodes (what the target verifies per round)."""
+        if not self.method.drafts:
+            return 0
+        if self.method.one_node_per_level:
+            return self.depth
+        if self.method is Method.RSD_S:
+            return self.beam_width * self.depth
+        return sum(math.prod(self.branching[: d + 1]) for d in range(self.depth))
+
+
+def build_tree(
+    spec: TreeSpec, next_logits: NextLogits, params: SamplingParams, generator: torch.Generator | None
+) -> DraftTree:
+    """Draft one tree below the committed context."""
+    match spec.method:
+        case Method.CHAIN:
+            return _build_kary((1,) * spec.depth, True, next_logits, params, generator)
+        case Method.MCSD:
+            return _build_kary(spec.branching, spec.replacement, next_logits, params, generator)
+        case Method.RSD_C:
+            return _build_kary(spec.branching, False, next_logits, params, generator)
+        case Method.RSD_S:
+            return _build_stochastic_beam(spec, next_logits, params, generator)
+        case Method.MTAD:
+            return _build_mtad(spec, next_logits, params, generator)
+    raise ValueError(f"method {spec.method!r} drafts no tree")
+
+
+class _TreeBuilder:
+    """Accumulates nodes in level order and the draft distributions of nodes with children."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.paths: dict[int, Path] = {-1: ()}
+        self.rows: dict[int, torch.Tensor] = {}  # node (-1 = root) -> the p its children came from
+
+    def add(self, parent: int, token: int, dist: torch.Tensor) -> int:
+        self.rows.setdefault(parent, dist)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        node = len(self.tokens) - 1
+        self.paths[node] = (*self.paths[parent], token)
+        return node
+
+    def finish(self, mode: SamplingMode, threshold: float = 0.0) -> DraftTree:
+        n = len(self.tokens)
+        prob_rows = torch.full((n + 1,), -1, dtype=torch.long)
+        for row, node in enumerate(self.rows):
+            prob_rows[node + 1] = row
+        return DraftTree(
+            tokens=torch.tensor(self.tokens, dtype=torch.long),
+            parents=torch.tensor(self.parents, dtype=torch.long),
+            mode=mode,
+            draft_probs=torch.stack(list(self.rows.values())).float(),
+            prob_rows=prob_rows,
+            mtad_threshold=threshold,
+        )
+
+
+def _children(
+    probs: torch.Tensor, logits: torch.Tensor, k: int, replacement: bool, params: SamplingParams, g
+) -> list[int]:
+    """k children of one node, in sampling order."""
+    if params.greedy:
+        return logits.topk(min(k, logits.numel())).indices.tolist()
+    if replacement:
+        return sample_iid(probs, k, g).tolist()
+    return gumbel_top_k(probs.log(), k, g).tolist()
+
+
+def _build_kary(
+    branching: Sequence[int], replacement: bool, next_logits: NextLogits, params: SamplingParams, g
+) -> DraftTree:
+    """chain, MCSD and RSD-C: every node of level d gets branching[d] children (fewer when the
+    filtered support is smaller). Flattening is parent-major within a level."""
+    tree = _TreeBuilder()
+    frontier = [-1]
+    for k in branching:
+        logits = next_logits([tree.paths[n] for n in frontier]).float()
+        probs = warp(logits, params)
+        frontier = [
+            tree.add(node, x, probs[i])
+            for i, node in enumerate(frontier)
+            for x in _children(probs[i], logits[i], k, replacement, params, g)
+        ]
+    mode = SamplingMode.IID if replacement else SamplingMode.WITHOUT_REPLACEMENT
+    return tree.finish(mode)
+
+
+def _log1mexp(a: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(a)) for a <= 0, accurate near 0 and near -inf."""
+    return torch.where(a > -math.log(2.0), (-a.expm1()).log(), (-a.exp()).log1p())
+
+
+def truncated_gumbel(parent_score: torch.Tensor, perturbed: torch.Tensor) -> torch.Tensor:
+    """RSD eq. (11), T(u, phi~) = -log(e^-u - e^-Z + e^-phi~) with Z = max phi~ per row, in the
+    stable form u - softplus(u - phi~ + log1mexp(phi~ - Z)). The row's maximum maps to u exactly.
+
+    parent_score [n, 1], perturbed [n, V] -> [n, V]
+    """
+    z = perturbed.max(dim=-1, keepdim=True).values
+    v = parent_score - perturbed + _log1mexp(perturbed - z)
+    return parent_score - torch.nn.functional.softplus(v)
+
+
+def _build_stochastic_beam(spec: TreeSpec, next_logits: NextLogits, params: SamplingParams, g) -> DraftTree:
+    """RSD-S: each level keeps the global top-W (parent, token) pairs by truncated perturbed score,
+    in decreasing score order. A node may get no children; siblings may be non-contiguous."""
+    tree = _TreeBuilder()
+    beam = [-1]
+    seq_logp = torch.zeros(1, 1, dtype=torch.float64)  # phi: log p of each beam sequence
+    score = torch.zeros(1, 1, dtype=torch.float64)  # psi: truncated perturbed score of each sequence
+    for _ in range(spec.depth):
+        logits = next_logits([tree.paths[n] for n in beam]).float()
+        probs = warp(logits, params)
+        token_logp = (logits.log_softmax(-1) if params.greedy else probs.log()).double()
+        phi = seq_logp + token_logp
+        psi = phi if params.greedy else truncated_gumbel(score, phi + gumbel_like(phi, g))
+        width = min(spec.beam_width, int(torch.isfinite(psi).sum()))
+        top = psi.flatten().topk(width)
+        vocab = psi.shape[-1]
+        parent_idx, token = top.indices // vocab, top.indices % vocab
+        beam = [
+            tree.add(beam[b], x, probs[b]) for b, x in zip(parent_idx.tolist(), token.tolist(), strict=True)
+        ]
+        seq_logp = phi[parent_idx, token].unsqueeze(-1)
+        score = top.values.unsqueeze(-1)
+    return tree.finish(SamplingMode.WITHOUT_REPLACEMENT)
+
+
+def _build_mtad(spec: TreeSpec, next_logits: NextLogits, params: SamplingParams, g) -> DraftTree:
+    """MTAD beam sampling: W beams extended for `depth` steps by sampling (beam, token) pairs
+    without replacement in proportion to beam weight x p(token | beam); the beam with the highest
+    weight (= highest joint draft likelihood) becomes a chain."""
+    beams: list[Path] = [()]
+    weight = torch.zeros(1, dtype=torch.float64)  # log beam weights, renormalised over kept beams
+    dists: list[list[torch.Tensor]] = [[]]  # per beam: the p each of its tokens was chosen from
+    for _ in range(spec.depth):
+        logits = next_logits(beams).float()
+        probs = warp(logits, params)
+        token_logp = (logits.log_softmax(-1) if params.greedy else probs.log()).double()
+        joint = (weight.unsqueeze(-1) + token_logp).flatten()
+        width = min(spec.beam_width, int(torch.isfinite(joint).sum()))
+        if params.greedy:
+            picked = joint.topk(width).indices
+        else:
+            picked = (joint + gumbel_like(joint, g)).topk(width).indices
+        vocab = token_logp.shape[-1]
+        parent_idx, token = (picked // vocab).tolist(), (picked % vocab).tolist()
+        beams = [(*beams[b], x) for b, x in zip(parent_idx, token, strict=True)]
+        dists = [[*dists[b], probs[b]] for b in parent_idx]
+        weight = joint[picked].log_softmax(-1)
+    best = int(weight.argmax())
+    tree = _TreeBuilder()
+    node = -1
+    for x, dist in zip(beams[best], dists[best], strict=True):
+        node = tree.add(node, x, dist)
+    return tree.finish(SamplingMode.MTAD, spec.mtad_threshold)

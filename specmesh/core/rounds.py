@@ -1,0 +1,83 @@
+"""The rules every round follows, written once for every place a round runs: the in-process
+engine, the round client (gateway, tests, benchmarks), the drafter and the verifier service.
+
+A session is a `Request` plus a seed; a round drafts a tree after the committed tokens
+(`draft_round`), verifies it (`verify_round`), and the session keeps what `keep_emitted` says.
+Both halves draw their randomness from `derive_generator(seed, committed length, purpose)`, so any
+replica that runs the same round draws the same numbers: a failover cannot change the output.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specmesh.core.drafting import NextLogits, TreeSpec, build_tree
+from specmesh.core.sampling import SamplingParams, derive_generator
+from specmesh.core.tree import DraftTree
+from specmesh.core.verification import Verdict, autoregressive_step, verify_tree
+
+
+@dataclass
+class Request:
+    """One generation as the engine and the round client take it."""
+
+    prompt_ids: Sequence[int]
+    spec: TreeSpec
+    params: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: Sequence[int] = ()
+    adaptive: bool = False  # spec is then the tree family and the first round's depth
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+def session_seed(params: SamplingParams) -> int:
+    """The seed every round of a session derives its randomness from: the request's, or a fresh
+    one drawn once (and then stored with the session, so that a failover reuses it)."""
+    return params.seed if params.seed is not None else random.getrandbits(63)
+
+
+def draft_round(
+    spec: TreeSpec, next_logits: NextLogits, params: SamplingParams, seed: int, committed_length: int
+) -> DraftTree:
+    """The tree a drafter proposes after `committed_length` committed tokens."""
+    return build_tree(spec, next_logits, params, derive_generator(seed, committed_length, "draft"))
+
+
+def verify_round(
+    tree: DraftTree | None, logits: torch.Tensor, params: SamplingParams, seed: int, committed_length: int
+) -> Verdict:
+    """The verifier's decision for one round.
+
+    logits: [1 + num_nodes, V] target logits, row 0 after the committed tokens, row i + 1 after
+    node i; tree None is a plain autoregressive step (only row 0 is read)."""
+    generator = derive_generator(seed, committed_length, "verify")
+    if tree is None:
+        return autoregressive_step(logits[0], params, generator)
+    return verify_tree(tree, logits, params, generator)
+
+
+def keep_emitted(
+    tokens: Sequence[int], generated: int, max_new_tokens: int, stop_token_ids: Collection[int]
+) -> tuple[list[int], str | None]:
+    """The part of a round's tokens a session keeps, and why it finished (None: it goes on).
+
+    A session ends right after a stop token ("stop") or once it has max_new_tokens ("length");
+    `generated` is how many it had before this round."""
+    stop = set(stop_token_ids)
+    kept: list[int] = []
+    for token in tokens:
+        kept.append(int(token))
+        if token in stop:
+            return kept, "stop"
+        if generated + len(kept) >= max_new_tokens:
+            return kept, "length"
+    return kept, None

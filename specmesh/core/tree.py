@@ -1,0 +1,133 @@
+"""Draft token trees: the flattened layout, its attention mask, position ids and cache indices.
+
+A tree is stored flat, in level order: `tokens[N]`, `parents[N]` (-1 = child of the root, the
+committed context). Siblings keep the order in which they were sampled: that order is part of
+the verification rule for trees sampled without replacement, so nothing may re-sort them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+
+class SamplingMode(StrEnum):
+    """How the siblings of a tree were sampled; it decides the verification rule."""
+
+    IID = "iid"  # chain, MCSD with replacement
+    WITHOUT_REPLACEMENT = "without_replacement"  # MCSD without replacement, RSD-C, RSD-S
+    MTAD = "mtad"  # a chain chosen by beam sampling, verified by MTAD's joint test
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    """A drafted tree and the draft distributions its children were sampled from.
+
+    tokens      [N]     int64  drafted token ids, level order
+    parents     [N]     int64  parent node index, -1 for children of the root; parents[i] < i
+    mode        SamplingMode
+    draft_probs [M, V]  fp32   warped p(.|node) for the root and for every node that has children
+    prob_rows   [N + 1] int64  row of draft_probs for the root (entry 0) and node i (entry i + 1),
+                               -1 where the node has no children (its p was never sampled from)
+    mtad_threshold             MTAD's acceptance threshold lambda (mode MTAD only)
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    mode: SamplingMode
+    draft_probs: torch.Tensor
+    prob_rows: torch.Tensor
+    mtad_threshold: float = 0.0
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.draft_probs.shape[-1])
+
+    def depths(self) -> torch.Tensor:
+        return tree_depths(self.parents)
+
+    def children(self, node: int) -> list[int]:
+        """Children of `node` (-1 = root) in sampling order."""
+        return (self.parents == node).nonzero().flatten().tolist()
+
+    def draft_dist(self, node: int) -> torch.Tensor:
+        """p(.|node) for node -1 (root) or a node with children."""
+        row = int(self.prob_rows[node + 1])
+        if row < 0:
+            raise KeyError(f"node {node} has no stored draft distribution")
+        return self.draft_probs[row]
+
+    def path(self, node: int) -> list[int]:
+        """Token ids from the root down to `node` inclusive."""
+        out = []
+        while node >= 0:
+            out.append(int(self.tokens[node]))
+            node = int(self.parents[node])
+        return out[::-1]
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the field when the tree is malformed."""
+        n = self.num_nodes
+        if self.tokens.dim() != 1 or self.parents.shape != self.tokens.shape:
+            raise ValueError("parents must have one entry per token")
+        if n == 0:
+            raise ValueError("tokens must not be empty")
+        vocab = self.vocab_size if vocab_size is None else vocab_size
+        if self.draft_probs.dim() != 2 or self.draft_probs.shape[-1] != vocab:
+            raise ValueError(f"draft_probs must have shape [M, {vocab}]")
+        if int(self.tokens.min()) < 0 or int(self.tokens.max()) >= vocab:
+            raise ValueError(f"tokens must be in [0, {vocab})")
+        idx = torch.arange(n)
+        if bool((self.parents < -1).any() or (self.parents >= idx).any()):
+            raise ValueError("parents must come before their children (-1 <= parents[i] < i)")
+        if bool((self.depths().diff() < 0).any()):
+            raise ValueError("parents: nodes must be in level order")
+        if self.prob_rows.shape != (n + 1,):
+            raise ValueError(f"prob_rows must have {n + 1} entries")
+        if int(self.prob_rows.max()) >= self.draft_probs.shape[0] or int(self.prob_rows.min()) < -1:
+            raise ValueError("prob_rows must index draft_probs or be -1")
+        has_children = torch.zeros(n + 1, dtype=torch.bool)
+        has_children[self.parents + 1] = True
+        if bool((self.prob_rows[has_children] < 0).any()):
+            raise ValueError("prob_rows: every node with children needs its draft distribution")
+
+
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:
+    """Level of every node [N]: 1 for children of the root."""
+    depth = [0] * len(parents)
+    for i, p in enumerate(parents.tolist()):
+        depth[i] = 1 if p < 0 else depth[p] + 1
+    return torch.tensor(depth, dtype=torch.long)
+
+
+def tree_attention_mask(parents: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """Boolean mask [N, prefix_len + N], True = may attend.
+
+    Every node sees the whole prefix, itself and its ancestors: the usual causal mask with the
+    ancestor matrix in its bottom-right block.
+    """
+    n = len(parents)
+    depth = tree_depths(parents)
+    ancestors = torch.eye(n, dtype=torch.bool)
+    for level in range(2, int(depth.max()) + 1 if n else 0):
+        nodes = (depth == level).nonzero().flatten()
+        ancestors[nodes] |= ancestors[parents[nodes]]
+    prefix = torch.ones(n, prefix_len, dtype=torch.bool)
+    return torch.cat([prefix, ancestors], dim=1)
+
+
+def tree_position_ids(parents: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """Position id of every node [N]: prefix_len + depth - 1, shared by siblings and cousins."""
+    return prefix_len + tree_depths(parents) - 1
+
+
+def accepted_cache_indices(prefix_len: int, accepted_nodes: torch.Tensor | list[int]) -> torch.Tensor:
+    """Cache positions to keep after verification: the prefix, then the accepted path's nodes."""
+    nodes = torch.as_tensor(accepted_nodes, dtype=torch.long)
+    return torch.cat([torch.arange(prefix_len), prefix_len + nodes])

@@ -1,0 +1,70 @@
+"""Prometheus metrics: the registry and per-RPC counter of every server, and what a verified round
+adds up to (`RoundMetrics`, in vLLM's spec-decode vocabulary), one definition for the verifier and
+the gateway. A "draft token" is a tree node: a tree of 9 nodes whose path accepts 3 counts 9 draft
+tokens and 3 accepted tokens, and emits 4 (the accepted ones plus the recovered or bonus token).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+TIME_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class RpcMetrics:
+    """The registry and the per-RPC counter every specmesh server exports."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = self.counter(
+            "specmesh_requests", "RPCs answered, by method and status code", "method", "code"
+        )
+
+    def counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(name, doc, labels, registry=self.registry)
+
+    def histogram(self, name: str, doc: str, buckets: tuple, *labels: str) -> Histogram:
+        return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, registry=self.registry)
+
+
+def count_labels(counter: Counter, values: Iterable[int]) -> None:
+    """counter{label=v} += how often v occurs (e.g. tokens per depth)."""
+    for value, n in collections.Counter(values).items():
+        counter.labels(str(value)).inc(n)
+
+
+class RoundMetrics:
+    """Counters of verified rounds. namespace "" gives the verifier's series (specmesh_rounds,
+    spec_decode_num_drafts, ...), "gateway" the gateway's (specmesh_gateway_rounds,
+    gateway_spec_decode_num_drafts, ...), so both can be scraped side by side."""
+
+    def __init__(self, metrics: RpcMetrics, namespace: str = "") -> None:
+        ns = f"{namespace}_" if namespace else ""
+        c = metrics.counter
+        self.rounds = c(f"specmesh_{ns}rounds", "verified rounds (one per session per target forward)")
+        self.emitted = c(f"specmesh_{ns}emitted_tokens", "tokens a round emitted: accepted + 1 per round")
+        self.drafts = c(f"{ns}spec_decode_num_drafts", "draft trees verified")
+        self.draft_tokens = c(f"{ns}spec_decode_num_draft_tokens", "drafted tokens verified (tree nodes)")
+        self.accepted = c(f"{ns}spec_decode_num_accepted_tokens", "drafted tokens accepted")
+        per_pos = "accepted tokens by position (0 = depth 1)"
+        self.accepted_per_pos = c(f"{ns}spec_decode_num_accepted_tokens_per_pos", per_pos, "position")
+
+    def observe(self, tree_nodes: int, accepted: int) -> None:
+        """One round: a tree of `tree_nodes` nodes (0: a plain autoregressive step) and the length
+        of its accepted path."""
+        self.rounds.inc()
+        self.emitted.inc(accepted + 1)
+        if not tree_nodes:
+            return
+        self.drafts.inc()
+        self.draft_tokens.inc(tree_nodes)
+        self.accepted.inc(accepted)
+        count_labels(self.accepted_per_pos, range(accepted))

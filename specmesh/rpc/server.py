@@ -1,0 +1,306 @@
+"""Server scaffolding shared by drafter_service, verifier_service and the gateway.
+
+Every server: flags with SPECMESH_* environment defaults (`parse_flags`; the flags every server
+has are `ServerConfig`'s), JSON logs, Prometheus metrics (`RpcMetrics`), the error mapping and
+request logging of `RpcService` (`rpc`), grpc.health.v1, reflection and a graceful SIGTERM
+(`serve`). Nothing here knows a model: the model services' machinery is specmesh.services.
+
+Errors: WireError -> INVALID_ARGUMENT (the message names the field); a service maps its own
+exceptions by overriding `RpcService.status`; anything else -> INTERNAL with a short message and an
+error id, the traceback only in the log. Oversized requests never reach a handler: gRPC answers
+RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime
+from types import ModuleType
+from typing import Any, ClassVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from specmesh.rpc import wire
+from specmesh.rpc.metrics import RpcMetrics
+from specmesh.rpc.proto import pb2, pb2_grpc
+
+log = logging.getLogger("specmesh.rpc.server")
+
+
+# ---- configuration -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The flags every specmesh server has; a server's own config subclasses this."""
+
+    host: str
+    port: int
+    metrics_port: int
+    grace_seconds: float
+    log_level: str
+
+
+SERVER_FLAGS: dict[str, tuple[type, str]] = {
+    "host": (str, "address to listen on (gRPC and metrics)"),
+    "port": (int, "gRPC port (0 = any free port; the log says which)"),
+    "metrics_port": (int, "Prometheus /metrics port (0 = off)"),
+    "grace_seconds": (float, "on SIGTERM / SIGINT, how long in-flight requests may still finish"),
+    "log_level": (str, "debug, info, warning or error"),
+}
+SERVER_DEFAULTS: dict[str, Any] = {
+    "host": "127.0.0.1",
+    "metrics_port": 0,
+    "grace_seconds": 10.0,
+    "log_level": "info",
+}
+
+
+def flag_parser(
+    prog: str, cls: type, help_texts: Mapping[str, tuple[type, str]], defaults: Mapping[str, Any]
+) -> argparse.ArgumentParser:
+    """One flag --foo-bar per field of the dataclass `cls`; each defaults to $SPECMESH_FOO_BAR,
+    then to `defaults`, then to SERVER_DEFAULTS (a field missing everywhere is required)."""
+    help_texts = {**SERVER_FLAGS, **help_texts}
+    defaults = {**SERVER_DEFAULTS, **defaults}
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        epilog="Every flag --foo-bar may also be set as the environment variable SPECMESH_FOO_BAR.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for f in fields(cls):
+        kind, text = help_texts[f.name]
+        env = f"SPECMESH_{f.name.upper()}"
+        default = os.environ.get(env, defaults.get(f.name))
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            type=kind,
+            default=default,
+            required=default is None,
+            help=f"{text} [{env}]",
+        )
+    return parser
+
+
+def parse_flags(
+    prog: str,
+    cls: type,
+    help_texts: Mapping[str, tuple[type, str]],
+    defaults: Mapping[str, Any],
+    argv: Sequence[str] | None,
+    *,
+    at_least_one: Iterable[str] = (),
+    positive: Iterable[str] = (),
+    non_negative: Iterable[str] = (),
+) -> Any:
+    """`cls(**flags)`, with the named fields checked (>= 1, > 0, >= 0); a bad value exits with usage."""
+    parser = flag_parser(prog, cls, help_texts, defaults)
+    config = cls(**vars(parser.parse_args(argv)))
+    checks = [(at_least_one, lambda v: v >= 1, ">= 1"), (positive, lambda v: v > 0, "> 0")]
+    checks.append((non_negative, lambda v: v >= 0, ">= 0"))
+    for names, ok, bound in checks:
+        for name in names:
+            if not ok(getattr(config, name)):
+                parser.error(f"--{name.replace('_', '-')} must be {bound}")
+    return config
+
+
+# ---- logging -----------------------------------------------------------------------------------
+
+_RECORD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, the record's extra fields, exc."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        out.update((k, v) for k, v in vars(record).items() if k not in _RECORD_ATTRS)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    logging.getLogger("grpc").setLevel(max(logging.getLogger().level, logging.INFO))  # its debug is noise
+
+
+
+# ---- the RPC base ------------------------------------------------------------------------------
+
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+class RpcService:
+    """What every specmesh servicer shares: status mapping, request metrics and logs, health.
+    Subclasses set `service_name` (and the generated modules, if not specmesh.proto's)."""
+
+    service_name: ClassVar[str]
+    pb2_module: ClassVar[ModuleType] = pb2
+    grpc_module: ClassVar[ModuleType] = pb2_grpc
+    metrics: RpcMetrics
+
+    @property
+    def full_name(self) -> str:
+        return self.pb2_module.DESCRIPTOR.services_by_name[self.service_name].full_name
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        getattr(self.grpc_module, f"add_{self.service_name}Servicer_to_server")(self, server)
+
+    async def started(self, health_servicer: health.aio.HealthServicer) -> None:
+        """The server is listening; say SERVING (a service that is not ready yet overrides this)."""
+        await health_servicer.set(self.full_name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def close(self) -> None:
+        """After the server stopped (its grace period is over)."""
+
+    def status(self, method: str, session: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
+        """The status code, details and trailing metadata that answer a failed RPC."""
+        return _status(method, session, exc)
+
+    def answered(
+        self, method: str, session: str, code: grpc.StatusCode, start: float, details: str = ""
+    ) -> None:
+        self.metrics.requests.labels(method, code.name).inc()
+        extra = {
+            "method": method,
+            "session": session,
+            "code": code.name,
+            "ms": (time.perf_counter() - start) * 1e3,
+        }
+        if details:
+            extra["details"] = details
+        log.log(logging.INFO if details else logging.DEBUG, "rpc", extra=extra)
+
+
+@contextlib.asynccontextmanager
+async def _answering(
+    service: RpcService, method: str, request: Any, context: grpc.aio.ServicerContext
+) -> AsyncIterator[None]:
+    """Maps the known failures to status codes (module docstring), counts and logs every call."""
+    start = time.perf_counter()
+    session = getattr(request, "session_id", "")
+    try:
+        yield
+    except asyncio.CancelledError:
+        service.answered(method, session, grpc.StatusCode.CANCELLED, start)
+        raise
+    except Exception as exc:
+        code, details, trailers = service.status(method, session, exc)
+        service.answered(method, session, code, start, details)
+        await context.abort(code, details, trailing_metadata=trailers)  # raises
+    else:
+        service.answered(method, session, grpc.StatusCode.OK, start)
+
+
+def rpc(fn: Handler) -> Handler:
+    """A unary handler, answered through `_answering`."""
+
+    @functools.wraps(fn)
+    async def handler(self: RpcService, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async with _answering(self, fn.__name__, request, context):
+            return await fn(self, request, context)
+
+    return handler
+
+
+def _status(method: str, session: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
+    if isinstance(exc, wire.WireError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ()
+    error_id = uuid.uuid4().hex[:12]
+    log.error(
+        "internal error", exc_info=exc, extra={"method": method, "session": session, "error_id": error_id}
+    )
+    return (
+        grpc.StatusCode.INTERNAL,
+        f"internal error {error_id} in {method}; the replica logged the details",
+        (),
+    )
+
+
+# ---- running a server --------------------------------------------------------------------------
+
+
+async def serve(
+    service: RpcService, config: ServerConfig, max_message_bytes: int, details: Mapping[str, Any]
+) -> None:
+    """Serve `service` with health and reflection until SIGTERM / SIGINT, then stop gracefully:
+    health NOT_SERVING, new RPCs refused, in-flight ones get config.grace_seconds."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+    )
+    service.add_to_server(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (service.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    http = _start_metrics(config, service.metrics)
+    port = _listen(server, f"{config.host}:{config.port}")
+    await server.start()
+    await service.started(health_servicer)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    log.info(
+        "serving",
+        extra={
+            "service": service.full_name,
+            "host": config.host,
+            "port": port,
+            "metrics_port": config.metrics_port,
+            **details,
+            "pid": os.getpid(),
+        },
+    )
+    await stop.wait()
+    log.info("stopping", extra={"grace_seconds": config.grace_seconds})
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(config.grace_seconds)
+    await service.close()
+    if http is not None:
+        http[0].shutdown()
+    log.info("stopped", extra={"threads": threading.active_count()})
+
+
+def _start_metrics(config: ServerConfig, metrics: RpcMetrics) -> Any:
+    if not config.metrics_port:
+        return None
+    try:
+        return start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+    except OSError as exc:
+        raise SystemExit(f"cannot serve metrics on {config.host}:{config.metrics_port}: {exc}") from None
+
+
+def _listen(server: grpc.aio.Server, address: str) -> int:
+    try:
+        return server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise SystemExit(f"cannot listen on {address}: {exc}") from None

@@ -1,0 +1,244 @@
+"""In-process speculative decoding: one draft model, one target model, many sessions.
+
+This is the reference the services must match token for token (same trees, same verdicts, same
+randomness) and the baseline that shows what the network costs. One round of a session:
+
+  1. draft   build_tree asks for one tree level per call; each call is one draft forward over
+             that level's nodes (tree attention over the draft KV cache). Concurrent sessions'
+             levels go into the same forward.
+  2. verify  one target forward over [the tokens the target has not seen] + the whole tree, for
+             all sessions at once; verify_tree picks the accepted path and one more token.
+  3. commit  the target's KV keeps only prefix + accepted path right away; the draft's keeps the
+             accepted nodes it ran when the next round starts (an accepted leaf of the last
+             level, and the new token, are fed to it then).
+
+The rules of each step are specmesh.core.rounds and specmesh.runtime.rounds, the same the drafter
+and verifier services follow. `TreeSpec(Method.NONE)` is plain autoregressive decoding of the
+target through the same code.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+
+from specmesh.core.adaptive import AdaptivePolicy, PolicyMemory
+from specmesh.core.drafting import Path, TreeSpec
+from specmesh.core.methods import Method
+from specmesh.core.rounds import Request, draft_round, keep_emitted, session_seed
+from specmesh.core.sampling import SamplingParams
+from specmesh.core.stats import GenerationResult, GenerationStats
+from specmesh.core.tree import DraftTree
+from specmesh.runtime.models import LoadedModel, check_pair
+from specmesh.runtime.rounds import level_forwards, reusable_nodes, verify_and_commit
+from specmesh.runtime.runner import ModelRunner, Step
+
+__all__ = ["LevelBatcher", "Request", "SpeculativeEngine"]  # Request: core.rounds, re-exported
+
+
+@dataclass
+class _Session:
+    id: str
+    request: Request
+    seed: int
+    tokens: list[int]  # prompt + generated (committed)
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    tree: DraftTree | None = None
+    draft_nodes: dict[Path, int] = field(default_factory=dict)  # path -> the drafter's pending node
+    policy: AdaptivePolicy | None = None
+    spec: TreeSpec = field(default_factory=lambda: TreeSpec(Method.NONE))  # this round's
+    last_round: tuple[int, int] = (0, 0)  # (tree nodes, accepted) of the last verified round
+
+
+class LevelBatcher:
+    """Gathers one forward step from each participating thread and runs them as ONE model call.
+
+    Drafting sessions call `forward(step)` once per tree level; when every participant still
+    drafting has submitted, the steps run together. A participant that is done calls `leave()`.
+    """
+
+    def __init__(self, runner: ModelRunner, participants: int) -> None:
+        self.runner = runner
+        self.participants = participants
+        self._cv = threading.Condition()
+        self._waiting: dict[str, Step] = {}
+        self._results: dict[str, torch.Tensor | BaseException] = {}
+
+    def forward(self, step: Step) -> torch.Tensor:
+        with self._cv:
+            self._waiting[step.session_id] = step
+            self._flush_if_complete()
+            while step.session_id not in self._results:
+                self._cv.wait()
+            result = self._results.pop(step.session_id)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def leave(self) -> None:
+        with self._cv:
+            self.participants -= 1
+            self._flush_if_complete()
+
+    def _flush_if_complete(self) -> None:
+        if not self._waiting or len(self._waiting) < self.participants:
+            return
+        steps = list(self._waiting.values())
+        self._waiting.clear()
+        try:
+            outputs: Sequence[torch.Tensor | BaseException] = self.runner.forward(steps)
+        except BaseException as exc:  # every waiting caller gets the error
+            outputs = [exc] * len(steps)
+        self._results.update((st.session_id, out) for st, out in zip(steps, outputs, strict=True))
+        self._cv.notify_all()
+
+
+class SpeculativeEngine:
+    """generate(prompt_ids, spec, params, max_new_tokens) -> GenerationResult (token_ids, stats)."""
+
+    def __init__(self, draft, target, *, max_cache_tokens: int | None = None) -> None:
+        """draft, target: transformers causal LMs or `specmesh.runtime.models.LoadedModel`s."""
+        if isinstance(draft, LoadedModel) and isinstance(target, LoadedModel):
+            check_pair(draft, target)
+        draft = draft.model if isinstance(draft, LoadedModel) else draft
+        target = target.model if isinstance(target, LoadedModel) else target
+        self.drafter = ModelRunner(draft, max_cache_tokens=max_cache_tokens)
+        self.verifier = ModelRunner(target, max_cache_tokens=max_cache_tokens)
+        if self.drafter.vocab_size != self.verifier.vocab_size:
+            raise ValueError(
+                f"draft vocabulary ({self.drafter.vocab_size}) differs from the target's "
+                f"({self.verifier.vocab_size})"
+            )
+        self._ids = count()
+        self.policies = PolicyMemory()
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        spec: TreeSpec,
+        params: SamplingParams,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int] | None = None,
+        *,
+        adaptive: bool = False,
+    ) -> GenerationResult:
+        request = Request(prompt_ids, spec, params, max_new_tokens, tuple(stop_token_ids or ()), adaptive)
+        return self.generate_many([request])[0]
+
+    def generate_many(self, requests: Sequence[Request]) -> list[GenerationResult]:
+        """Run sessions concurrently; each round batches their draft levels and verifications."""
+        sessions = [self._start(r) for r in requests]
+        try:
+            active = [s for s in sessions if s.finish_reason is None]
+            while active:
+                for s in active:
+                    s.spec = s.policy.next_spec() if s.policy else s.request.spec
+                start = time.perf_counter()
+                self._draft(active)
+                mid = time.perf_counter()
+                self._verify(active)
+                end = time.perf_counter()
+                for s in active:
+                    s.stats.draft_seconds += mid - start
+                    s.stats.verify_seconds += end - mid
+                    s.stats.total_seconds += end - start
+                    if s.policy:
+                        self._learn(s, active, mid - start, end - mid)
+                active = [s for s in active if s.finish_reason is None]
+        finally:
+            for s in sessions:
+                self.drafter.release(s.id)
+                self.verifier.release(s.id)
+                if s.policy:
+                    self.policies.remember(s.policy, s.request.params)
+        return [GenerationResult(s.generated, s.finish_reason or "length", s.stats) for s in sessions]
+
+    @staticmethod
+    def _learn(s: _Session, active: list[_Session], draft_seconds: float, verify_seconds: float) -> None:
+        """Feed an adaptive session's policy its round, charged for the draft levels it took part in
+        (the batch ran as many levels as its deepest tree)."""
+        depths = [x.spec.depth for x in active if x.spec.method.drafts]
+        depth = s.spec.depth
+        share = draft_seconds * depth / max(depths) if depth else 0.0
+        nodes, accepted = s.last_round
+        round_stats = GenerationStats.for_round(
+            drafted_tokens=nodes,
+            accepted_tokens=accepted,
+            tree_depth=depth,
+            draft_seconds=share,
+            verify_seconds=verify_seconds,
+            total_seconds=share + verify_seconds,
+        )
+        s.policy.observe(s.spec, round_stats)
+
+    def _start(self, request: Request) -> _Session:
+        seed = session_seed(request.params)
+        policy = self.policies.new_policy(request.spec, request.params) if request.adaptive else None
+        sid = f"engine-{next(self._ids)}"
+        return _Session(sid, request, seed, [int(t) for t in request.prompt_ids], policy=policy)
+
+    def _draft(self, sessions: list[_Session]) -> None:
+        drafting = [s for s in sessions if s.spec.method.drafts]
+        if not drafting:
+            return
+        new_tokens = {s.id: self._resume_draft(s) for s in drafting}
+        batcher = LevelBatcher(self.drafter, len(drafting))
+
+        def run(s: _Session) -> None:
+            try:
+                s.draft_nodes = {}
+                next_logits = level_forwards(batcher.forward, s.id, new_tokens[s.id], s.draft_nodes)
+                s.tree = draft_round(s.spec, next_logits, s.request.params, s.seed, len(s.tokens))
+                s.stats.draft_calls += s.spec.depth
+            finally:
+                batcher.leave()
+
+        if len(drafting) == 1:
+            run(drafting[0])
+            return
+        with ThreadPoolExecutor(len(drafting)) as pool:
+            for future in [pool.submit(run, s) for s in drafting]:
+                future.result()
+
+    def _resume_draft(self, s: _Session) -> list[int]:
+        """Keep the drafter's pending nodes on the committed path; -> the tokens it must still run."""
+        held = self.drafter.committed_tokens(s.id)
+        if held is None:
+            return list(s.tokens)
+        new = s.tokens[len(held) :]
+        keep = reusable_nodes(s.draft_nodes, new)
+        self.drafter.commit(s.id, keep)
+        return new[len(keep) :]
+
+    def _verify(self, sessions: list[_Session]) -> None:
+        trees = [s.tree if s.spec.method.drafts else None for s in sessions]
+        steps = []
+        for s, tree in zip(sessions, trees, strict=True):
+            known = len(self.verifier.committed_tokens(s.id) or ())
+            nodes = tree.tokens.tolist() if tree is not None else []
+            parents = tree.parents.tolist() if tree is not None else []
+            steps.append(Step(s.id, s.tokens[known:], nodes, parents))
+        for s, tree, logits in zip(sessions, trees, self.verifier.forward(steps), strict=True):
+            verdict = verify_and_commit(
+                self.verifier, s.id, tree, logits, s.request.params, s.seed, len(s.tokens)
+            )
+            s.stats.record(tree, len(verdict.accepted_nodes))
+            s.last_round = (tree.num_nodes if tree is not None else 0, len(verdict.accepted_nodes))
+            self._emit(s, verdict.emitted_tokens)
+            s.tree = None
+
+    @staticmethod
+    def _emit(s: _Session, tokens: list[int]) -> None:
+        kept, s.finish_reason = keep_emitted(
+            tokens, len(s.generated), s.request.max_new_tokens, s.request.stop_token_ids
+        )
+        s.tokens += kept
+        s.generated += kept

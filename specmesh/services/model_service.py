@@ -1,0 +1,304 @@
+"""What both model services are: a ModelRunner behind gRPC (drafter_service, verifier_service).
+
+Threads: the asyncio loop (uvloop) answers RPCs and batches (specmesh.services.batching); ONE model
+thread runs every ModelRunner call (forwards, commits, releases), so the runner never sees two
+calls at once and the loop never blocks on the model. The drafter adds a pool of tree-builder
+threads (build_tree is synchronous) that hand their level forwards to the same batcher.
+
+Sessions: a replica serves at most one request per session at a time (a second gets ABORTED).
+Positions are checked before anything changes; a replica that does not hold the session at the
+caller's position answers FAILED_PRECONDITION with trailing metadata `specmesh-resync: 1`. A
+request whose work fails after it may have changed the session makes the replica forget the
+session, so the caller's next request resyncs instead of building on half a step.
+
+Errors, beyond specmesh.rpc.server's: resync -> FAILED_PRECONDITION; busy -> ABORTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+from transformers.utils import logging as hf_logging
+
+from specmesh.rpc import wire
+from specmesh.rpc.proto import pb2
+from specmesh.rpc.server import RpcService, ServerConfig, configure_logging, parse_flags, rpc, serve
+from specmesh.runtime.models import LoadedModel, load_model
+from specmesh.runtime.runner import ModelRunner, UnknownSessionError
+from specmesh.services.batching import BatchLimits, ForwardBatcher
+from specmesh.services.metrics import ServiceMetrics
+
+
+class ResyncError(Exception):
+    """The replica does not hold the session at the caller's position."""
+
+
+class SessionBusyError(Exception):
+    """The session already has a request in flight on this replica."""
+
+
+class RequestCancelled(Exception):
+    """The caller went away while a tree was being built."""
+
+
+# ---- configuration -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServiceConfig(ServerConfig):
+    model: str
+    dtype: str
+    device: str
+    max_batch_size: int
+    max_batch_tokens: int
+    max_wait_ms: float
+    max_tree_nodes: int
+    max_depth: int
+    max_branching: int
+    max_beam_width: int
+    max_cache_tokens: int
+    max_message_bytes: int
+    torch_threads: int
+
+    @property
+    def limits(self) -> wire.Limits:
+        return wire.Limits(self.max_tree_nodes, self.max_depth, self.max_branching, self.max_beam_width)
+
+    @property
+    def batch_limits(self) -> BatchLimits:
+        return BatchLimits(self.max_batch_size, self.max_batch_tokens, self.max_wait_ms / 1000.0)
+
+
+_FLAGS: dict[str, tuple[type, str]] = {
+    "model": (str, "model for load_model: a folder, a .gguf file, a hub id, default-draft / default-target"),
+    "dtype": (str, "model dtype: bf16, fp16, fp32, or int8 (int8 weights, CPU; for drafters)"),
+    "device": (str, "torch device (empty = cuda when available, else cpu)"),
+    "max_batch_size": (int, "sessions per model forward"),
+    "max_batch_tokens": (int, "query tokens per model forward (a single larger step runs alone)"),
+    "max_wait_ms": (float, "how long a queued step may wait for companions while the model is idle"),
+    "max_tree_nodes": (int, "largest tree drafted or verified"),
+    "max_depth": (int, "deepest tree drafted or verified"),
+    "max_branching": (int, "largest per-level branching factor (mcsd, rsd_c)"),
+    "max_beam_width": (int, "largest beam width (rsd_s, mtad)"),
+    "max_cache_tokens": (int, "KV positions over all sessions before LRU eviction (0 = no limit)"),
+    "max_message_bytes": (int, "largest request / response; larger requests get RESOURCE_EXHAUSTED"),
+    "torch_threads": (int, "torch intra-op threads (0 = torch's default)"),
+}
+
+COMMON_DEFAULTS: dict[str, Any] = {
+    "dtype": "bf16",
+    "device": "",
+    "max_batch_size": 16,
+    "max_batch_tokens": 4096,
+    "max_tree_nodes": 64,
+    "max_depth": 16,
+    "max_branching": 8,
+    "max_beam_width": 8,
+    "max_cache_tokens": 0,
+    "max_message_bytes": 64 * 1024 * 1024,
+    "torch_threads": 0,
+}
+
+_AT_LEAST_ONE = (
+    *("max_batch_size", "max_batch_tokens", "max_tree_nodes", "max_depth"),
+    *("max_branching", "max_beam_width", "max_message_bytes"),
+)
+
+
+def parse_config(prog: str, argv: list[str] | None, defaults: Mapping[str, Any]) -> ServiceConfig:
+    """Flags --foo-bar; each defaults to $SPECMESH_FOO_BAR, then to `defaults`."""
+    return parse_flags(
+        prog, ServiceConfig, _FLAGS, {**COMMON_DEFAULTS, **defaults}, argv,
+        at_least_one=_AT_LEAST_ONE, non_negative=("max_wait_ms",),
+    )  # fmt: skip
+
+
+# ---- sessions ----------------------------------------------------------------------------------
+
+
+class SessionSlots:
+    """At most one request per session at a time; Release of a busy session waits for it to end.
+
+    Loop thread only."""
+
+    def __init__(self, forget: Callable[[str], None]) -> None:
+        self._forget = forget
+        self._busy: set[str] = set()
+        self._doomed: set[str] = set()
+
+    def acquire(self, session_id: str) -> None:
+        if session_id in self._busy:
+            raise SessionBusyError(
+                f"session_id: session {session_id!r} already has a request in flight on this replica"
+            )
+        self._busy.add(session_id)
+
+    def free(self, session_id: str) -> None:
+        self._busy.discard(session_id)
+        if session_id in self._doomed:
+            self._doomed.discard(session_id)
+            self._forget(session_id)
+
+    def release(self, session_id: str) -> None:
+        if session_id in self._busy:
+            self._doomed.add(session_id)
+        else:
+            self._forget(session_id)
+
+
+# ---- the service ------------------------------------------------------------------------------
+
+
+class ModelService(RpcService):
+    """What both model services share: the runner and its thread, the batcher, session slots and
+    positions, metrics, Release and Info. Subclasses set `service_name` and add their RPC."""
+
+    def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
+        self.config, self.model, self.metrics = config, model, metrics
+        self.runner = ModelRunner(model.model, max_cache_tokens=config.max_cache_tokens or None)
+        self.vocab_size = self.runner.vocab_size
+        self.limits = config.limits
+        self.loop = asyncio.get_running_loop()
+        self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="model")
+        self.batcher = ForwardBatcher(self.runner, self.model_thread, config.batch_limits, metrics)
+        self.slots = SessionSlots(self.forget)
+        self._releasing: collections.Counter[str] = collections.Counter()  # releases not yet run
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.model_thread.shutdown)
+
+    def status(self, method: str, session: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
+        if isinstance(exc, ResyncError | UnknownSessionError):
+            details = str(exc) if isinstance(exc, ResyncError) else f"session_id: unknown session {session!r}"
+            return grpc.StatusCode.FAILED_PRECONDITION, details, ((wire.RESYNC_KEY, "1"),)
+        if isinstance(exc, SessionBusyError):
+            return grpc.StatusCode.ABORTED, str(exc), ()
+        return super().status(method, session, exc)
+
+    # ---- sessions ------------------------------------------------------------------------------
+
+    def begin(self, session_id: str, position: int) -> bool:
+        """Reserve the session for one request and check the caller's position. -> True: continue
+        the session; False: (re)start it from this request's tokens (position 0)."""
+        self.slots.acquire(session_id)
+        try:
+            return self._check_position(session_id, position)
+        except BaseException:
+            self.slots.free(session_id)
+            raise
+
+    def _check_position(self, session_id: str, position: int) -> bool:
+        # Reading the runner from the loop is safe: this session has no work in flight.
+        held = None if session_id in self._releasing else self.runner.committed_tokens(session_id)
+        if position == 0:
+            return False
+        if held is None:
+            raise ResyncError(
+                f"session_id: this replica does not hold session {session_id!r}; "
+                "resend all its committed tokens with position 0"
+            )
+        if len(held) != position:
+            raise ResyncError(
+                f"position: {position}, but this replica holds {len(held)} committed tokens of session "
+                f"{session_id!r}; resend all of them with position 0"
+            )
+        return True
+
+    async def settle(self, session_id: str, work: asyncio.Future, withdraw: Callable[[], None]) -> Any:
+        """Await the session's work. The session stays reserved until the work has really ended
+        (a dispatched forward or a running tree builder still changes it after the caller left);
+        work that fails makes the replica forget the session, so the caller resyncs."""
+        work.add_done_callback(functools.partial(self._settled, session_id))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            if not work.done():
+                withdraw()
+            raise
+
+    def _settled(self, session_id: str, work: asyncio.Future) -> None:
+        if not work.cancelled() and work.exception() is not None:
+            self.forget(session_id)
+        self.slots.free(session_id)
+
+    def forget(self, session_id: str) -> None:
+        """Drop the session here; until the model thread has released it, it counts as unknown."""
+        self.forget_local(session_id)
+        self._releasing[session_id] += 1
+        job = self.model_thread.submit(self._release, session_id)
+        job.add_done_callback(lambda _: self.loop.call_soon_threadsafe(self._released, session_id))
+
+    def forget_local(self, session_id: str) -> None:
+        """Drop what the service itself keeps about the session (override)."""
+
+    def _release(self, session_id: str) -> None:
+        self.runner.release(session_id)
+        self.metrics.observe_runner(self.runner)
+
+    def _released(self, session_id: str) -> None:
+        self._releasing[session_id] -= 1
+        if self._releasing[session_id] <= 0:
+            del self._releasing[session_id]
+
+    # ---- RPCs ----------------------------------------------------------------------------------
+
+    @rpc
+    async def Release(
+        self, request: pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.ReleaseResponse:
+        session_id = wire.session_id_from_proto(request.session_id)
+        held = session_id not in self._releasing and self.runner.committed_tokens(session_id) is not None
+        self.slots.release(session_id)
+        return pb2.ReleaseResponse(released=held)
+
+    @rpc
+    async def Info(self, request: pb2.InfoRequest, context: grpc.aio.ServicerContext) -> pb2.InfoResponse:
+        c = self.config
+        return pb2.InfoResponse(
+            model_id=self.model.source,
+            vocab_size=self.vocab_size,
+            tokenizer_fingerprint=self.model.tokenizer_fingerprint,
+            dtype=self.model.weights or str(self.model.dtype).removeprefix("torch."),
+            device=str(self.model.device),
+            max_sessions=0,
+            max_cache_tokens=c.max_cache_tokens,
+            max_tree_nodes=c.max_tree_nodes,
+            max_depth=c.max_depth,
+            max_branching=c.max_branching,
+            max_beam_width=c.max_beam_width,
+            max_batch_size=c.max_batch_size,
+            max_batch_tokens=c.max_batch_tokens,
+            max_message_bytes=c.max_message_bytes,
+        )
+
+
+# ---- running it --------------------------------------------------------------------------------
+
+
+def main(
+    service_cls: type[ModelService], prog: str, defaults: Mapping[str, Any], argv: list[str] | None = None
+) -> None:
+    """`python -m drafter_service` / `python -m verifier_service`."""
+    import uvloop
+
+    config = parse_config(prog, argv, defaults)
+    configure_logging(config.log_level)
+    uvloop.run(_serve_model(config, service_cls))
+
+
+async def _serve_model(config: ServiceConfig, service_cls: type[ModelService]) -> None:
+    if config.torch_threads > 0:
+        torch.set_num_threads(config.torch_threads)
+    hf_logging.disable_progress_bar()  # keep stderr to JSON lines
+    model = load_model(config.model, dtype=config.dtype, device=config.device or None)
+    service = service_cls(config, model, ServiceMetrics())
+    details = {"model": config.model, "dtype": model.weights, "device": str(model.device)}
+    await serve(service, config, config.max_message_bytes, details)
