@@ -29,7 +29,7 @@ from gateway.session_store import SessionNotFound, SessionStore, StoreError, Sto
 from gateway.text import TextStream
 from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.server import RpcService, ServerConfig, configure_logging, parse_flags, rpc, serve
-from specmesh.runtime.models import load_tokenizer, tokenizer_fingerprint
+from specmesh.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger("specmesh.gateway")
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install specmesh with its test tools. Idempotent; safe to run every time.
 # torch is installed first and pinned, so a CPU machine takes the local CPU build (no CUDA wheels).
+# llama-cpp-python builds llama.cpp from its sdist (cmake + a C++ compiler, ~10-20 min on 2 cores
+# the first time; pip caches the wheel): without the multimodal tools, which specmesh never uses.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
@@ -8,4 +10,6 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
+export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}"
+export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'

@@ -203,11 +203,18 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     """The whole stack as supervised subprocesses; one demo completion once it is ready."""
-    from specmesh.runtime.model_store import pull_default_pair
+    from specmesh.runtime import model_store
+    from specmesh.runtime.models import resolve_backend
     from specmesh.stack.supervisor import StackPlan, plan_stack, run_stack
 
-    if args.draft == "default-draft" or args.target == "default-target":
-        pull_default_pair(progress=True)
+    # Provision the default pair once, here, with progress bars (not in every service at once):
+    # the GGUF files for llama.cpp, converted folders for torch.
+    for source in {args.draft, args.target} & set(model_store.DEFAULT_SOURCES):
+        spec = model_store.DEFAULT_SOURCES[source]
+        if resolve_backend(args.backend or "auto", source) == "llama.cpp":
+            model_store.pull_gguf(spec, progress=True)
+        else:
+            model_store.pull_model(spec, progress=True)
     demo_status: list[int] = []
 
     def demo(plan: StackPlan) -> None:
@@ -234,6 +241,7 @@ def _up(args: argparse.Namespace) -> int:
         args.port,
         args.dtype,
         args.redis_url,
+        backend=args.backend,
         drafter_args=drafter_args,
     )
     status = run_stack(plan, on_ready=on_ready)
@@ -350,7 +358,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--target", default="default-target")
     up.add_argument("--drafters", type=int, default=1, help="drafter replicas")
     up.add_argument("--port", type=int, default=50051, help="the gateway's port")
-    up.add_argument("--dtype", default=None, help="model dtype (default: the services' bf16)")
+    up.add_argument(
+        "--backend",
+        default=None,
+        choices=["auto", "torch", "llama.cpp"],
+        help="model backend of the drafters and verifiers (default: the services' torch); auto picks "
+        "llama.cpp for the GGUF default pair on a machine without a GPU",
+    )
+    up.add_argument("--dtype", default=None, help="torch backend's model dtype (default: the services' bf16)")
     up.add_argument(
         "--draft-dtype",
         default=None,

