@@ -223,3 +223,16 @@ def test_torch_and_llama_cpp_decode_the_same_weights_alike(gguf_pair, method: st
     b = SpeculativeEngine(*runners).generate(PROMPT, SPECS[method], greedy, max_new_tokens=24)
     assert a.token_ids == b.token_ids
     assert a.stats.accepted_tokens == b.stats.accepted_tokens > 0
+
+
+def test_a_call_longer_than_one_decode_is_fed_in_parts(gguf_path) -> None:
+    """A prompt of more tokens than n_batch (and a tree after it) still gives the same logits."""
+    runner = LlamaCppRunner(gguf_path, n_ctx=1024, n_batch=16, n_seq_max=8, threads=1, kv_type="f32")
+    try:
+        prompt = [3 + (7 * i) % 300 for i in range(40)]
+        out = runner.forward([Step("long", prompt, [10, 11, 12], [-1, 0, 0])])[0]
+        ref = sequential(runner, [*prompt, 10, 11])
+        assert torch.allclose(out[0], ref[-3], atol=TOL) and torch.allclose(out[2], ref[-1], atol=TOL)
+        assert runner.stats["decodes"] > 3
+    finally:
+        runner.close()

@@ -104,9 +104,6 @@ class _Session(SessionState):
     def cached(self) -> int:
         return 0 if self.main is None else len(self.tokens) + len(self.pending_tokens)
 
-    def seqs(self) -> list[int]:
-        return ([self.main] if self.main is not None else []) + self.leaves
-
 
 @dataclass
 class _Plan:
@@ -284,12 +281,14 @@ class LlamaCppRunner(SessionTable[_Session]):
 
     def _run(self, plans: list[_Plan]) -> list[torch.Tensor]:
         """Lay every plan out as rows, give every row its sequences, decode, split the logits."""
+        for p in plans:
+            if p.session.main is None:
+                p.session.main = self._take_seq()
+        self._prefeed_long_prefixes(plans)
         rows: list[tuple[int, int, list[int], bool]] = []  # token, position, sequences, wants logits
         layouts = []
         for p in plans:
             s = p.session
-            if s.main is None:
-                s.main = self._take_seq()
             layout = self._tree_sequences(p)
             layouts.append(layout)
             s.leaves += list(layout.anchors)  # owned from now on: a failed decode frees them too
@@ -317,6 +316,22 @@ class LlamaCppRunner(SessionTable[_Session]):
             p.session.node_seq = p.session.node_seq[: p.first_node] + layout.node_seq
             self._retire_anchors(p.session, layout)
         return out
+
+    def _prefeed_long_prefixes(self, plans: list[_Plan]) -> None:
+        """When the call has more rows than one decode takes (a long prompt, a rebuild), feed the
+        committed prefixes first, on their main sequences only, in decodes of n_batch rows: the
+        main decode then holds each plan's last committed token and its tree."""
+        total = sum(len(p.causal) + len(p.nodes) for p in plans)
+        if total <= self.n_batch:
+            return
+        rows = []
+        for p in plans:
+            head = p.causal[:-1]
+            rows += [(tok, p.causal_start + i, [p.session.main], False) for i, tok in enumerate(head)]
+            p.causal_start += len(head)
+            p.causal = p.causal[-1:]
+        for start in range(0, len(rows), self.n_batch):
+            self._decode(rows[start : start + self.n_batch])
 
     def _retire_anchors(self, s: _Session, layout: _Layout) -> None:
         """A pending leaf that got children this call no longer needs its own sequence: its cells
