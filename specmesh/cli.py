@@ -37,7 +37,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
     from specmesh.bench.engine import bench_engine
 
     results = bench_engine(
-        args.draft, args.target, args.dtype, args.prompts, args.max_new_tokens, tuple(args.temperatures)
+        args.draft, args.target, args.dtype, args.prompts, args.max_new_tokens, tuple(args.temperatures),
+        backend=args.backend,
     )
     if args.json:
         with open(args.json, "w") as f:
@@ -303,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--draft", default="default-draft")
     engine.add_argument("--target", default="default-target")
     engine.add_argument("--dtype", default="bf16")
+    engine.add_argument("--backend", default="torch", choices=["auto", "torch", "llama.cpp"])
     engine.add_argument("--prompts", type=int, default=3)
     engine.add_argument("--max-new-tokens", type=int, default=64)
     engine.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])

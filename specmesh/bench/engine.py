@@ -33,12 +33,13 @@ def bench_engine(
     max_new_tokens: int = 64,
     temperatures: tuple[float, ...] = (0.0, 1.0),
     specs: dict[str, TreeSpec] | None = None,
+    backend: str = "torch",
 ) -> dict:
     from specmesh.runtime.engine import SpeculativeEngine
     from specmesh.runtime.models import load_model
 
     specs = specs or DEFAULT_SPECS
-    d, t = load_model(draft, dtype=dtype), load_model(target, dtype=dtype)
+    d, t = load_model(draft, dtype=dtype, backend=backend), load_model(target, dtype=dtype, backend=backend)
     engine = SpeculativeEngine(d, t)
     ids = [t.tokenizer(text)["input_ids"] for text in humaneval_prompts(prompts)]
     engine.generate(ids[0], TreeSpec("chain", depth=2), SamplingParams(0.0), 4)  # warm-up
@@ -63,6 +64,7 @@ def bench_engine(
         machine=f"{platform.node()} {platform.processor() or platform.machine()}",
         threads=torch.get_num_threads(),
         dtype=dtype,
+        backend=str(t.backend),
         pair=[d.source, t.source],
         date=time.strftime("%Y-%m-%d %H:%M:%S"),
         max_new_tokens=max_new_tokens,
