@@ -17,7 +17,12 @@ from specmesh.core.rounds import session_seed
 from specmesh.core.sampling import SamplingParams
 from specmesh.rpc import wire
 
-DEFAULT_METHOD = Method.RSD_S
+DEFAULT_METHOD = Method.CHAIN  # a request that names no method but sets depth etc.
+# A request with no speculation field at all: adaptive chains, each round's depth (0 = plain
+# decoding) chosen from the session's acceptance and the replicas' measured costs
+# (specmesh.core.adaptive); this is the first round's depth. Chains, because on a CPU every tree
+# node costs the target a sizeable share of a forward (docs/decisions.md).
+AUTO_SPEC = TreeSpec(Method.CHAIN, depth=3)
 # The tree each method drafts when the request leaves a field unset (0 / empty).
 METHOD_DEFAULTS: dict[Method, TreeSpec] = {
     Method.NONE: TreeSpec(Method.NONE),
@@ -51,6 +56,7 @@ class GenerationPlan:
     params: SamplingParams
     spec: TreeSpec
     adaptive: bool = False  # spec is then the tree family and the first round's depth
+    auto: bool = False  # the request asked for no speculation: the gateway chose (AUTO_SPEC)
 
 
 def parse_generate_request(request: Any, tokenizer: Any, limits: ModelLimits) -> GenerationPlan:
@@ -65,8 +71,7 @@ def parse_generate_request(request: Any, tokenizer: Any, limits: ModelLimits) ->
         stop=_stop_strings(request.stop),
         stop_token_ids=stop_ids,
         params=sampling_params(request.sampling),
-        spec=tree_spec(request.speculation),
-        adaptive=request.speculation.adaptive,
+        **speculation(request.speculation),
     )
 
 
@@ -159,6 +164,13 @@ def sampling_params(msg: Any) -> SamplingParams:
     makes a failover reproduce the same randomness."""
     params = wire.sampling_from_proto(msg, "sampling")
     return replace(params, seed=session_seed(params))
+
+
+def speculation(msg: Any) -> dict[str, Any]:
+    """msg: specmesh.v1.Speculation -> the plan's spec, adaptive and auto."""
+    if not msg.ListFields():
+        return {"spec": AUTO_SPEC, "adaptive": True, "auto": True}
+    return {"spec": tree_spec(msg), "adaptive": msg.adaptive}
 
 
 def tree_spec(msg: Any) -> TreeSpec:

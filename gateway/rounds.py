@@ -106,12 +106,18 @@ class SessionRun:
     """One request's generation (module docstring). deadline: the client's, on the loop's clock."""
 
     def __init__(
-        self, plan: GenerationPlan, env: GatewayEnv, text: TextStream, deadline: float | None
+        self,
+        plan: GenerationPlan,
+        env: GatewayEnv,
+        text: TextStream,
+        deadline: float | None,
+        forward_cost: dict[int, float] | None = None,
     ) -> None:
+        """forward_cost: the verifier's measured rows -> seconds, for an adaptive policy."""
         self.plan, self.env, self.text, self.deadline = plan, env, text, deadline
         self.id = uuid.uuid4().hex
         self.roles = (Role.DRAFTER, Role.VERIFIER) if plan.spec.method.drafts else (Role.VERIFIER,)
-        policy = env.policies.new_policy(plan.spec, plan.params) if plan.adaptive else None
+        policy = env.policies.new_policy(plan.spec, plan.params, forward_cost) if plan.adaptive else None
         self.client = RoundClient(self.id, plan.params, plan.spec, policy=policy)
         self.tokens = list(plan.prompt_ids)  # committed, as in Redis
         self.round = 0

@@ -12,6 +12,7 @@ verifier's, and takes the context length from the model config (unless --max-con
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from gateway.requests import GenerationPlan, ModelLimits, parse_generate_request
 from gateway.rounds import GatewayEnv, GatewayError, SessionRun
 from gateway.session_store import SessionNotFound, SessionStore, StoreError, StoreUnavailable
 from gateway.text import TextStream
+from specmesh.core.drafting import TreeSpec
+from specmesh.core.methods import Method
 from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.server import RpcService, ServerConfig, configure_logging, parse_flags, rpc, serve
 from specmesh.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint
@@ -100,6 +103,7 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
 class ServedModel:
     tokenizer: Any
     limits: ModelLimits
+    forward_cost: dict[int, float]  # the verifier's, rows -> seconds (InfoResponse.forward_cost)
 
 
 Emit = Callable[[Any], Awaitable[None]]
@@ -182,7 +186,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             max_new_tokens_limit=c.max_new_tokens_limit,
             default_max_new_tokens=c.default_max_new_tokens,
         )
-        return ServedModel(tokenizer, limits)
+        return ServedModel(tokenizer, limits, {c.rows: c.seconds for c in info.forward_cost})
 
     # ---- errors --------------------------------------------------------------------------------
 
@@ -225,10 +229,9 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         model = self.model
         if model is None:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"gateway not ready: {self._not_ready}")
-        plan = parse_generate_request(request, model.tokenizer, model.limits)
-        self._check_servable(plan)
+        plan = self._servable(parse_generate_request(request, model.tokenizer, model.limits))
         text = TextStream(model.tokenizer, plan.stop, context=plan.prompt_ids)
-        async with SessionRun(plan, self.env, text, self._deadline(context)) as run:
+        async with SessionRun(plan, self.env, text, self._deadline(context), model.forward_cost) as run:
             while not run.finished:
                 piece = await run.step()
                 chunk = gateway_pb2.GenerateChunk(
@@ -250,13 +253,17 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
                 },
             )
 
-    def _check_servable(self, plan: GenerationPlan) -> None:
+    def _servable(self, plan: GenerationPlan) -> GenerationPlan:
+        """The plan this gateway can run: without drafters, its own default is plain decoding."""
+        if self.env.drafters is None and plan.auto:
+            return dataclasses.replace(plan, spec=TreeSpec(Method.NONE), adaptive=False)
         if plan.spec.method.drafts and self.env.drafters is None:
             raise GatewayError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"speculation.method: {plan.spec.method!r} needs drafters; this gateway has none "
                 "(--drafters), use method 'none'",
             )
+        return plan
 
     @staticmethod
     def _deadline(context: grpc.aio.ServicerContext) -> float | None:

@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 
 import pytest
 import torch
 
-from specmesh.core.adaptive import AdaptivePolicy, PolicyMemory, expected_tokens, family_spec
+from specmesh.core.adaptive import (
+    AdaptivePolicy,
+    ForwardCost,
+    Load,
+    PolicyMemory,
+    expected_tokens,
+    family_spec,
+)
 from specmesh.core.drafting import TreeSpec, build_tree
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.stats import GenerationStats
 from specmesh.core.verification import autoregressive_step, verify_tree
+from specmesh.runtime.costs import PROBE_ROWS, measure_forward_cost
 from specmesh.runtime.engine import SpeculativeEngine
+from specmesh.runtime.runner import ModelRunner, Step
 from tests.stats import chi_square_pvalue
 from tests.test_engine import PROMPT, hf_greedy, tiny_pair
 from tests.test_lossless import DRAFT, P_VALUE_THRESHOLD, SAMPLES, TARGET, exact_two_token_distribution
@@ -35,10 +45,21 @@ def round_stats(
     )
 
 
+def line_cost(verify0: float, per_node: float) -> dict[int, float]:
+    """A start-up measurement (rows -> seconds) where a forward of 1 + n rows costs verify0 + per_node·n."""
+    return {rows: verify0 + per_node * (rows - 1) for rows in PROBE_ROWS}
+
+
 def simulate(
-    policy: AdaptivePolicy, acceptance: float, level: float, per_node: float, rounds: int
+    policy: AdaptivePolicy,
+    acceptance: float,
+    level: float,
+    per_node: float,
+    rounds: int,
+    sessions: int = 1,
 ) -> list[int]:
-    """Depths the policy picks when each drafted level is accepted with `acceptance`."""
+    """Depths the policy picks when each drafted level is accepted with `acceptance`, while
+    `sessions` sessions (this one and others like it) share each target forward."""
     rng, depths = random.Random(0), []
     for _ in range(rounds):
         spec = policy.next_spec()
@@ -46,7 +67,9 @@ def simulate(
         accepted = 0
         while accepted < depth and rng.random() < acceptance:
             accepted += 1
-        policy.observe(spec, round_stats(spec, accepted, level, 0.12, per_node))
+        rows = sessions * (1 + spec.max_nodes)
+        stats = round_stats(spec, accepted, level, 0.12 + per_node * (rows - 1 - spec.max_nodes), per_node)
+        policy.observe(spec, stats, Load(sessions, rows))
         depths.append(depth)
     return depths
 
@@ -65,26 +88,66 @@ def test_expected_tokens_and_family_shapes() -> None:
         AdaptivePolicy(TreeSpec("none"))
 
 
+def test_forward_cost_interpolates_the_measurement_and_follows_the_load() -> None:
+    cost = ForwardCost({1: 0.04, 2: 0.06, 4: 0.10, 8: 0.17}, decay=0.5)
+    assert cost(1) == pytest.approx(0.04) and cost(0.5) == pytest.approx(0.04)
+    assert cost(3) == pytest.approx(0.08)
+    assert cost(10) == pytest.approx(0.17 + 2 * 0.07 / 4)  # the last slope, extended
+    cost.observe(4, 0.20)  # the machine got twice as slow
+    assert cost(2) == pytest.approx(0.12)
+    flat = ForwardCost({}, decay=0.5)  # nothing measured: every row free, the level observed
+    assert flat(16) == 0.0
+    flat.observe(5, 0.3)
+    assert flat(1) == flat(16) == pytest.approx(0.3)
+
+
 def test_easy_text_and_cheap_drafts_go_deep() -> None:
-    depths = simulate(AdaptivePolicy(TreeSpec("chain", depth=3)), 0.95, 0.02, 0.001, 60)
+    depths = simulate(
+        AdaptivePolicy(TreeSpec("chain", depth=3), line_cost(0.12, 0.001)), 0.95, 0.02, 0.001, 60
+    )
     assert depths[0] == 3  # the first round uses the requested depth
     assert sum(depths[-20:]) / 20 >= 6  # then deeper than asked
 
 
 def test_hard_text_turns_speculation_off_but_keeps_probing() -> None:
-    policy = AdaptivePolicy(TreeSpec("chain", depth=3), probe_every=8, probe_depth=2)
+    policy = AdaptivePolicy(TreeSpec("chain", depth=3), line_cost(0.12, 0.001), probe_every=8, probe_depth=2)
     depths = simulate(policy, 0.1, 0.05, 0.001, 80)
     tail = depths[20:]
     assert tail.count(0) >= 0.8 * len(tail)  # off most of the time
     assert 2 in tail  # probe rounds re-measure acceptance
+    probes = [i for i, d in enumerate(depths) if d == 2]
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert len(gaps) >= 2 and gaps[-1] > 1.5 * gaps[0]  # ever rarer while speculation does not pay
 
 
 def test_dear_tree_nodes_shrink_the_tree() -> None:
-    """A verifier batching many sessions makes every node dear: same acceptance, shallower."""
-    cheap = simulate(AdaptivePolicy(TreeSpec("rsd_s", depth=3, beam_width=4)), 0.8, 0.02, 0.001, 60)
-    dear = simulate(AdaptivePolicy(TreeSpec("rsd_s", depth=3, beam_width=4)), 0.8, 0.02, 0.08, 60)
+    """A target whose every row costs (a CPU) gets shallower trees: same acceptance."""
+    base = TreeSpec("rsd_s", depth=3, beam_width=4)
+    cheap = simulate(AdaptivePolicy(base, line_cost(0.12, 0.001)), 0.8, 0.02, 0.001, 60)
+    dear = simulate(AdaptivePolicy(base, line_cost(0.12, 0.08)), 0.8, 0.02, 0.08, 60)
     assert sum(dear[-20:]) < sum(cheap[-20:])
     assert dear[-20:].count(0) >= 10  # 4 nodes per level at 80 ms each never pay off
+
+
+def test_a_node_costs_the_whole_batch() -> None:
+    """Same machine, same acceptance: alone a session drafts deep; with 8 sessions in every target
+    forward each node delays all 8, so the trees shrink. The policy sees the load only through
+    what the verifier reports (Load), the cost curve is the same start-up measurement."""
+    base, cost = TreeSpec("chain", depth=3), line_cost(0.10, 0.01)
+    alone = simulate(AdaptivePolicy(base, cost), 0.8, 0.02, 0.01, 60)
+    batched = simulate(AdaptivePolicy(base, cost), 0.8, 0.02, 0.01, 60, sessions=8)
+    assert sum(batched[-20:]) < sum(alone[-20:])
+
+
+def test_a_measured_cpu_curve_turns_speculation_off_from_the_second_round() -> None:
+    """llama.cpp's Q4_K_M 1.5B target on 2 cores (36 ms for 1 row, ~25 ms per extra row) and a
+    0.5B draft at 19 ms a level: even at 80 % acceptance a chain costs more than it gives."""
+    cpu = {1: 0.036, 2: 0.063, 4: 0.097, 8: 0.169, 16: 0.192}
+    policy = AdaptivePolicy(TreeSpec("chain", depth=3), cpu, prior_alpha=0.8)
+    chain = TreeSpec("chain", depth=3)
+    policy.observe(chain, round_stats(chain, 2, 0.019, 0.5, 0.0))  # the prefill round: not learnt from
+    policy.observe(chain, round_stats(chain, 3, 0.019, 0.097 - 3 * 0.025, 0.025))
+    assert policy.choose_depth() == 0
 
 
 def test_adaptive_rounds_keep_the_target_distribution() -> None:
@@ -93,7 +156,12 @@ def test_adaptive_rounds_keep_the_target_distribution() -> None:
     pairs still follow q(x1) q(x2 | x1) exactly."""
     params = SamplingParams(temperature=1.0)
     policy = AdaptivePolicy(
-        TreeSpec("rsd_s", depth=2, beam_width=2), max_depth=3, probe_every=3, decay=0.5, acceptance_decay=0.5
+        TreeSpec("rsd_s", depth=2, beam_width=2),
+        line_cost(0.1, 0.01),
+        max_depth=3,
+        probe_every=3,
+        decay=0.5,
+        acceptance_decay=0.5,
     )
     g = torch.Generator().manual_seed(0)
     counts, depths = Counter(), Counter()
@@ -158,11 +226,12 @@ def test_depths_stay_within_the_replicas_node_limit() -> None:
 def test_memory_keeps_families_apart_and_warm_starts() -> None:
     memory, greedy = PolicyMemory(), SamplingParams(0.0)
     a, b = TreeSpec("mcsd", depth=3, branching=(4, 2, 1)), TreeSpec("mcsd", depth=3, branching=(4, 4, 2))
-    learned = memory.new_policy(a, greedy)
+    learned = memory.new_policy(a, greedy, line_cost(0.12, 0.001))
     simulate(learned, 0.95, 0.02, 0.001, 20)
     memory.remember(learned, greedy)
     assert memory.new_policy(a, greedy).tried == learned.tried
     assert memory.new_policy(a, greedy).draft_level == learned.draft_level
+    assert memory.new_policy(a, greedy).verify == learned.verify  # the cost curve too
     assert memory.new_policy(b, greedy).draft_level is None  # another family starts cold
     assert memory.new_policy(a, SamplingParams(1.0)).draft_level is None  # other sampling too
 
@@ -184,3 +253,12 @@ def test_the_catch_up_after_autoregressive_rounds_is_not_a_draft_cost() -> None:
     )
     policy.observe(chain, catch_up)  # a slow first draft after the autoregressive round
     assert policy.draft_level == pytest.approx(0.02)
+
+
+def test_measuring_the_forward_cost_leaves_the_runner_as_it_was() -> None:
+    _, target = tiny_pair("llama")
+    runner = ModelRunner(target)
+    runner.forward([Step("user", new_tokens=list(PROMPT))])
+    cost = measure_forward_cost(runner, rows=(1, 4, 9), repeats=1)
+    assert sorted(cost) == [1, 4, 9] and all(t > 0 for t in cost.values())
+    assert runner.sessions() == ["user"] and runner.committed_tokens("user") == list(PROMPT)

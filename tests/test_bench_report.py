@@ -329,3 +329,39 @@ def test_unmeasured_rows_and_missing_meta(tmp_path):
     assert SECTIONS["exp1"] in text and SECTIONS["scaling"] in text and SECTIONS["baseline"] not in text
     assert images(text) == set()
     assert list(tmp_path.glob("*.png")) == []
+
+
+def test_default_section(tmp_path):
+    fields = dict(prompt_set="chat", via="gateway", tokens_per_second=9.0, vs_llama_server=0.3)
+    rows = [
+        row("default", 0.0, "specmesh default", "default", vs_hf_assisted=1.1, speedup=1.4, **fields),
+        row(
+            "default",
+            0.0,
+            "llama-server",
+            "llama_cpp",
+            prompt_set="chat",
+            via="llama.cpp",
+            tokens_per_second=30.0,
+        ),
+        row(
+            "default_scaling",
+            1.0,
+            "specmesh default",
+            "default",
+            prompt_set="code",
+            concurrency=4,
+            speedup=0.97,
+        ),
+    ]
+    text = write_report({"meta": meta(), "goals": [], "rows": rows}, tmp_path).read_text(encoding="utf-8")
+    assert "## Fast by default" in text and "### prompts: chat" in text
+    assert table_rows(text, "specmesh default")[0][:6] == [
+        "specmesh default",
+        "gateway",
+        "9.00",
+        "0.30x",
+        "1.10x",
+        "1.40x",
+    ]
+    assert table_rows(text, "4")[0][:2] == ["4", "specmesh default"] and "0.97x" in table_rows(text, "4")[0]

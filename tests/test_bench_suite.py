@@ -8,7 +8,17 @@ import pytest
 import torch
 
 from specmesh.bench.measure import alpha
-from specmesh.bench.suite import EXP2, exp1_specs, exp2_specs, goals, mcsd_specs, perplexity
+from specmesh.bench.suite import (
+    DEFAULT_LABEL,
+    EXP2,
+    _default_ratios,
+    default_goals,
+    exp1_specs,
+    exp2_specs,
+    goals,
+    mcsd_specs,
+    perplexity,
+)
 from specmesh.core.stats import GenerationStats
 from tests.tiny import tiny_lm
 
@@ -77,3 +87,45 @@ def test_goals_read_the_best_gateway_rows_and_the_tree_chain_ratio() -> None:
     assert by_name["gateway vs transformers assisted, T=1"]["met"] is False  # 8 / 7 < 1.25
     tree = by_name["best tree η / chain η at the same depth, T=1"]
     assert tree["measured"] == pytest.approx(1.2) and tree["met"] and "L=3" in tree["detail"]
+
+
+def _default(label: str, t: float, tps: float, prompt_set: str = "code", **extra) -> dict:
+    return dict(
+        experiment="default",
+        label=label,
+        temperature=t,
+        prompt_set=prompt_set,
+        tokens_per_second=tps,
+        **extra,
+    )
+
+
+def test_the_default_phase_compares_within_its_prompt_set_and_temperature() -> None:
+    rows = [
+        _default("llama-server", 0.0, 25.0),
+        _default("hf assisted", 0.0, 8.0),
+        _default("none", 0.0, 6.0),
+        _default(DEFAULT_LABEL, 0.0, 12.0),
+        _default("chain L=3", 0.0, 11.0),
+        _default("chain L=4", 0.0, 12.5),
+        _default("llama-server", 0.0, 30.0, prompt_set="chat"),  # another set: not a reference for code
+        _default(DEFAULT_LABEL, 0.0, 9.0, prompt_set="chat"),
+        dict(_default("none", 0.0, 20.0), experiment="default_scaling", concurrency=8),
+        dict(_default(DEFAULT_LABEL, 0.0, 19.0), experiment="default_scaling", concurrency=8),
+    ]
+    _default_ratios(rows)
+    code = rows[3]
+    assert code["vs_llama_server"] == pytest.approx(12 / 25) and code["vs_hf_assisted"] == pytest.approx(1.5)
+    assert code["speedup"] == pytest.approx(2.0)
+    assert rows[7]["vs_llama_server"] == pytest.approx(9 / 30) and rows[7]["vs_hf_assisted"] is None
+    assert rows[9]["speedup"] == pytest.approx(19 / 20)  # against none at the same concurrency
+    by_name = {g["name"]: g for g in default_goals(rows)}
+    assert by_name["default vs llama-server plain, code, T=0"]["met"] is False
+    assert by_name["default vs transformers assisted, code, T=0"]["met"] is True
+    hindsight = by_name["default / best fixed shape in hindsight, code, T=0"]
+    assert (
+        hindsight["measured"] == pytest.approx(12 / 12.5)
+        and hindsight["met"]
+        and "chain L=4" in hindsight["detail"]
+    )
+    assert by_name["default vs none at 8 streams, T=0"]["met"] is False

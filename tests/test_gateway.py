@@ -209,6 +209,34 @@ def test_adaptive_greedy_through_the_gateway_equals_the_targets_greedy_decode(
     assert response.stats.accepted_tokens > 0
 
 
+def test_a_request_without_speculation_gets_the_gateways_adaptive_chains(stub, target_greedy) -> None:
+    """No speculation field: the gateway chooses (adaptive chains, depths from the verifier's
+    measured costs); the output is still the target's greedy decode."""
+    request = make_request(max_new_tokens=24)
+    request.ClearField("speculation")
+    response = stub.Generate(request, timeout=60)
+    assert list(response.token_ids) == target_greedy[:24]
+    assert response.stats.draft_calls > 0  # a first round at depth 3, or probe rounds
+
+
+def test_any_speculation_field_is_the_clients_choice() -> None:
+    from gateway.requests import AUTO_SPEC, speculation
+
+    assert speculation(gateway_pb2.Speculation()) == {"spec": AUTO_SPEC, "adaptive": True, "auto": True}
+    assert TreeSpec("chain", depth=3) == AUTO_SPEC
+    assert speculation(gateway_pb2.Speculation(depth=4)) == {
+        "spec": TreeSpec("chain", depth=4),
+        "adaptive": False,
+    }
+    assert speculation(gateway_pb2.Speculation(method="rsd_s"))["spec"] == TreeSpec(
+        "rsd_s", depth=3, beam_width=3
+    )
+    assert speculation(gateway_pb2.Speculation(method="none")) == {
+        "spec": TreeSpec("none"),
+        "adaptive": False,
+    }
+
+
 def test_the_benchmark_client_measures_concurrent_streams(stack, target_greedy) -> None:
     """specmesh.bench.suite.run_gateway, what the benchmarks measure with, on the real stack."""
     import asyncio

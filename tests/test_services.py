@@ -148,6 +148,9 @@ def test_info_reports_model_tokenizer_and_limits(stack, models) -> None:
         )
         assert reply.tokenizer_fingerprint == fingerprint
         assert {name: getattr(reply, name) for name in limits} == limits
+        # measured at start-up, what the adaptive policy decides from
+        assert [c.rows for c in reply.forward_cost] == [1, 2, 4, 8, 16]
+        assert all(c.seconds > 0 for c in reply.forward_cost)
 
 
 # ---- equality with the in-process engine -------------------------------------------------------
@@ -311,6 +314,7 @@ def test_busy_session_is_aborted_and_sigterm_lets_in_flight_work_finish(models, 
         verifier.stop()
     assert busy.code() == grpc.StatusCode.ABORTED and busy.details().startswith("session_id: ")
     assert finished.batch_size == 1 and finished.queue_seconds > 2.0  # it finished after the SIGTERM
+    assert finished.batch_tokens == len(PROMPT)  # the rows of its forward: the prompt, no tree
     # gRPC core refuses calls that arrive during shutdown as UNAVAILABLE or, on a live connection, CANCELLED
     assert refused.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
     log = verifier.log.read_text()

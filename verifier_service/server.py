@@ -60,6 +60,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         return wire.verdict_to_proto(
             verdict,
             batch_size=batch.size,
+            batch_tokens=batch.tokens,
             forward_seconds=batch.forward_seconds,
             queue_seconds=batch.queue_seconds,
         )

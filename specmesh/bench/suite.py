@@ -9,6 +9,14 @@ Phases (each can be re-run alone with --phases; its rows replace the old ones in
              shapes and the adaptive mode through the public API, for each draft dtype
   scaling    1, 2, 4, 8 concurrent streams through the gateway: aggregate tokens/s, per-token
              latency, time to first token
+  default    what `specmesh up` gives a user with no tuning against what they would run instead,
+             on two prompt sets (code: HumanEval; chat: instruction questions rendered with the
+             chat template): llama.cpp's llama-server on the same GGUF pair, plain and with its
+             draft-model speculation (bench/anchors.py; skipped without a binary), transformers
+             plain and assisted, the stack started with no flags and requests with no
+             speculation field ("specmesh default"), and the same stack with `none` and fixed
+             shapes (the best fixed shape in hindsight); then the default against `none` at
+             1, 2, 4, 8 concurrent streams
 Every speedup is a ratio of two rows measured in the same invocation (the VM's speed drifts
 between runs); the goals compare the gateway with transformers, so re-run `baselines` and
 `gateway` together.
@@ -34,14 +42,15 @@ from pathlib import Path
 
 import torch
 
-from specmesh.bench.measure import humaneval_prompts, run_engine, run_gateway, stats_fields
+from specmesh.bench.anchors import find_llama_server, llama_server, run_llama_server
+from specmesh.bench.measure import chat_prompts, humaneval_prompts, run_engine, run_gateway, stats_fields
 from specmesh.bench.report import write_report
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.methods import Method
 from specmesh.core.sampling import SamplingParams
 from specmesh.stack.ports import free_port
 
-PHASES = ("sweeps", "baselines", "gateway", "scaling")
+PHASES = ("sweeps", "baselines", "gateway", "scaling", "default")
 AR = TreeSpec(Method.NONE)
 
 
@@ -60,6 +69,7 @@ class SuiteConfig:
     temperatures: tuple[float, ...] = (0.0, 1.0)
     phases: tuple[str, ...] = PHASES
     out: Path = Path("docs/benchmarks")
+    llama_server: str | None = None  # the binary; default: bench/anchors.py's find_llama_server
     headline: dict[str, tuple[TreeSpec, bool]] = field(default_factory=lambda: dict(HEADLINE))
 
 
@@ -206,8 +216,11 @@ def sweeps(cfg: SuiteConfig, draft, target, texts: list[str]) -> list[dict]:
     return rows
 
 
-def baselines(cfg: SuiteConfig, draft_bf16, target, texts: list[str]) -> list[dict]:
-    """transformers' own decoding of the same prompts: plain generate and assisted generation."""
+def baselines(
+    cfg: SuiteConfig, draft_bf16, target, texts: list[str], experiment: str = "baseline", **tags
+) -> list[dict]:
+    """transformers' own decoding of the same prompts: plain generate and assisted generation.
+    tags: extra fields of every row (e.g. prompt_set)."""
     rows = []
     prompts = [target.tokenizer(t, return_tensors="pt")["input_ids"] for t in texts[: cfg.prompts]]
     eos = target.tokenizer.eos_token_id
@@ -233,8 +246,8 @@ def baselines(cfg: SuiteConfig, draft_bf16, target, texts: list[str]) -> list[di
                 seconds += time.perf_counter() - start
                 tokens += out.shape[1] - ids.shape[1]
             row = _row(
-                "baseline", label, t, tokens=tokens, seconds=seconds, via="transformers",
-                method="hf_assisted" if assistant is not None else "hf_generate", draft_dtype="bf16",
+                experiment, label, t, tokens=tokens, seconds=seconds, via="transformers",
+                method="hf_assisted" if assistant is not None else "hf_generate", draft_dtype="bf16", **tags,
             )  # fmt: skip
             plain_rate = plain_rate or row["tokens_per_second"]
             row["speedup"] = row["tokens_per_second"] / plain_rate
@@ -247,17 +260,28 @@ def baselines(cfg: SuiteConfig, draft_bf16, target, texts: list[str]) -> list[di
 
 
 @contextlib.contextmanager
-def running_stack(cfg: SuiteConfig, draft_dtype: str) -> Iterator[str]:
-    """`specmesh up` in a child process; yields the gateway address once it answers."""
+def running_stack(cfg: SuiteConfig, draft_dtype: str | None) -> Iterator[str]:
+    """`specmesh up` in a child process; yields the gateway address once it answers.
+    draft_dtype None: `specmesh up` with its own defaults (no model flags at all)."""
     import grpc
 
     from specmesh.rpc.proto import load
 
     port = free_port()
     argv = [sys.executable, "-m", "specmesh.cli", "up", "--no-demo", "--port", str(port)]
-    argv += ["--draft", cfg.draft, "--target", cfg.target, "--dtype", cfg.dtype, "--draft-dtype", draft_dtype]
+    if draft_dtype is not None:
+        argv += [
+            "--draft",
+            cfg.draft,
+            "--target",
+            cfg.target,
+            "--dtype",
+            cfg.dtype,
+            "--draft-dtype",
+            draft_dtype,
+        ]
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in the finally below)
-        "w", prefix=f"specmesh-stack-{draft_dtype}-", suffix=".log", delete=False
+        "w", prefix=f"specmesh-stack-{draft_dtype or 'default'}-", suffix=".log", delete=False
     )
     child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"127.0.0.1:{port}"
@@ -348,6 +372,110 @@ def _scaling(cfg: SuiteConfig, address: str, texts: list[str], draft_dtype: str)
                 rows.append(row)
                 _log(row)
     return rows
+
+
+# ---- the default path against what users run instead ------------------------------------------
+
+
+DEFAULT_LABEL = "specmesh default"
+FIXED = {
+    "chain L=3": TreeSpec(Method.CHAIN, depth=3),
+    "chain L=4": TreeSpec(Method.CHAIN, depth=4),
+    "rsd_s 2x4": TreeSpec(Method.RSD_S, depth=4, beam_width=2),
+}
+
+
+def prompt_sets(cfg: SuiteConfig, tokenizer) -> dict[str, list[str]]:
+    return {"code": humaneval_prompts(cfg.prompts), "chat": chat_prompts(cfg.prompts, tokenizer)}
+
+
+def default_rows(cfg: SuiteConfig, llama_server_binary: str | None = None) -> list[dict]:
+    """The `default` phase (module docstring)."""
+    from specmesh.runtime.model_store import DEFAULT_SOURCES, gguf_path
+    from specmesh.runtime.models import load_model
+
+    target = load_model(cfg.target, dtype=cfg.dtype)
+    sets = prompt_sets(cfg, target.tokenizer)
+    rows: list[dict] = []
+    binary = find_llama_server(llama_server_binary)
+    pair = [DEFAULT_SOURCES.get(source) for source in (cfg.draft, cfg.target)]
+    if binary is None or None in pair:
+        print("[default ] no llama-server binary (scripts/build_llama_server.sh) or not the default pair: "
+              "llama.cpp rows skipped", flush=True)  # fmt: skip
+    else:
+        draft_gguf, target_gguf = (gguf_path(spec) for spec in pair)
+        rows += _llama_server_rows(cfg, sets, binary, target_gguf, draft_gguf)
+    draft = load_model(cfg.draft, dtype=cfg.dtype)
+    for name, texts in sets.items():
+        for row in baselines(cfg, draft, target, texts, "default", prompt_set=name):
+            rows.append(row)
+    del draft, target
+    gc.collect()
+    with running_stack(cfg, None) as address:
+        shapes: dict[str, TreeSpec | None] = {DEFAULT_LABEL: None, "none": AR, **FIXED}
+        for name, texts in sets.items():
+            for t in cfg.temperatures:
+                for label, spec in shapes.items():
+                    m = asyncio.run(run_gateway(address, texts, spec, False, t, cfg.max_new_tokens, 1))
+                    rows.append(_gateway_row("default", label, t, spec, m, prompt_set=name))
+        code = sets["code"]
+        for t in cfg.temperatures:
+            for concurrency in cfg.scaling:
+                texts = (code * concurrency)[:concurrency]
+                for label in ("none", DEFAULT_LABEL):
+                    spec = shapes[label]
+                    m = asyncio.run(
+                        run_gateway(address, texts, spec, False, t, cfg.scaling_max_new_tokens, concurrency)
+                    )
+                    row = _gateway_row("default_scaling", label, t, spec, m, prompt_set="code")
+                    row["concurrency"] = concurrency
+                    rows.append(row)
+    return _default_ratios(rows)
+
+
+def _default_ratios(rows: list[dict]) -> list[dict]:
+    """Each row's ratios to the references of its own prompt set and temperature (and, when
+    scaling, concurrency): llama-server plain, transformers assisted, the stack's `none`."""
+
+    def ref(row: dict, label: str) -> float | None:
+        same = ("experiment", "prompt_set", "temperature", "concurrency")
+        for r in rows:
+            if r["label"] == label and all(r.get(k) == row.get(k) for k in same):
+                return r.get("tokens_per_second")
+        return None
+
+    for row in rows:
+        for key, label in (
+            ("vs_llama_server", "llama-server"),
+            ("vs_hf_assisted", "hf assisted"),
+            ("speedup", "none"),
+        ):
+            base = ref(row, label)
+            row[key] = row["tokens_per_second"] / base if base and row.get("tokens_per_second") else None
+    return rows
+
+
+def _llama_server_rows(
+    cfg: SuiteConfig, sets: dict[str, list[str]], binary: Path, target: Path, draft: Path
+) -> list[dict]:
+    rows = []
+    for label, draft_model in (("llama-server", None), ("llama-server -md", draft)):
+        with llama_server(binary, target, draft_model) as url:
+            for name, texts in sets.items():
+                for t in cfg.temperatures:
+                    m = run_llama_server(url, texts, t, cfg.max_new_tokens)
+                    method = "llama_cpp_speculative" if draft_model else "llama_cpp"
+                    row = _row("default", label, t, prompt_set=name, via="llama.cpp", method=method, **m)
+                    rows.append(row)
+                    _log(row)
+    return rows
+
+
+def _gateway_row(experiment: str, label: str, t: float, spec: TreeSpec | None, m: dict, **tags) -> dict:
+    fields = _spec_fields(spec) if spec is not None else dict(method="default")
+    row = _row(experiment, label, t, via="gateway", **tags, **fields, **m)
+    _log(row)
+    return row
 
 
 # ---- the whole run -----------------------------------------------------------------------------
@@ -445,6 +573,29 @@ def goals(rows: list[dict]) -> list[dict]:
     return out
 
 
+def default_goals(rows: list[dict]) -> list[dict]:
+    """The fast-by-default goals, from the `default` phase's rows."""
+    out = []
+    default = [r for r in rows if r["experiment"] == "default" and r["label"] == DEFAULT_LABEL]
+    for row in default:
+        where = f"{row['prompt_set']}, T={row['temperature']:g}"
+        out.append(_goal(f"default vs llama-server plain, {where}", 1.2, row.get("vs_llama_server"), row))
+        out.append(_goal(f"default vs transformers assisted, {where}", 1.5, row.get("vs_hf_assisted"), row))
+        fixed = [
+            r for r in rows
+            if r["experiment"] == "default" and r["label"] in FIXED
+            and (r["prompt_set"], r["temperature"]) == (row["prompt_set"], row["temperature"])
+        ]  # fmt: skip
+        best = max(fixed, key=lambda r: r["tokens_per_second"], default=None)
+        ratio = row["tokens_per_second"] / best["tokens_per_second"] if best else None
+        out.append(_goal(f"default / best fixed shape in hindsight, {where}", 0.9, ratio, best))
+    for row in rows:
+        if row["experiment"] == "default_scaling" and row["label"] == DEFAULT_LABEL:
+            name = f"default vs none at {row['concurrency']} streams, T={row['temperature']:g}"
+            out.append(_goal(name, 1.0, row.get("speedup"), row))
+    return out
+
+
 def _goal(name: str, target: float, measured: float | None, row: dict | None) -> dict:
     detail = f"best: {row['label']} ({row.get('draft_dtype') or '-'} draft)" if row else ""
     met = None if measured is None else measured >= target
@@ -477,6 +628,9 @@ def run_suite(cfg: SuiteConfig) -> dict:
         del target
         gc.collect()
     rows += gateway_rows(cfg, texts, cfg.phases)
+    if "default" in cfg.phases:
+        rows += default_rows(cfg, cfg.llama_server)
+        redone |= {"default", "default_scaling"}
     redone |= {"headline"} if "gateway" in cfg.phases else set()
     redone |= {"scaling"} if "scaling" in cfg.phases else set()
     rows = [r for r in old["rows"] if r["experiment"] not in redone] + rows
@@ -489,7 +643,7 @@ def run_suite(cfg: SuiteConfig) -> dict:
     for r in rows:
         measured[r["experiment"]] = min(measured.get(r["experiment"], r.get("date", "?")), r.get("date", "?"))
     info["measured"] = measured
-    results = dict(meta=info, goals=goals(rows), rows=rows)
+    results = dict(meta=info, goals=goals(rows) + default_goals(rows), rows=rows)
     path.write_text(json.dumps(results, indent=1))
     write_report(results, cfg.out)
     return results

@@ -4,16 +4,23 @@ A session keeps one tree family (the method and width of its TreeSpec) and the p
 depth L of every round, L = 0 meaning plain autoregressive decoding. It maximises the predicted
 token rate
 
-    rate(L) = E(L) / (o + L·d + v(n(L))),     E(L) = 1 + Σ_{k=1..L} Π_{j=1..k} α_j
+    rate(L) = E(L) / (o + L·d + v(s·(1 + n(L)))),     E(L) = 1 + Σ_{k=1..L} Π_{j=1..k} α_j
 
 where α_j = P(the accepted path reaches depth j | it reached depth j-1) is counted per depth
-over recent rounds, d is the measured time of one draft level, v(n) the measured verify time as
-a line in the number of tree nodes n, and o the rest of a round (network, scheduling). Counts and
-costs decay geometrically, so a session follows both the text (easy boilerplate, hard logic)
-and the load (a verifier batching many sessions makes every node dearer, and speculation is
-switched off when rate(0) wins). While off, a short probe round every `probe_every` rounds keeps
-the acceptance estimate alive. A `PolicyMemory` hands a new session what the last finished
-session with the same tree family and sampling learned, so short sessions need not start cold.
+over recent rounds, d is the measured time of one draft level, o the rest of a round (network,
+scheduling), n(L) the tree's nodes and v(rows) the time of one target forward of that many rows.
+v is the verifier's own start-up measurement (`ForwardCost`, rows -> seconds: on a CPU every row
+costs, on a GPU a few dozen are nearly free) scaled by what the rounds observe, so it follows the
+load. s is the number of sessions sharing the target forward: a node costs the whole batch, not
+just its session, and with s sessions each drafting n(L) nodes the forward holds s·(1 + n(L))
+rows; so under load trees shrink and speculation is switched off when rate(0) wins (assuming the
+other sessions choose alike, which they do: they run the same policy on the same costs). While
+off, a short probe round keeps the acceptance estimate alive: after `probe_every` off rounds, then
+after twice as many each time a probe leaves it off (up to `max_probe_every`), so that text or a
+machine where speculation never pays spends little on probing (a probe costs the drafter a
+catch-up over the skipped tokens and the target a wider forward). A
+`PolicyMemory` hands a new session what the last finished session with the same tree family and
+sampling learned, so short sessions need not start cold.
 
 The choice depends only on finished rounds, never on the round being verified, so every round is
 verified exactly as a fixed-shape round would be: adaptivity cannot bias the output.
@@ -22,7 +29,9 @@ verified exactly as a fixed-shape round would be: adaptivity cannot bias the out
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from specmesh.core.drafting import TreeSpec
@@ -50,23 +59,45 @@ def expected_tokens(alphas: list[float], depth: int) -> float:
     return total
 
 
+@dataclass(frozen=True)
+class Load:
+    """What the target forward that verified a round held: sessions, and rows (the new tokens and
+    tree nodes of all of them)."""
+
+    sessions: int
+    rows: int
+
+
 @dataclass
-class _LineFit:
-    """Exponentially weighted least squares of y = a + b·x (b >= 0)."""
+class ForwardCost:
+    """v(rows): seconds of one target forward. `measured` (rows -> seconds, from the replica's
+    start-up measurement) gives the shape, interpolated linearly and extended with its last slope;
+    `scale`, a decayed mean of observed / predicted, follows the machine's load. With nothing
+    measured the shape is flat (every row free) and the scale is the observed time itself."""
 
+    measured: Mapping[int, float]
     decay: float
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, wx, wxx, wy, wxy
+    scale: float | None = None
 
-    def add(self, x: float, y: float) -> None:
-        self.sums = [s * self.decay for s in self.sums]
-        for i, term in enumerate((1.0, x, x * x, y, x * y)):
-            self.sums[i] += term
+    def shape(self, rows: float) -> float:
+        points = sorted(self.measured.items())
+        if not points:
+            return 1.0
+        if rows <= points[0][0] or len(points) == 1:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in itertools.pairwise(points):
+            if rows <= x1:
+                return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+        (x0, y0), (x1, y1) = points[-2:]
+        return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (rows - x1)
 
-    def __call__(self, x: float) -> float:
-        w, wx, wxx, wy, wxy = self.sums
-        det = w * wxx - wx * wx
-        slope = max(0.0, (w * wxy - wx * wy) / det) if det > 1e-9 * max(w * wxx, 1e-12) else 0.0
-        return max(0.0, (wy - slope * wx) / w + slope * x)
+    def __call__(self, rows: float) -> float:
+        scale = self.scale if self.scale is not None else (1.0 if self.measured else 0.0)
+        return scale * self.shape(rows)
+
+    def observe(self, rows: float, seconds: float) -> None:
+        ratio = seconds / max(self.shape(rows), 1e-9)
+        self.scale = ratio if self.scale is None else self.scale * self.decay + (1 - self.decay) * ratio
 
 
 @dataclass
@@ -74,11 +105,13 @@ class AdaptivePolicy:
     """Per-session depth controller; `next_spec()` before a round, `observe()` after it."""
 
     base: TreeSpec
+    forward_cost: Mapping[int, float] = field(default_factory=dict)  # the target's, rows -> seconds
     max_depth: int = 8
     max_nodes: int = 64  # the replicas' default --max-tree-nodes: deeper trees would be refused
     decay: float = 0.8  # costs: follow the load quickly
     acceptance_decay: float = 0.95  # acceptance: ~20 rounds, one rejection is not a trend
-    probe_every: int = 8
+    probe_every: int = 8  # off rounds before the first probe
+    max_probe_every: int = 128  # the interval doubles after every probe that leaves it off
     probe_depth: int = 2
     tolerance: float = 0.03
     prior_alpha: float = 0.7
@@ -92,11 +125,13 @@ class AdaptivePolicy:
         self.max_depth = max(self.max_depth, self.base.depth)
         self.reached = [0.0] * self.max_depth  # decayed rounds whose path reached depth j+1
         self.tried = [0.0] * self.max_depth  # decayed rounds that reached depth j (could go on)
-        self.verify = _LineFit(self.decay)
+        self.verify = ForwardCost(dict(self.forward_cost), self.decay)
+        self.sessions = 1.0  # decayed mean of the sessions sharing the target forward
         self.draft_level: float | None = None  # seconds per draft level
         self.other: float | None = None  # seconds per round outside drafting and verifying
         self.rounds = 0
-        self.off_rounds = 0
+        self.off_rounds = 0  # since the last probe
+        self.probe_interval = self.probe_every
         self.last_depth: int | None = None
         # depths this family may take: the requested one (the replicas accepted it), and those
         # within max_depth and max_nodes
@@ -118,11 +153,12 @@ class AdaptivePolicy:
         """Tokens per second a round of this depth is expected to give."""
         spec = family_spec(self.base, depth)
         draft = depth * (self.draft_level or 0.0)
-        seconds = (self.other or 0.0) + draft + self.verify(spec.max_nodes)
+        rows = self.sessions * (1 + spec.max_nodes)  # each session's new token and its nodes
+        seconds = (self.other or 0.0) + draft + self.verify(rows)
         return expected_tokens(self.alphas(), depth) / seconds if seconds > 0 else float("inf")
 
     def choose_depth(self) -> int:
-        """The next round's depth. Not pure: counts off rounds, to probe every `probe_every`."""
+        """The next round's depth. Not pure: counts off rounds, to probe now and then."""
         if self.draft_level is None:  # nothing measured yet (or only the prefill round)
             return self.base.depth
         rates = {d: self.predicted_rate(d) for d in self.depths}
@@ -131,8 +167,12 @@ class AdaptivePolicy:
         best = min(d for d, r in rates.items() if r >= (1 - self.tolerance) * max(rates.values()))
         if best == 0:
             self.off_rounds += 1
-            if self.off_rounds % self.probe_every == 0:
+            if self.off_rounds >= self.probe_interval:
+                self.off_rounds = 0
+                self.probe_interval = min(2 * self.probe_interval, self.max_probe_every)
                 return min(self.probe_depth, max(self.depths))
+        else:
+            self.probe_interval = self.probe_every  # speculation pays again
         return best
 
     def next_spec(self) -> TreeSpec:
@@ -141,12 +181,15 @@ class AdaptivePolicy:
     def _mean(self, old: float | None, new: float) -> float:
         return new if old is None else old * self.decay + (1 - self.decay) * new
 
-    def observe(self, spec: TreeSpec, stats: GenerationStats) -> None:
-        """Learn from one finished round: the spec it used and its stats delta."""
+    def observe(self, spec: TreeSpec, stats: GenerationStats, load: Load | None = None) -> None:
+        """Learn from one finished round: the spec it used, its stats delta and what the target
+        forward held (None: this session alone)."""
         self.rounds += 1
         depth = spec.depth  # 0 for Method.NONE
+        load = load or Load(1, 1 + stats.drafted_tokens)
         if self.rounds > 1:  # the first round's times include both models' prompt prefill
-            self.verify.add(float(stats.drafted_tokens), stats.verify_seconds)
+            self.verify.observe(load.rows, stats.verify_seconds)
+            self.sessions = self._mean(self.sessions, load.sessions)
             self.other = self._mean(self.other, stats.network_seconds)
             # after autoregressive rounds the drafter first catches up on the skipped tokens
             if depth and self.last_depth != 0:
@@ -176,12 +219,16 @@ class PolicyMemory:
         family = family_spec(base, 16)  # the whole family: branching (4,2,1) differs from (4,4,2)
         return (family, params.temperature, params.top_k, params.top_p)
 
-    def new_policy(self, base: TreeSpec, params: SamplingParams) -> AdaptivePolicy:
-        policy = AdaptivePolicy(base)
+    def new_policy(
+        self, base: TreeSpec, params: SamplingParams, forward_cost: Mapping[int, float] | None = None
+    ) -> AdaptivePolicy:
+        """forward_cost: the target's measured rows -> seconds, for a session that starts cold."""
+        policy = AdaptivePolicy(base, forward_cost or {})
         with self._lock:
             learned = self._states.get(self._key(base, params))
             if learned is not None:
-                for name in ("reached", "tried", "verify", "draft_level", "other"):
+                names = ("reached", "tried", "verify", "sessions", "draft_level", "other", "probe_interval")
+                for name in names:
                     setattr(policy, name, copy.deepcopy(getattr(learned, name)))
         return policy
 

