@@ -131,7 +131,7 @@ async def run_gateway(
                     prompt=text,
                     max_new_tokens=max_new,
                     sampling=pb2.Sampling(temperature=temperature, seed=1000 + first + i),
-                    speculation=speculation_message(pb2, spec, adaptive) if spec else None,
+                    speculation=speculation_message(pb2, spec, adaptive) if spec is not None else None,
                 )
                 for i, text in enumerate(texts[first : first + concurrency])
             ]

@@ -407,8 +407,7 @@ def default_rows(cfg: SuiteConfig, llama_server_binary: str | None = None) -> li
         rows += _llama_server_rows(cfg, sets, binary, target_gguf, draft_gguf)
     draft = load_model(cfg.draft, dtype=cfg.dtype)
     for name, texts in sets.items():
-        for row in baselines(cfg, draft, target, texts, "default", prompt_set=name):
-            rows.append(row)
+        rows += baselines(cfg, draft, target, texts, "default", prompt_set=name)
     del draft, target
     gc.collect()
     with running_stack(cfg, None) as address:
@@ -427,9 +426,8 @@ def default_rows(cfg: SuiteConfig, llama_server_binary: str | None = None) -> li
                     m = asyncio.run(
                         run_gateway(address, texts, spec, False, t, cfg.scaling_max_new_tokens, concurrency)
                     )
-                    row = _gateway_row("default_scaling", label, t, spec, m, prompt_set="code")
-                    row["concurrency"] = concurrency
-                    rows.append(row)
+                    tags = dict(prompt_set="code", concurrency=concurrency)
+                    rows.append(_gateway_row("default_scaling", label, t, spec, m, **tags))
     return _default_ratios(rows)
 
 

@@ -32,7 +32,7 @@ import copy
 import itertools
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, replace
 
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.methods import Method
@@ -75,12 +75,16 @@ class ForwardCost:
     `scale`, a decayed mean of observed / predicted, follows the machine's load. With nothing
     measured the shape is flat (every row free) and the scale is the observed time itself."""
 
-    measured: Mapping[int, float]
+    measured: InitVar[Mapping[int, float]]
     decay: float
     scale: float | None = None
+    points: tuple[tuple[int, float], ...] = field(init=False)  # `measured`, by rows
+
+    def __post_init__(self, measured: Mapping[int, float]) -> None:
+        self.points = tuple(sorted(measured.items()))
 
     def shape(self, rows: float) -> float:
-        points = sorted(self.measured.items())
+        points = self.points
         if not points:
             return 1.0
         if rows <= points[0][0] or len(points) == 1:
@@ -92,7 +96,7 @@ class ForwardCost:
         return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (rows - x1)
 
     def __call__(self, rows: float) -> float:
-        scale = self.scale if self.scale is not None else (1.0 if self.measured else 0.0)
+        scale = self.scale if self.scale is not None else (1.0 if self.points else 0.0)
         return scale * self.shape(rows)
 
     def observe(self, rows: float, seconds: float) -> None:
@@ -105,7 +109,7 @@ class AdaptivePolicy:
     """Per-session depth controller; `next_spec()` before a round, `observe()` after it."""
 
     base: TreeSpec
-    forward_cost: Mapping[int, float] = field(default_factory=dict)  # the target's, rows -> seconds
+    forward_cost: InitVar[Mapping[int, float] | None] = None  # the target's, rows -> seconds
     max_depth: int = 8
     max_nodes: int = 64  # the replicas' default --max-tree-nodes: deeper trees would be refused
     decay: float = 0.8  # costs: follow the load quickly
@@ -117,7 +121,7 @@ class AdaptivePolicy:
     prior_alpha: float = 0.7
     prior_weight: float = 1.0
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, forward_cost: Mapping[int, float] | None) -> None:
         if not self.base.method.drafts:
             raise ValueError("adaptive speculation needs a tree family, not method 'none'")
         if self.max_depth < 1:
@@ -125,7 +129,7 @@ class AdaptivePolicy:
         self.max_depth = max(self.max_depth, self.base.depth)
         self.reached = [0.0] * self.max_depth  # decayed rounds whose path reached depth j+1
         self.tried = [0.0] * self.max_depth  # decayed rounds that reached depth j (could go on)
-        self.verify = ForwardCost(dict(self.forward_cost), self.decay)
+        self.verify = ForwardCost(forward_cost or {}, self.decay)
         self.sessions = 1.0  # decayed mean of the sessions sharing the target forward
         self.draft_level: float | None = None  # seconds per draft level
         self.other: float | None = None  # seconds per round outside drafting and verifying
@@ -223,7 +227,7 @@ class PolicyMemory:
         self, base: TreeSpec, params: SamplingParams, forward_cost: Mapping[int, float] | None = None
     ) -> AdaptivePolicy:
         """forward_cost: the target's measured rows -> seconds, for a session that starts cold."""
-        policy = AdaptivePolicy(base, forward_cost or {})
+        policy = AdaptivePolicy(base, forward_cost)
         with self._lock:
             learned = self._states.get(self._key(base, params))
             if learned is not None:

@@ -142,8 +142,9 @@ class RoundClient:
             total_seconds=time.perf_counter() - start,
         )
         if self.policy:
-            rows = verified.batch_tokens or 1 + stats.drafted_tokens  # 0: a replica that does not say
-            self.policy.observe(spec, stats, Load(max(1, verified.batch_size), rows))
+            # batch_tokens 0: a replica that does not say; the policy then counts this session alone
+            load = Load(verified.batch_size, verified.batch_tokens) if verified.batch_tokens else None
+            self.policy.observe(spec, stats, load)
         return RoundResult(verdict, stats, dict(call.held), call.resyncs)
 
     def _draft_request(self, tokens: Sequence[int], spec: TreeSpec, position: int) -> pb2.DraftRequest:

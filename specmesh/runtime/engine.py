@@ -121,7 +121,6 @@ class SpeculativeEngine:
         self._ids = count()
         self.policies = PolicyMemory()
         self.forward_cost: dict[int, float] | None = None  # the target's, measured for adaptive sessions
-        self._load = Load(1, 1)  # what the last verification forward held
 
     def generate(
         self,
@@ -147,14 +146,14 @@ class SpeculativeEngine:
                 start = time.perf_counter()
                 self._draft(active)
                 mid = time.perf_counter()
-                self._verify(active)
+                load = self._verify(active)
                 end = time.perf_counter()
                 for s in active:
                     s.stats.draft_seconds += mid - start
                     s.stats.verify_seconds += end - mid
                     s.stats.total_seconds += end - start
                     if s.policy:
-                        self._learn(s, active, mid - start, end - mid, self._load)
+                        self._learn(s, active, mid - start, end - mid, load)
                 active = [s for s in active if s.finish_reason is None]
         finally:
             for s in sessions:
@@ -227,7 +226,8 @@ class SpeculativeEngine:
         self.drafter.commit(s.id, keep)
         return new[len(keep) :]
 
-    def _verify(self, sessions: list[_Session]) -> None:
+    def _verify(self, sessions: list[_Session]) -> Load:
+        """One target forward for every session's round; -> what that forward held."""
         trees = [s.tree if s.spec.method.drafts else None for s in sessions]
         steps = []
         for s, tree in zip(sessions, trees, strict=True):
@@ -235,7 +235,6 @@ class SpeculativeEngine:
             nodes = tree.tokens.tolist() if tree is not None else []
             parents = tree.parents.tolist() if tree is not None else []
             steps.append(Step(s.id, s.tokens[known:], nodes, parents))
-        self._load = Load(len(steps), sum(len(st.new_tokens) + len(st.node_tokens) for st in steps))
         for s, tree, logits in zip(sessions, trees, self.verifier.forward(steps), strict=True):
             verdict = verify_and_commit(
                 self.verifier, s.id, tree, logits, s.request.params, s.seed, len(s.tokens)
@@ -244,6 +243,7 @@ class SpeculativeEngine:
             s.last_round = (tree.num_nodes if tree is not None else 0, len(verdict.accepted_nodes))
             self._emit(s, verdict.emitted_tokens)
             s.tree = None
+        return Load(len(steps), sum(len(st.new_tokens) + len(st.node_tokens) for st in steps))
 
     @staticmethod
     def _emit(s: _Session, tokens: list[int]) -> None:
