@@ -36,7 +36,7 @@ from specmesh.runtime.rounds import level_forwards, reusable_nodes
 from specmesh.runtime.runner import Step
 from specmesh.services.batching import ForwardBatcher
 from specmesh.services.metrics import ServiceMetrics
-from specmesh.services.model_service import ModelService, RequestCancelled, ServiceConfig, main
+from specmesh.services.model_service import ModelService, RequestCancelled, Resume, ServiceConfig, main
 
 DEFAULTS = {"model": "default-draft", "port": 50061, "max_wait_ms": 10.0}
 
@@ -86,10 +86,10 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
     @rpc
     async def Draft(self, request: pb2.DraftRequest, context: grpc.aio.ServicerContext) -> pb2.DraftResponse:
         draft = wire.parse_draft_request(request, self.vocab_size, self.limits)
-        continuing = self.begin(draft.session_id, draft.position)
+        resume = self.begin(draft.session_id, draft.position)
         cancelled = threading.Event()
         try:
-            job = self._builders.submit(self._draft, draft, continuing, cancelled)
+            job = self._builders.submit(self._draft, draft, resume, cancelled)
         except BaseException:
             self.slots.free(draft.session_id)
             raise
@@ -100,16 +100,13 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
 
         return await self.settle(draft.session_id, asyncio.wrap_future(job), withdraw)
 
-    def _draft(self, d: wire.DraftInput, continuing: bool, cancelled: threading.Event) -> pb2.DraftResponse:
+    def _draft(self, d: wire.DraftInput, resume: Resume, cancelled: threading.Event) -> pb2.DraftResponse:
         """In a builder thread: compact, build the tree level by level, encode it."""
         start = time.perf_counter()
         sid = d.session_id
         pending = self._pending.pop(sid, {})
-        keep = reusable_nodes(pending, d.new_tokens) if continuing else []
-        if continuing:
-            compact = functools.partial(self.runner.commit, sid, keep)
-        else:  # position 0: start over from the request's tokens
-            compact = functools.partial(self.runner.release, sid)
+        keep = reusable_nodes(pending, d.new_tokens) if resume is Resume.CONTINUE else []
+        compact = self.reset(sid, resume, d.position) or functools.partial(self.runner.commit, sid, keep)
         forward = _LevelForward(self.batcher, compact, cancelled)
         nodes: dict[Path, int] = {}
         self.loop.call_soon_threadsafe(self.batcher.join)

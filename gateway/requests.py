@@ -46,6 +46,14 @@ class ModelLimits:
 
 
 @dataclass(frozen=True)
+class DsiSettings:
+    """A DSI request's settings (docs/gateway.md, "DSI"); 0 = the gateway chooses."""
+
+    lookahead: int = 0
+    parallel: int = 0
+
+
+@dataclass(frozen=True)
 class GenerationPlan:
     """A valid request with every default filled in; the seed is fixed here, once."""
 
@@ -57,6 +65,7 @@ class GenerationPlan:
     spec: TreeSpec
     adaptive: bool = False  # spec is then the tree family and the first round's depth
     auto: bool = False  # the request asked for no speculation: the gateway chose (AUTO_SPEC)
+    dsi: DsiSettings | None = None  # DSI mode; spec is then a chain of the lookahead's depth
 
 
 def parse_generate_request(request: Any, tokenizer: Any, limits: ModelLimits) -> GenerationPlan:
@@ -170,7 +179,29 @@ def speculation(msg: Any) -> dict[str, Any]:
     """msg: specmesh.v1.Speculation -> the plan's spec, adaptive and auto."""
     if not msg.ListFields():
         return {"spec": AUTO_SPEC, "adaptive": True, "auto": True}
+    if msg.dsi:
+        return {"spec": TreeSpec(Method.CHAIN, depth=msg.depth or 1), "dsi": dsi_settings(msg)}
+    if msg.parallel:
+        raise wire.WireError("speculation.parallel", "applies only with speculation.dsi")
     return {"spec": tree_spec(msg), "adaptive": msg.adaptive}
+
+
+def dsi_settings(msg: Any) -> DsiSettings:
+    """msg: a specmesh.v1.Speculation with dsi set. DSI verifies chains of `depth` tokens."""
+    if msg.method not in ("", Method.CHAIN):
+        raise wire.WireError(
+            "speculation.method", f"DSI drafts chains; method {msg.method!r} is not supported"
+        )
+    for name, wrong in {
+        "branching": bool(msg.branching),
+        "beam_width": msg.beam_width > 0,
+        "replacement": msg.replacement,
+        "mtad_threshold": msg.HasField("mtad_threshold"),
+        "adaptive": msg.adaptive,
+    }.items():
+        if wrong:
+            raise wire.WireError(f"speculation.{name}", "does not apply with speculation.dsi")
+    return DsiSettings(lookahead=msg.depth, parallel=msg.parallel)
 
 
 def tree_spec(msg: Any) -> TreeSpec:

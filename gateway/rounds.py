@@ -197,19 +197,11 @@ class SessionRun:
         """One round, committed; retried on other replicas when one fails."""
         for _ in range(self.env.max_attempts):
             result = await self._run_round()
-            start = time.perf_counter()
-            kept, finish = self._cut(result)
+            kept, finish = self._cut(result.tokens)
             lengths = {self.addresses[role]: result.held[role] for role in self.roles}
-            committed = await self.env.store.commit_round(
-                self.id, self.round, kept, result.stats, lengths, finish_reason=finish
-            )
-            if committed:
-                self.env.metrics.observe_round(result.stats, len(kept), time.perf_counter() - start)
-                self.tokens += kept
-                self.round += 1
-                self.stats += result.stats
-                self.finish_reason = finish
-                return Piece(kept, self.text.push(kept, final=finish is not None), finish)
+            piece = await self._commit(kept, finish, result.stats, lengths)
+            if piece is not None:
+                return piece
             # Stale: Redis is at another round (only possible if an earlier commit that seemed to
             # fail went through). Its tokens are the truth; the replicas resync to them.
             piece = await self._resume_from_store()
@@ -219,9 +211,28 @@ class SessionRun:
             grpc.StatusCode.ABORTED, f"round {self.round} of session {self.id} never committed"
         )
 
-    def _cut(self, result: RoundResult) -> tuple[list[int], str | None]:
+    async def _commit(
+        self, kept: list[int], finish: str | None, stats: GenerationStats, lengths: dict[str, int]
+    ) -> Piece | None:
+        """Commit one round's tokens to Redis: what the client gets, or None if Redis is at another
+        round."""
+        start = time.perf_counter()
+        committed = await self.env.store.commit_round(
+            self.id, self.round, kept, stats, lengths, finish_reason=finish
+        )
+        if not committed:
+            return None
+        self.env.metrics.observe_round(stats, len(kept), time.perf_counter() - start)
+        self.tokens += kept
+        self.round += 1
+        self.stats += stats
+        self.finish_reason = finish
+        return Piece(kept, self.text.push(kept, final=finish is not None), finish)
+
+    def _cut(self, tokens: list[int]) -> tuple[list[int], str | None]:
+        """What of a round's tokens the session keeps, and whether it finished."""
         p = self.plan
-        kept, finish = keep_emitted(result.tokens, self.generated, p.max_new_tokens, p.stop_token_ids)
+        kept, finish = keep_emitted(tokens, self.generated, p.max_new_tokens, p.stop_token_ids)
         stop_at = self.text.stop_cut(kept)
         if stop_at is not None:
             return kept[:stop_at], "stop"
@@ -261,17 +272,19 @@ class SessionRun:
 
     async def _recover(self, failure: ReplicaFailure) -> None:
         """After a failed call: retry the same replica (ABORTED), fail over, or give up."""
-        code, role = failure.error.code(), failure.role
-        address = self.addresses[role]
+        await self._recover_from(failure.role, self.addresses[failure.role], failure.error)
+
+    async def _recover_from(self, role: Role, address: str, error: grpc.aio.AioRpcError) -> None:
+        code = error.code()
         if code == grpc.StatusCode.ABORTED:
             await asyncio.sleep(0.05)
             return
         if code == grpc.StatusCode.INVALID_ARGUMENT:  # a replica limit, e.g. tree_spec.depth
-            details = failure.error.details() or ""
+            details = error.details() or ""
             raise GatewayError(code, details.replace("tree_spec", "speculation", 1)) from None
         if code not in _FAILOVER:
-            raise GatewayError(code, f"{role} {address}: {failure.error.details()}") from None
-        self.env.pool(role).mark_failed(address, f"{code.name}: {failure.error.details()}")
+            raise GatewayError(code, f"{role} {address}: {error.details()}") from None
+        self.env.pool(role).mark_failed(address, f"{code.name}: {error.details()}")
         self.lengths.pop(address, None)  # whatever it held may be gone; a comeback starts at 0
         self.env.metrics.failovers.labels(role).inc()
         log.warning(

@@ -22,9 +22,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from gateway.api import gateway_pb2, gateway_pb2_grpc
+from gateway.dsi import DsiRun
 from gateway.metrics import GatewayMetrics
 from gateway.pools import NoHealthyReplica, ReplicaPool
-from gateway.requests import GenerationPlan, ModelLimits, parse_generate_request
+from gateway.requests import DsiSettings, GenerationPlan, ModelLimits, parse_generate_request
 from gateway.rounds import GatewayEnv, GatewayError, SessionRun
 from gateway.session_store import SessionNotFound, SessionStore, StoreError, StoreUnavailable
 from gateway.text import TextStream
@@ -38,6 +39,7 @@ log = logging.getLogger("specmesh.gateway")
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # requests are prompts, answers text and token ids
 NO_DEADLINE = 1e9  # time_remaining() above this (or None): the client set no deadline
+DSI_DEFAULT_LOOKAHEAD = 4
 READY_RETRY_SECONDS = 5.0  # between attempts to learn the model (a verifier starting, a bad tokenizer)
 
 
@@ -54,6 +56,7 @@ class GatewayConfig(ServerConfig):
     round_timeout: float
     max_attempts: int
     health_interval: float
+    dsi_max_parallel: int
 
 
 _FLAGS: dict[str, tuple[type, str]] = {
@@ -74,6 +77,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
         float,
         "seconds between health checks of the replicas (also the cooldown after a failure)",
     ),
+    "dsi_max_parallel": (int, "DSI: the most verifications of one session in flight at once"),
 }
 
 DEFAULTS: dict[str, Any] = {
@@ -88,13 +92,14 @@ DEFAULTS: dict[str, Any] = {
     "round_timeout": 60.0,
     "max_attempts": 5,
     "health_interval": 1.0,
+    "dsi_max_parallel": 4,
 }  # --verifiers has no default: it is required; the flags every server has: ServerConfig
 
 
 def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     return parse_flags(
         "python -m gateway", GatewayConfig, _FLAGS, DEFAULTS, argv,
-        at_least_one=("max_new_tokens_limit", "default_max_new_tokens", "max_attempts"),
+        at_least_one=("max_new_tokens_limit", "default_max_new_tokens", "max_attempts", "dsi_max_parallel"),
         positive=("session_ttl", "round_timeout", "health_interval"),
     )  # fmt: skip
 
@@ -231,7 +236,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"gateway not ready: {self._not_ready}")
         plan = self._servable(parse_generate_request(request, model.tokenizer, model.limits))
         text = TextStream(model.tokenizer, plan.stop, context=plan.prompt_ids)
-        async with SessionRun(plan, self.env, text, self._deadline(context), model.forward_cost) as run:
+        async with self._session_run(plan, text, self._deadline(context)) as run:
             while not run.finished:
                 piece = await run.step()
                 chunk = gateway_pb2.GenerateChunk(
@@ -252,6 +257,25 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
                     "method": plan.spec.method,
                 },
             )
+
+    def _session_run(self, plan: GenerationPlan, text: TextStream, deadline: float | None) -> SessionRun:
+        if plan.dsi is None:
+            assert self.model is not None
+            return SessionRun(plan, self.env, text, deadline, self.model.forward_cost)
+        lookahead, parallel = self._dsi_shape(plan.dsi)
+        return DsiRun(plan, self.env, text, deadline, lookahead=lookahead, parallel=parallel)
+
+    def _dsi_shape(self, settings: DsiSettings) -> tuple[int, int]:
+        """The lookahead and the parallel verifications of a DSI request (0 = the gateway's choice)."""
+        limit = self.config.dsi_max_parallel
+        if settings.parallel > limit:
+            raise GatewayError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"speculation.parallel: {settings.parallel} is above the gateway's limit of {limit} "
+                "(--dsi-max-parallel)",
+            )
+        parallel = settings.parallel or max(1, min(limit, len(self.env.verifiers.healthy())))
+        return settings.lookahead or DSI_DEFAULT_LOOKAHEAD, parallel
 
     def _servable(self, plan: GenerationPlan) -> GenerationPlan:
         """The plan this gateway can run: without drafters, its own default is plain decoding."""

@@ -106,6 +106,20 @@ def test_commit_then_continue_equals_a_fresh_decode(runner, keep: list[int]) -> 
     assert len(runner._free) == runner.n_seq_max - 2  # the main sequence + this call's one leaf
 
 
+def test_truncate_then_continue_equals_a_fresh_decode(runner) -> None:
+    """DSI's rollback: the dropped positions leave the main sequence, the tree's leaves are freed."""
+    free = len(runner._free)
+    runner.forward([Step("t", [4, 8, 6, 9], [10, 11], [-1, 0])])
+    runner.commit("t", [0, 1])
+    runner.forward([Step("t", [12], [13, 14], [-1, -1])])
+    runner.truncate("t", 3)
+    assert runner.committed_tokens("t") == [4, 8, 6] and runner.pending_tokens("t") == []
+    assert len(runner._free) == free - 1  # only the main sequence is left
+    nxt = runner.forward([Step("t", [20], [21], [-1])])[0]
+    assert torch.allclose(nxt, sequential(runner, [4, 8, 6, 20, 21])[-2:], atol=TOL)
+    runner.release("t")
+
+
 def test_sessions_in_one_call_equal_each_alone(runner) -> None:
     steps = [
         Step("a", [3, 4, 5], [10, 11, 12], [-1, 0, 0]),

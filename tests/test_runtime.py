@@ -122,6 +122,22 @@ def test_commit_then_continue(sdpa_model: torch.nn.Module, keep: list[int]) -> N
     assert_close(out, ref(sdpa_model, [*committed, 11])[None])
 
 
+def test_truncate_then_continue(sdpa_model: torch.nn.Module) -> None:
+    """DSI's rollback: speculation committed and then thrown away leaves no trace."""
+    prefix = prompt(8, 5)
+    runner = ModelRunner(sdpa_model)
+    runner.forward([Step("s", prefix, [40, 41, 42], [-1, 0, 1])])
+    runner.commit("s", [0, 1])
+    runner.forward([Step("s", [43], [44], [-1])])  # a pending tree, thrown away too
+    runner.truncate("s", 6)
+    assert runner.committed_tokens("s") == prefix[:6] and runner.pending_tokens("s") == []
+    (out,) = runner.forward([Step("s", [50, 51], [52], [-1])])
+    assert_close(out, tree_ref(sdpa_model, [*prefix[:6], 50, 51], [52], [-1]))
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="length"):
+            runner.truncate("s", bad)
+
+
 def test_commit_chain_prefix(sdpa_model: torch.nn.Module) -> None:
     """A chain accepted from its first node keeps the KV where it is (no compaction copy)."""
     prefix = prompt(6, 4)

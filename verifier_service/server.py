@@ -47,12 +47,12 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         self, request: pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> pb2.VerifyResponse:
         v = wire.parse_verify_request(request, self.vocab_size, self.limits)
-        continuing = self.begin(v.session_id, v.position)
+        resume = self.begin(v.session_id, v.position)
         tree = v.tree
         nodes, parents = (tree.tokens.tolist(), tree.parents.tolist()) if tree is not None else ([], [])
         work = self.batcher.enqueue(
             Step(v.session_id, v.new_tokens, nodes, parents),
-            before=None if continuing else functools.partial(self.runner.release, v.session_id),
+            before=self.reset(v.session_id, resume, v.position),
             finish=functools.partial(self._decide, v),
         )
         verdict, batch = await self.settle(v.session_id, work, functools.partial(self.batcher.withdraw, work))

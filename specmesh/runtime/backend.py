@@ -75,6 +75,11 @@ class ModelBackend(Protocol):
         tokens; drop every other pending node."""
         ...
 
+    def truncate(self, session_id: str, length: int) -> None:
+        """Keep the first `length` committed tokens and drop the pending tree (a caller that
+        speculated past what turned out true rolls the session back)."""
+        ...
+
     def release(self, session_id: str) -> None: ...
 
 
@@ -166,7 +171,21 @@ class SessionTable(Generic[S]):
             empty = torch.zeros(0, self.vocab_size, device=self.device)
             return [next(it) if p.feeds else empty for p in plans]
 
+    def truncate(self, session_id: str, length: int) -> None:
+        with self._lock:
+            s = self._get(session_id)
+            if not 0 < length <= len(s.tokens):
+                raise ValueError(f"length: {length} is not in [1, {len(s.tokens)}] committed tokens")
+            self._truncate_kv(s, length)
+            s.tokens = s.tokens[:length]
+            s.pending_tokens, s.pending_parents = [], []
+            self._sessions.move_to_end(session_id)
+
     def _plan(self, step: Step) -> StepPlan:
+        raise NotImplementedError
+
+    def _truncate_kv(self, s: S, length: int) -> None:
+        """Drop the KV of every position from `length` on (the pending tree's included)."""
         raise NotImplementedError
 
     def _make_room(self, active: list[Any], in_call: set[str]) -> None:

@@ -212,6 +212,11 @@ class LlamaCppRunner(SessionTable[_Session]):
             self._drop_leaves(s)
             self._keep_path(session_id, s, keep)
 
+    def _truncate_kv(self, s: _Session, length: int) -> None:
+        self._drop_leaves(s)
+        if s.main is not None:
+            self._lib.llama_memory_seq_rm(self._memory, s.main, length, -1)
+
     def _discard_failed(self, plans: list[_Plan]) -> None:
         for p in plans:  # whatever the failed decode left is not trusted
             self._drop_kv(p.session)

@@ -178,6 +178,9 @@ class ModelRunner(SessionTable[_Session]):
                 s.kv[:, :, :, c : c + len(keep)] = s.kv.index_select(3, src)
             self._keep_path(session_id, s, keep)
 
+    def _truncate_kv(self, s: _Session, length: int) -> None:
+        pass  # KV slots are positional: the next forward writes over those past the new length
+
     def _discard_failed(self, plans: list[_Plan]) -> None:
         for p in plans:
             if p.fresh:  # a tensor may have been allocated, but it holds no valid KV

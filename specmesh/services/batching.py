@@ -74,8 +74,12 @@ class ForwardBatcher:
         model_thread: ThreadPoolExecutor,
         limits: BatchLimits,
         metrics: ServiceMetrics,
+        min_forward_seconds: float = 0.0,
     ) -> None:
+        """min_forward_seconds: a benchmark knob, every forward takes at least this long (the
+        rest is slept on the model thread), to emulate a slower model (--forward-latency-ms)."""
         self._runner, self._model_thread, self._limits, self._metrics = runner, model_thread, limits, metrics
+        self._min_forward = min_forward_seconds
         self._loop = asyncio.get_running_loop()
         self._queue: collections.deque[_Item] = collections.deque()
         self._busy = False
@@ -206,6 +210,8 @@ class ForwardBatcher:
                 ready.append(i)
         start = time.perf_counter()
         logits = self._forward([batch[i].step for i in ready])
+        if ready and self._min_forward:
+            time.sleep(max(0.0, start + self._min_forward - time.perf_counter()))
         forward_s = time.perf_counter() - start
         for i, out in zip(ready, logits, strict=True):
             outcomes[i] = _finish(batch[i], out)

@@ -6,8 +6,9 @@ calls at once and the loop never blocks on the model. The drafter adds a pool of
 threads (build_tree is synchronous) that hand their level forwards to the same batcher.
 
 Sessions: a replica serves at most one request per session at a time (a second gets ABORTED).
-Positions are checked before anything changes; a replica that does not hold the session at the
-caller's position answers FAILED_PRECONDITION with trailing metadata `specmesh-resync: 1`. A
+Positions are checked before anything changes; a replica that holds fewer committed tokens than
+the caller's position (or none) answers FAILED_PRECONDITION with trailing metadata
+`specmesh-resync: 1`; a position below what it holds rolls the session back to it first. A
 request whose work fails after it may have changed the session makes the replica forget the
 session, so the caller's next request resyncs instead of building on half a step.
 
@@ -23,6 +24,7 @@ import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import grpc
@@ -53,6 +55,15 @@ class RequestCancelled(Exception):
     """The caller went away while a tree was being built."""
 
 
+class Resume(Enum):
+    """How a request takes up its session, from its `position` and what the replica holds."""
+
+    RESTART = "restart"  # position 0: start over from the request's tokens
+    CONTINUE = "continue"  # position = the committed tokens held: append to them
+    ROLLBACK = "rollback"  # 0 < position < held: drop the tokens past position first (DSI, a
+    # caller that speculated ahead), then append
+
+
 # ---- configuration -----------------------------------------------------------------------------
 
 
@@ -72,6 +83,7 @@ class ServiceConfig(ServerConfig):
     max_cache_tokens: int
     max_message_bytes: int
     torch_threads: int
+    forward_latency_ms: float
 
     @property
     def limits(self) -> wire.Limits:
@@ -101,6 +113,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "max_cache_tokens": (int, "KV positions over all sessions before LRU eviction (0 = no limit)"),
     "max_message_bytes": (int, "largest request / response; larger requests get RESOURCE_EXHAUSTED"),
     "torch_threads": (int, "compute threads: torch intra-op or llama.cpp (0 = the backend's default)"),
+    "forward_latency_ms": (
+        float,
+        "benchmarks only: every forward takes at least this long, the rest slept (emulates a slower "
+        "model, e.g. DSI's latency ratios on tiny models); 0 = off",
+    ),
 }
 
 COMMON_DEFAULTS: dict[str, Any] = {
@@ -116,6 +133,7 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "max_cache_tokens": 0,
     "max_message_bytes": 64 * 1024 * 1024,
     "torch_threads": 0,
+    "forward_latency_ms": 0.0,
 }
 
 _AT_LEAST_ONE = (
@@ -128,7 +146,7 @@ def parse_config(prog: str, argv: list[str] | None, defaults: Mapping[str, Any])
     """Flags --foo-bar; each defaults to $SPECMESH_FOO_BAR, then to `defaults`."""
     return parse_flags(
         prog, ServiceConfig, _FLAGS, {**COMMON_DEFAULTS, **defaults}, argv,
-        at_least_one=_AT_LEAST_ONE, non_negative=("max_wait_ms",),
+        at_least_one=_AT_LEAST_ONE, non_negative=("max_wait_ms", "forward_latency_ms"),
     )  # fmt: skip
 
 
@@ -179,16 +197,18 @@ class ModelService(RpcService):
         self.limits = config.limits
         self.loop = asyncio.get_running_loop()
         self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="model")
-        self.batcher = ForwardBatcher(self.runner, self.model_thread, config.batch_limits, metrics)
+        self.batcher = ForwardBatcher(
+            self.runner, self.model_thread, config.batch_limits, metrics, config.forward_latency_ms / 1000.0
+        )
         self.slots = SessionSlots(self.forget)
         self._releasing: collections.Counter[str] = collections.Counter()  # releases not yet run
         self.forward_cost: dict[int, float] = {}  # rows -> seconds, measured by `start`
 
     async def start(self) -> None:
         """Before serving: measure what a forward costs by its rows (reported in Info)."""
-        self.forward_cost = await self.loop.run_in_executor(
-            self.model_thread, measure_forward_cost, self.runner
-        )
+        measured = await self.loop.run_in_executor(self.model_thread, measure_forward_cost, self.runner)
+        floor = self.config.forward_latency_ms / 1000.0  # what the batcher makes every forward take
+        self.forward_cost = {rows: max(seconds, floor) for rows, seconds in measured.items()}
         log.info("forward cost measured", extra={"seconds_by_rows": self.forward_cost})
 
     async def close(self) -> None:
@@ -204,9 +224,9 @@ class ModelService(RpcService):
 
     # ---- sessions ------------------------------------------------------------------------------
 
-    def begin(self, session_id: str, position: int) -> bool:
-        """Reserve the session for one request and check the caller's position. -> True: continue
-        the session; False: (re)start it from this request's tokens (position 0)."""
+    def begin(self, session_id: str, position: int) -> Resume:
+        """Reserve the session for one request and check the caller's position: how the request
+        starts (`Resume`)."""
         self.slots.acquire(session_id)
         try:
             return self._check_position(session_id, position)
@@ -214,22 +234,30 @@ class ModelService(RpcService):
             self.slots.free(session_id)
             raise
 
-    def _check_position(self, session_id: str, position: int) -> bool:
+    def _check_position(self, session_id: str, position: int) -> Resume:
         # Reading the runner from the loop is safe: this session has no work in flight.
         held = None if session_id in self._releasing else self.runner.committed_tokens(session_id)
         if position == 0:
-            return False
+            return Resume.RESTART
         if held is None:
             raise ResyncError(
                 f"session_id: this replica does not hold session {session_id!r}; "
                 "resend all its committed tokens with position 0"
             )
-        if len(held) != position:
+        if position > len(held):
             raise ResyncError(
                 f"position: {position}, but this replica holds {len(held)} committed tokens of session "
                 f"{session_id!r}; resend all of them with position 0"
             )
-        return True
+        return Resume.CONTINUE if position == len(held) else Resume.ROLLBACK
+
+    def reset(self, session_id: str, resume: Resume, position: int) -> Callable[[], None] | None:
+        """What must run on the model thread before the request's first forward, if anything."""
+        if resume is Resume.RESTART:
+            return functools.partial(self.runner.release, session_id)
+        if resume is Resume.ROLLBACK:
+            return functools.partial(self.runner.truncate, session_id, position)
+        return None
 
     async def settle(self, session_id: str, work: asyncio.Future, withdraw: Callable[[], None]) -> Any:
         """Await the session's work. The session stays reserved until the work has really ended

@@ -1,0 +1,299 @@
+"""DSI mode (docs/gateway.md, "DSI"): one session's drafting and verification overlapped across
+verifier replicas; the bookkeeping is specmesh.core.dsi.DsiState.
+
+    async with DsiRun(plan, env, text, deadline, lookahead=4, parallel=2) as run:
+        while not run.finished:
+            piece = await run.step()                 # the next committed tokens
+
+SessionRun's lifecycle (the session in Redis, release on every replica touched, cleanup when the
+client goes away) is reused; only the rounds differ. The drafter drafts chains of `lookahead`
+tokens one after the other after the session's context (committed tokens plus unresolved blocks)
+while at most `parallel` blocks are unresolved beyond the one being verified longest. Each block
+goes to a free healthy verifier replica (one request per session per replica) with the tokens
+that replica lacks; a replica that holds speculation a rejection threw away is sent a `position`
+below what it holds and rolls back to it. Verdicts are applied in draft order; what they commit
+goes to Redis with the same atomic round commit as every round, then to the client. A rejection
+cancels the younger blocks' verifications and the draft in progress (the cancellation reaches the
+replicas over gRPC).
+
+Failover: a replica call that fails at the transport level takes the replica out of its pool (as
+in SessionRun) and its block is verified elsewhere, or the draft redone on another drafter.
+Randomness derives from (seed, position) as in every round, so at temperature 0 the output is the
+target's greedy decode whatever the timing; at T > 0 it has the target's distribution, but which
+bonus tokens are kept depends on timing, so a seed does not fix the text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from gateway.requests import GenerationPlan
+from gateway.rounds import _STUBS, GatewayEnv, GatewayError, Piece, SessionRun
+from gateway.text import TextStream
+from specmesh.core.drafting import TreeSpec
+from specmesh.core.dsi import Block, DsiState, Outcome
+from specmesh.core.methods import Method
+from specmesh.core.stats import GenerationStats
+from specmesh.rpc import wire
+from specmesh.rpc.round_client import Role, needs_resync
+
+COOLDOWN_SECONDS = 0.02  # a replica that answered ABORTED still runs our cancelled call
+
+
+@dataclass
+class _Call:
+    """One Draft or Verify in flight."""
+
+    role: Role
+    address: str
+    context: list[int]  # Draft: the context drafted after; Verify: the block's prefix
+    version: int  # the DsiState version it was started under
+    block: Block | None = None  # Verify only
+
+
+@dataclass
+class _Spent:
+    """What a block cost, until its verdict is applied."""
+
+    draft_calls: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+
+class DsiRun(SessionRun):
+    """A session in DSI mode (module docstring)."""
+
+    def __init__(
+        self,
+        plan: GenerationPlan,
+        env: GatewayEnv,
+        text: TextStream,
+        deadline: float | None,
+        *,
+        lookahead: int,
+        parallel: int,
+    ) -> None:
+        super().__init__(plan, env, text, deadline)
+        self.lookahead, self.parallel = lookahead, parallel
+        self.state = DsiState(self.tokens)
+        self.held: dict[str, list[int]] = {}  # replica -> the tokens it surely holds
+        self.calls: dict[asyncio.Future, _Call] = {}
+        self.queued: list[Block] = []  # drafted, waiting for a verifier
+        self.spent: dict[int, _Spent] = {}  # block id -> its cost so far
+        self.cooling: dict[str, float] = {}  # replica -> when it may be asked again
+        self.max_in_flight = 0
+        self.failures = 0  # replica failures since the last commit
+        self.since = time.perf_counter()
+
+    def stats_message(self) -> Any:
+        msg = super().stats_message()
+        msg.dsi_lookahead, msg.dsi_parallel, msg.dsi_max_in_flight = (
+            self.lookahead, self.parallel, self.max_in_flight,
+        )  # fmt: skip
+        return msg
+
+    async def _cleanup(self) -> None:
+        for future in self.calls:
+            future.cancel()
+        await asyncio.gather(*self.calls, return_exceptions=True)
+        self.calls.clear()
+        await super()._cleanup()
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    async def step(self) -> Piece:
+        """Run drafts and verifications until verdicts commit tokens; commit them."""
+        while True:
+            await self._schedule()
+            done, _ = await asyncio.wait(
+                self.calls, timeout=self._time_left(), return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, "no replica answered in time")
+            stats, emitted = GenerationStats(), []
+            for future in done:
+                delta, tokens = await self._settle(future)
+                stats, emitted = stats + delta, emitted + tokens
+            if emitted:
+                return await self._commit_tokens(emitted, stats)
+
+    async def _commit_tokens(self, emitted: list[int], stats: GenerationStats) -> Piece:
+        kept, finish = self._cut(emitted)
+        now = time.perf_counter()
+        # drafts and verifications overlap: the wall time is the commit's, not their sum
+        stats = dataclasses.replace(stats, total_seconds=now - self.since, network_seconds=0.0)
+        self.since, self.failures = now, 0
+        lengths = {address: len(tokens) for address, tokens in self.held.items()}
+        piece = await self._commit(kept, finish, stats, lengths)
+        if piece is None:  # Redis is at another round: take its tokens, speculate afresh
+            piece = await self._resume_from_store()
+            self._restart()
+        if self.finished:
+            for future in self.calls:
+                future.cancel()
+        return piece
+
+    def _restart(self) -> None:
+        for future in self.calls:
+            future.cancel()
+        self.state, self.queued = DsiState(self.tokens), []
+
+    async def _schedule(self) -> None:
+        """Start what can start: verifications of queued blocks, then the next draft."""
+        while self.queued and self._in_flight(Role.VERIFIER) < self.parallel:
+            address = self._free_verifier(self.state.prefix(self.queued[0]))
+            if address is None:
+                break
+            self._verify(self.queued.pop(0), address)
+        room = self.plan.max_new_tokens - (self.state.context_length - len(self.plan.prompt_ids))
+        if self._in_flight(Role.DRAFTER) == 0 and len(self.state.blocks) <= self.parallel and room > 0:
+            self._draft(min(self.lookahead, room))
+        if not self.calls:  # nothing can run: wait for a replica to come back (or time out)
+            pool = self.env.pool(Role.VERIFIER if self.queued else Role.DRAFTER)
+            try:
+                await pool.wait_healthy(1, timeout=self._time_left())
+            except TimeoutError:
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"no healthy {pool.name} replica") from None
+            await asyncio.sleep(COOLDOWN_SECONDS)
+            await self._schedule()
+
+    def _in_flight(self, role: Role) -> int:
+        return sum(1 for call in self.calls.values() if call.role is role)
+
+    def _free_verifier(self, prefix: list[int]) -> str | None:
+        """A healthy verifier with no call of this session in flight; the one that already holds
+        most of `prefix` first."""
+        now = asyncio.get_running_loop().time()
+        busy = {c.address for c in self.calls.values()}
+        free = [
+            a for a in self.env.verifiers.healthy() if a not in busy and self.cooling.get(a, 0.0) <= now
+        ]
+        return max(free, key=lambda a: (_shared(self.held.get(a, []), prefix), a), default=None)
+
+    # ---- calls ---------------------------------------------------------------------------------
+
+    def _position(self, address: str, context: list[int]) -> int:
+        """What `address` holds of `context`, less the last token (new tokens must not be empty:
+        the last one gives the root distribution)."""
+        position = min(_shared(self.held.get(address, []), context), len(context) - 1)
+        self.held[address] = context[:position]  # all it surely holds until it answers
+        return position
+
+    def _draft(self, depth: int) -> None:
+        address = self.addresses.get(Role.DRAFTER)
+        if address is None or not self.env.pool(Role.DRAFTER).is_healthy(address):
+            try:
+                address = self.env.pool(Role.DRAFTER).pick(self.id)
+            except Exception:  # NoHealthyReplica: _schedule waits for one
+                return
+            self.addresses[Role.DRAFTER] = address
+            self.touched.add((Role.DRAFTER, address))
+        context = self.state.context()
+        position = self._position(address, context)
+        request = wire.draft_request(
+            self.id, position, context[position:], self.plan.params, TreeSpec(Method.CHAIN, depth=depth)
+        )
+        stub = _STUBS[Role.DRAFTER](self.env.pool(Role.DRAFTER).channel(address))
+        call = _Call(Role.DRAFTER, address, context, self.state.version)
+        self._start(stub.Draft(request, timeout=self._time_left()), call)
+
+    def _verify(self, block: Block, address: str) -> None:
+        prefix = self.state.prefix(block)
+        position = self._position(address, prefix)
+        request = wire.verify_request(self.id, position, prefix[position:], self.plan.params, block.draft)
+        stub = _STUBS[Role.VERIFIER](self.env.verifiers.channel(address))
+        self.touched.add((Role.VERIFIER, address))
+        call = _Call(Role.VERIFIER, address, prefix, self.state.version, block)
+        self._start(stub.Verify(request, timeout=self._time_left()), call)
+        self.max_in_flight = max(self.max_in_flight, self._in_flight(Role.VERIFIER))
+
+    def _start(self, call: Any, what: _Call) -> None:
+        self.calls[asyncio.ensure_future(call)] = what
+
+    async def _settle(self, future: asyncio.Future) -> tuple[GenerationStats, list[int]]:
+        """A finished call: its effect on the state -> (stats of applied verdicts, tokens committed)."""
+        call = self.calls.pop(future)
+        if future.cancelled():
+            return GenerationStats(), []
+        error = future.exception()
+        if error is not None:
+            await self._failed(call, error)
+            return GenerationStats(), []
+        response = future.result()
+        if call.role is Role.DRAFTER:
+            self.held[call.address] = call.context
+            block = self.state.add(list(response.tree.tokens), call.version, response.tree)
+            if block is not None:
+                self.queued.append(block)
+                self.spent[block.id] = _Spent(response.draft_calls, response.draft_seconds)
+            return GenerationStats(), []
+        verdict = wire.verdict_from_proto(response)
+        block = call.block
+        assert block is not None
+        self.held[call.address] = call.context + list(verdict.accepted_tokens)
+        if block.id in self.spent:
+            self.spent[block.id].verify_seconds += response.forward_seconds
+        res = self.state.finish(block.id, Outcome(len(verdict.accepted_tokens), verdict.next_token))
+        self._drop(res.cancelled, res.restart)
+        stats = GenerationStats()
+        for b, out in res.resolved:
+            spent = self.spent.pop(b.id, _Spent())
+            stats += GenerationStats.for_round(
+                drafted_tokens=len(b.tokens),
+                accepted_tokens=out.accepted,
+                tree_depth=len(b.tokens),
+                draft_calls=spent.draft_calls,
+                draft_seconds=spent.draft_seconds,
+                verify_seconds=spent.verify_seconds,
+            )
+        return stats, res.emitted
+
+    def _drop(self, cancelled: list[Block], restart: bool) -> None:
+        """Cancel the calls of thrown-away speculation (their replicas keep what they surely held)."""
+        gone = {b.id for b in cancelled}
+        self.queued = [b for b in self.queued if b.id not in gone]
+        for b in cancelled:
+            self.spent.pop(b.id, None)
+        for future, call in self.calls.items():
+            stale = call.block is not None and call.block.id in gone
+            if stale or (restart and call.role is Role.DRAFTER):
+                future.cancel()
+
+    async def _failed(self, call: _Call, error: BaseException) -> None:
+        """A failed call: resend everything, retry later, fail over, or give up."""
+        if call.block is not None and call.version == self.state.version:
+            self.queued.insert(0, call.block)  # verify it again, here or elsewhere
+        if not isinstance(error, grpc.aio.AioRpcError):
+            raise error
+        if needs_resync(error):
+            self.held.pop(call.address, None)
+            return
+        if error.code() == grpc.StatusCode.ABORTED:
+            self.cooling[call.address] = asyncio.get_running_loop().time() + COOLDOWN_SECONDS
+            return
+        self.failures += 1
+        if self.failures > self.env.max_attempts:
+            raise GatewayError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{self.failures} replica calls failed since the last commit; last: {call.role} "
+                f"{call.address}: {error.code().name}: {error.details()}",
+            )
+        self.held.pop(call.address, None)
+        await self._recover_from(call.role, call.address, error)
+        if call.role is Role.DRAFTER:
+            self.addresses.pop(Role.DRAFTER, None)
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

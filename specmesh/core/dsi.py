@@ -1,0 +1,210 @@
+"""DSI, distributed speculative inference (Timor et al., "Distributed Speculative Inference of
+Large Language Models is Provably Faster"): the bookkeeping of speculation parallelism.
+
+The drafter drafts block after block of `lookahead` tokens without waiting for verification. Each
+block is verified, by any free target replica, after the context it was drafted from: the
+committed tokens plus every older block. Verdicts may arrive in any order; `DsiState.finish`
+applies them strictly in draft order (the oldest unresolved block is "the current verifier"):
+
+    head fully accepted, a younger block exists  -> commit its tokens and drop its bonus token: the
+                                                    younger block's verification decides that
+                                                    position, and deciding it twice is not lossless
+    head fully accepted, nothing younger         -> commit its tokens and the bonus token
+    head rejected after i tokens                 -> commit tokens[:i] and the recovered token,
+                                                    cancel every younger block
+
+A verdict for a younger block waits until the older ones are resolved (the paper's Alg. 1
+cascade). Whenever speculation is thrown away (a rejection, or a bonus committed where a block may
+be being drafted) the state's `version` changes: a draft started under an older version is stale.
+
+Each position is decided by exactly one verification whose context is the committed prefix, with
+the draft distribution of the token drafted there; that is standard speculative sampling, so the
+output is the target's distribution (tests/test_dsi.py checks it statistically).
+
+`simulate` runs the same state machine in virtual time with SP target workers (every forward a
+wait of its latency, preemption on rejection), for checking the algorithm against the analytic
+model in specmesh.core.dsi_sim and for the losslessness test with toy models.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Block:
+    """Drafted tokens awaiting verification; `start` is the position of the first one."""
+
+    id: int
+    start: int
+    tokens: tuple[int, ...]
+    draft: Any = field(default=None, compare=False, repr=False)  # what the drafter sent (its tree)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A block's verdict: how many of its tokens the target accepted, and the recovered token
+    (after a rejection) or the bonus token (all accepted)."""
+
+    accepted: int
+    next_token: int
+
+
+@dataclass
+class Resolution:
+    """What one `finish` changed."""
+
+    emitted: list[int] = field(default_factory=list)  # newly committed, in order
+    resolved: list[tuple[Block, Outcome]] = field(default_factory=list)  # verdicts applied, in order
+    cancelled: list[Block] = field(default_factory=list)  # unresolved blocks thrown away
+    restart: bool = False  # speculation was discarded: a draft being built is stale
+
+
+class DsiState:
+    """Committed tokens and the unresolved blocks after them (module docstring)."""
+
+    def __init__(self, committed: Sequence[int]) -> None:
+        self.committed = [int(t) for t in committed]
+        self.blocks: list[Block] = []  # unresolved, in draft order
+        self.outcomes: dict[int, Outcome] = {}  # verdicts of unresolved blocks not yet applied
+        self.version = 0
+        self._next_id = 0
+
+    def context(self) -> list[int]:
+        """Where the next block is drafted from: the committed tokens and every unresolved block."""
+        return self.committed + [t for b in self.blocks for t in b.tokens]
+
+    @property
+    def context_length(self) -> int:
+        return self.blocks[-1].end if self.blocks else len(self.committed)
+
+    def prefix(self, block: Block) -> list[int]:
+        """The tokens a verifier must hold before verifying `block`."""
+        return self.context()[: block.start]
+
+    def add(self, tokens: Sequence[int], version: int, draft: Any = None) -> Block | None:
+        """A block drafted from `context()` as it was at `version`; None if that is stale."""
+        if version != self.version or not tokens:
+            return None
+        block = Block(self._next_id, self.context_length, tuple(int(t) for t in tokens), draft)
+        self._next_id += 1
+        self.blocks.append(block)
+        return block
+
+    def finish(self, block_id: int, outcome: Outcome) -> Resolution:
+        """Record a block's verdict and apply every verdict that is now at the head."""
+        res = Resolution()
+        if all(b.id != block_id for b in self.blocks):
+            return res  # cancelled meanwhile: its verdict means nothing
+        self.outcomes[block_id] = outcome
+        while self.blocks and self.blocks[0].id in self.outcomes:
+            head = self.blocks.pop(0)
+            out = self.outcomes.pop(head.id)
+            if not 0 <= out.accepted <= len(head.tokens):
+                raise ValueError(f"block {head.id}: {out.accepted} accepted of {len(head.tokens)} tokens")
+            res.resolved.append((head, out))
+            res.emitted += head.tokens[: out.accepted]
+            self.committed += head.tokens[: out.accepted]
+            if out.accepted == len(head.tokens) and self.blocks:
+                continue  # the bonus position belongs to the next block's verification
+            res.emitted.append(out.next_token)
+            self.committed.append(out.next_token)
+            res.cancelled, self.blocks = self.blocks, []
+            self.outcomes.clear()
+            res.restart = True
+            self.version += 1
+        return res
+
+
+# ---- the coordinator in virtual time -----------------------------------------------------------
+
+# (context, lookahead) -> (drafted tokens, what verify needs of the draft, e.g. its tree)
+DraftFn = Callable[[list[int], int], tuple[Sequence[int], Any]]
+VerifyFn = Callable[[list[int], Block], Outcome]  # (prefix, block) -> verdict
+
+
+@dataclass(frozen=True)
+class SimResult:
+    tokens: list[int]  # generated (the prompt excluded), exactly n_tokens of them
+    latency: float  # virtual seconds until the n-th token was committed
+    target_forwards: int  # verifications started (cancelled ones included)
+    max_parallel: int  # most verifications in flight at once
+
+
+def simulate(
+    prompt: Sequence[int],
+    n_tokens: int,
+    lookahead: int,
+    sp: int,
+    draft: DraftFn,
+    verify: VerifyFn,
+    draft_seconds: Callable[[], float],
+    verify_seconds: Callable[[], float],
+    new_state: Callable[[Sequence[int]], DsiState] = DsiState,
+) -> SimResult:
+    """DSI with one drafter and `sp` target workers, every forward a wait of its latency.
+
+    draft_seconds(): the time to draft one block; verify_seconds(): one target forward. The drafter
+    works ahead while fewer than sp + 1 blocks are unresolved (one more than the workers can
+    take, so a worker never waits for a draft it could have had). A rejection preempts the
+    cancelled blocks' workers and the draft in progress at once."""
+    if lookahead < 1 or sp < 1 or n_tokens < 1:
+        raise ValueError("lookahead, sp and n_tokens must be >= 1")
+    state = new_state(prompt)
+    goal = len(state.committed) + n_tokens
+    now, seq = 0.0, 0
+    events: list[tuple[float, int, str, object]] = []  # (time, order, kind, payload)
+    drafting: int | None = None  # version of the draft in progress
+    running: dict[int, Block] = {}  # block id -> block, on a worker
+    queued: list[Block] = []  # drafted, waiting for a worker
+    forwards = most = 0
+
+    def push(t: float, kind: str, payload: object) -> None:
+        nonlocal seq
+        heapq.heappush(events, (t, seq, kind, payload))
+        seq += 1
+
+    def schedule() -> None:
+        nonlocal drafting, forwards, most
+        while queued and len(running) < sp:
+            block = queued.pop(0)
+            running[block.id] = block
+            forwards += 1
+            most = max(most, len(running))
+            push(now + verify_seconds(), "verified", (block, state.prefix(block)))
+        if drafting is None and len(state.blocks) < sp + 1 and len(state.committed) < goal:
+            drafting = state.version
+            push(now + draft_seconds(), "drafted", (state.version, state.context()))
+
+    schedule()
+    while len(state.committed) < goal:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "drafted":
+            version, context = payload  # type: ignore[misc]
+            if version != drafting:
+                continue  # preempted by a restart
+            drafting = None
+            tokens, drafted = draft(context, lookahead)
+            block = state.add(tokens, version, drafted)
+            if block is not None:
+                queued.append(block)
+        else:
+            block, prefix = payload  # type: ignore[misc]
+            if running.pop(block.id, None) is None:
+                continue  # preempted: its worker was freed when it was cancelled
+            res = state.finish(block.id, verify(prefix, block))
+            for b in res.cancelled:
+                running.pop(b.id, None)
+            queued = [b for b in queued if b not in res.cancelled]
+            if res.restart:
+                drafting = None
+        schedule()
+    tokens = state.committed[len(prompt) : goal]
+    return SimResult(tokens, now, forwards, most)

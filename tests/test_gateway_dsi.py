@@ -1,0 +1,171 @@
+"""DSI through the gateway (gateway/dsi.py): a real Redis, one drafter, three verifiers and the
+gateway as processes on the tiny models, driven over the public gRPC API.
+
+The replicas run with the benchmark knob --forward-latency-ms (verifier 40 ms, drafter 2 ms a
+forward), the DSI regime: a block of 3 drafts in ~8 ms while a verification takes 40, so several
+verifications of one session are in flight at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import redis
+
+from specmesh.core.sampling import SamplingParams
+from specmesh.stack.redis_server import RedisServer
+from tests.servers import Server, replica, start_all, stop_all, wait_until
+from tests.test_engine import PROMPT
+from tests.test_gateway import LONG, gateway_pb2, gateway_grpc, stream, target_greedy  # noqa: F401
+
+pytestmark = pytest.mark.xdist_group("gateway-dsi")
+
+VERIFIERS = 3
+LOOKAHEAD = 3
+
+
+@dataclass
+class DsiStack:
+    redis: RedisServer
+    drafter: Server
+    verifiers: list[Server]
+    gateway: Server
+
+
+@pytest.fixture(scope="module")
+def dsi_stack(models, tmp_path_factory) -> Iterator[DsiStack]:
+    logs = tmp_path_factory.mktemp("dsi-stack")
+    with RedisServer() as redis_server:
+        drafter = replica("drafter_service", models["draft"], logs / "drafter.log", ["--forward-latency-ms", "2"])
+        verifiers = [
+            replica("verifier_service", models["target"], logs / f"verifier-{i}.log", ["--forward-latency-ms", "40"])
+            for i in range(VERIFIERS)
+        ]
+        args = [
+            *("--drafters", drafter.address, "--verifiers", ",".join(v.address for v in verifiers)),
+            *("--redis-url", redis_server.url, "--max-new-tokens-limit", "200"),
+            *("--health-interval", "0.2", "--round-timeout", "30", "--dsi-max-parallel", str(VERIFIERS)),
+        ]
+        gateway = Server("gateway", args, logs / "gateway.log")
+        servers = [drafter, *verifiers, gateway]
+        try:
+            start_all(*servers)
+            yield DsiStack(redis_server, drafter, verifiers, gateway)
+        finally:
+            stop_all(*servers)
+
+
+@pytest.fixture(scope="module")
+def stub(dsi_stack) -> Iterator:
+    with grpc.insecure_channel(dsi_stack.gateway.address) as channel:
+        yield gateway_grpc.GatewayStub(channel)
+
+
+@pytest.fixture(scope="module")
+def raw_redis(dsi_stack) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(dsi_stack.redis.url, decode_responses=True)
+    yield client
+    client.close()
+
+
+def dsi_request(
+    n: int, parallel: int = 0, depth: int = LOOKAHEAD, params: SamplingParams = SamplingParams(0.0), **extra
+) -> gateway_pb2.GenerateRequest:
+    request = gateway_pb2.GenerateRequest(
+        prompt_token_ids=gateway_pb2.TokenIds(ids=PROMPT),
+        max_new_tokens=n,
+        speculation=gateway_pb2.Speculation(dsi=True, depth=depth, parallel=parallel, **extra),
+    )
+    request.sampling.temperature = params.temperature
+    if params.seed is not None:
+        request.sampling.seed = params.seed
+    return request
+
+
+def assert_released(stack: DsiStack, raw_redis: redis.Redis) -> None:
+    assert raw_redis.keys("specmesh:*") == []
+    for server in (stack.drafter, *stack.verifiers):
+        wait_until(lambda s=server: s.metrics()[("specmesh_sessions", ())] == 0, what=f"{server.module} release")
+
+
+@pytest.mark.parametrize("parallel", [1, 2, 3])
+def test_dsi_greedy_equals_the_targets_greedy_decode(stub, dsi_stack, raw_redis, target_greedy, parallel) -> None:
+    n = 60
+    unary = stub.Generate(dsi_request(n, parallel), timeout=120)
+    streamed = stream(stub, dsi_request(n, parallel))
+    assert list(unary.token_ids) == target_greedy[:n] == streamed.token_ids
+    stats = unary.stats
+    assert (stats.dsi_lookahead, stats.dsi_parallel) == (LOOKAHEAD, parallel)
+    assert 1 <= stats.dsi_max_in_flight <= parallel
+    if parallel > 1:
+        assert stats.dsi_max_in_flight > 1  # verifications really overlapped
+    assert stats.accepted_tokens > 0 and stats.generated_tokens == n
+    assert_released(dsi_stack, raw_redis)
+
+
+def test_dsi_sampling_gives_the_requested_length(stub, dsi_stack, raw_redis) -> None:
+    reply = stub.Generate(dsi_request(40, 3, params=SamplingParams(1.0, seed=7)), timeout=120)
+    assert len(reply.token_ids) == 40 or reply.finish_reason == "stop"
+    assert reply.stats.rounds > 0 and reply.stats.dsi_parallel == 3
+    assert_released(dsi_stack, raw_redis)
+
+
+def test_the_gateway_chooses_when_dsi_leaves_depth_and_parallel_unset(stub, target_greedy) -> None:
+    reply = stub.Generate(dsi_request(20, parallel=0, depth=0), timeout=120)
+    assert list(reply.token_ids) == target_greedy[:20]
+    assert reply.stats.dsi_lookahead >= 1 and 1 <= reply.stats.dsi_parallel <= VERIFIERS
+
+
+@pytest.mark.parametrize(
+    "extra,field",
+    [
+        ({"method": "rsd_s"}, "speculation.method"),
+        ({"adaptive": True}, "speculation.adaptive"),
+        ({"beam_width": 2}, "speculation.beam_width"),
+        ({"parallel": VERIFIERS + 1}, "speculation.parallel"),
+    ],
+)
+def test_bad_dsi_requests_are_refused_naming_the_field(stub, dsi_stack, raw_redis, extra, field) -> None:
+    parallel = extra.pop("parallel", 0)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(dsi_request(10, parallel, **extra), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field)
+    assert raw_redis.keys("specmesh:*") == []
+
+
+def test_parallel_without_dsi_is_refused(stub) -> None:
+    request = dsi_request(10)
+    request.speculation.dsi = False
+    request.speculation.parallel = 2
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(request, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("speculation.parallel")
+
+
+def test_a_verifier_killed_with_dsi_verifications_in_flight_changes_no_token(
+    stub, dsi_stack, raw_redis, target_greedy
+) -> None:
+    victim = dsi_stack.verifiers[0]
+
+    def kill(_chunk) -> None:
+        os.kill(victim.proc.pid, signal.SIGKILL)
+
+    try:
+        streamed = stream(stub, dsi_request(LONG, VERIFIERS), after_first=kill)
+        # every token once, in order: a duplicate or a lost commit would shift the sequence
+        assert streamed.token_ids == target_greedy[:LONG]
+        assert streamed.last.finish_reason == "length"
+        failovers = dsi_stack.gateway.metrics()
+        assert failovers.get(("specmesh_gateway_failovers_total", (("role", "verifier"),)), 0) >= 1
+    finally:
+        victim.proc.wait()
+        victim.start()
+        victim.wait_serving()
+    assert raw_redis.keys("specmesh:*") == []
