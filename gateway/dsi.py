@@ -37,13 +37,14 @@ from gateway.requests import GenerationPlan
 from gateway.rounds import _STUBS, GatewayEnv, GatewayError, Piece, SessionRun
 from gateway.text import TextStream
 from specmesh.core.drafting import TreeSpec
-from specmesh.core.dsi import Block, DsiState, Outcome
+from specmesh.core.dsi import Block, DsiState, Outcome, acceptance_from_blocks
 from specmesh.core.methods import Method
 from specmesh.core.stats import GenerationStats
 from specmesh.rpc import wire
 from specmesh.rpc.round_client import Role, needs_resync
 
 COOLDOWN_SECONDS = 0.02  # a replica that answered ABORTED still runs our cancelled call
+ACCEPTANCE_DECAY = 0.5  # weight of the older sessions in the gateway's acceptance estimate
 
 
 @dataclass
@@ -103,6 +104,11 @@ class DsiRun(SessionRun):
             future.cancel()
         await asyncio.gather(*self.calls, return_exceptions=True)
         self.calls.clear()
+        if self.stats.rounds:  # what the next session's choice of shape starts from
+            mean = self.stats.accepted_tokens / self.stats.rounds
+            seen = acceptance_from_blocks(mean, self.lookahead)
+            old = self.env.dsi_acceptance
+            self.env.dsi_acceptance = ACCEPTANCE_DECAY * old + (1 - ACCEPTANCE_DECAY) * seen
         await super()._cleanup()
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -171,9 +177,7 @@ class DsiRun(SessionRun):
         most of `prefix` first."""
         now = asyncio.get_running_loop().time()
         busy = {c.address for c in self.calls.values()}
-        free = [
-            a for a in self.env.verifiers.healthy() if a not in busy and self.cooling.get(a, 0.0) <= now
-        ]
+        free = [a for a in self.env.verifiers.healthy() if a not in busy and self.cooling.get(a, 0.0) <= now]
         return max(free, key=lambda a: (_shared(self.held.get(a, []), prefix), a), default=None)
 
     # ---- calls ---------------------------------------------------------------------------------

@@ -86,6 +86,7 @@ class GatewayEnv:
     max_attempts: int
     cleanups: set[asyncio.Task] = dataclasses.field(default_factory=set)  # outliving their request
     policies: PolicyMemory = dataclasses.field(default_factory=PolicyMemory)  # adaptive sessions' warm start
+    dsi_acceptance: float = 0.7  # per-token acceptance of finished DSI sessions, decayed (the prior: 0.7)
 
     def pool(self, role: Role) -> ReplicaPool:
         pool = self.drafters if role is Role.DRAFTER else self.verifiers

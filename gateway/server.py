@@ -29,7 +29,9 @@ from gateway.requests import DsiSettings, GenerationPlan, ModelLimits, parse_gen
 from gateway.rounds import GatewayEnv, GatewayError, SessionRun
 from gateway.session_store import SessionNotFound, SessionStore, StoreError, StoreUnavailable
 from gateway.text import TextStream
+from specmesh.core.adaptive import ForwardCost
 from specmesh.core.drafting import TreeSpec
+from specmesh.core.dsi import choose_shape
 from specmesh.core.methods import Method
 from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.server import RpcService, ServerConfig, configure_logging, parse_flags, rpc, serve
@@ -39,7 +41,8 @@ log = logging.getLogger("specmesh.gateway")
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # requests are prompts, answers text and token ids
 NO_DEADLINE = 1e9  # time_remaining() above this (or None): the client set no deadline
-DSI_DEFAULT_LOOKAHEAD = 4
+DSI_MAX_LOOKAHEAD = 8  # the longest lookahead the gateway chooses by itself
+DSI_UNKNOWN_DRAFT_SHARE = 0.5  # a drafter's cost relative to the target's, before one is measured
 READY_RETRY_SECONDS = 5.0  # between attempts to learn the model (a verifier starting, a bad tokenizer)
 
 
@@ -109,6 +112,7 @@ class ServedModel:
     tokenizer: Any
     limits: ModelLimits
     forward_cost: dict[int, float]  # the verifier's, rows -> seconds (InfoResponse.forward_cost)
+    draft_cost: dict[int, float]  # a drafter's, likewise (empty: no drafter answered)
 
 
 Emit = Callable[[Any], Awaitable[None]]
@@ -191,7 +195,21 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             max_new_tokens_limit=c.max_new_tokens_limit,
             default_max_new_tokens=c.default_max_new_tokens,
         )
-        return ServedModel(tokenizer, limits, {c.rows: c.seconds for c in info.forward_cost})
+        return ServedModel(
+            tokenizer, limits, {c.rows: c.seconds for c in info.forward_cost}, await self._draft_cost()
+        )
+
+    async def _draft_cost(self) -> dict[int, float]:
+        """A drafter's measured forward cost, for DSI's choice of shape; {} if none answers now."""
+        pool = self.env.drafters
+        if pool is None or not pool.healthy():
+            return {}
+        stub = pb2_grpc.DrafterStub(pool.channel(pool.healthy()[0]))
+        try:
+            info = await stub.Info(pb2.InfoRequest(), timeout=self.config.round_timeout)
+        except grpc.aio.AioRpcError:
+            return {}
+        return {c.rows: c.seconds for c in info.forward_cost}
 
     # ---- errors --------------------------------------------------------------------------------
 
@@ -236,7 +254,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"gateway not ready: {self._not_ready}")
         plan = self._servable(parse_generate_request(request, model.tokenizer, model.limits))
         text = TextStream(model.tokenizer, plan.stop, context=plan.prompt_ids)
-        async with self._session_run(plan, text, self._deadline(context)) as run:
+        async with await self._session_run(plan, text, self._deadline(context)) as run:
             while not run.finished:
                 piece = await run.step()
                 chunk = gateway_pb2.GenerateChunk(
@@ -258,15 +276,20 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
                 },
             )
 
-    def _session_run(self, plan: GenerationPlan, text: TextStream, deadline: float | None) -> SessionRun:
+    async def _session_run(
+        self, plan: GenerationPlan, text: TextStream, deadline: float | None
+    ) -> SessionRun:
+        model = self.model
+        assert model is not None
         if plan.dsi is None:
-            assert self.model is not None
-            return SessionRun(plan, self.env, text, deadline, self.model.forward_cost)
-        lookahead, parallel = self._dsi_shape(plan.dsi)
+            return SessionRun(plan, self.env, text, deadline, model.forward_cost)
+        lookahead, parallel = await self._dsi_shape(plan.dsi, model)
         return DsiRun(plan, self.env, text, deadline, lookahead=lookahead, parallel=parallel)
 
-    def _dsi_shape(self, settings: DsiSettings) -> tuple[int, int]:
-        """The lookahead and the parallel verifications of a DSI request (0 = the gateway's choice)."""
+    async def _dsi_shape(self, settings: DsiSettings, model: ServedModel) -> tuple[int, int]:
+        """A DSI request's lookahead and parallel verifications; what it leaves unset (0) is what
+        the DSI simulation predicts fastest for the replicas' measured forward costs and the
+        acceptance of earlier DSI sessions (specmesh.core.dsi.choose_shape)."""
         limit = self.config.dsi_max_parallel
         if settings.parallel > limit:
             raise GatewayError(
@@ -274,8 +297,17 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
                 f"speculation.parallel: {settings.parallel} is above the gateway's limit of {limit} "
                 "(--dsi-max-parallel)",
             )
-        parallel = settings.parallel or max(1, min(limit, len(self.env.verifiers.healthy())))
-        return settings.lookahead or DSI_DEFAULT_LOOKAHEAD, parallel
+        available = max(1, min(limit, len(self.env.verifiers.healthy())))
+        parallels = [settings.parallel] if settings.parallel else range(1, available + 1)
+        lookaheads = [settings.lookahead] if settings.lookahead else range(1, DSI_MAX_LOOKAHEAD + 1)
+        if len(parallels) == len(lookaheads) == 1:
+            return lookaheads[0], parallels[0]
+        verify = ForwardCost(model.forward_cost, decay=0.0).shape
+        draft = model.draft_cost.get(1, DSI_UNKNOWN_DRAFT_SHARE * verify(1))
+        shape = await asyncio.to_thread(
+            choose_shape, self.env.dsi_acceptance, draft, verify, parallels, lookaheads
+        )
+        return shape.lookahead, shape.parallel
 
     def _servable(self, plan: GenerationPlan) -> GenerationPlan:
         """The plan this gateway can run: without drafters, its own default is plain decoding."""

@@ -161,6 +161,8 @@ def generate_request(prompt: str, args: argparse.Namespace) -> Any:
     spec.branching.extend(args.branching)
     spec.beam_width = args.beam_width or 0
     spec.adaptive = args.adaptive
+    spec.dsi = args.dsi
+    spec.parallel = args.parallel or 0
     return request
 
 
@@ -250,6 +252,7 @@ def _up(args: argparse.Namespace) -> int:
         args.dtype,
         args.redis_url,
         backend=args.backend,
+        verifiers=args.verifiers,
         drafter_args=drafter_args,
     )
     status = run_stack(plan, on_ready=on_ready)
@@ -297,6 +300,12 @@ def _add_request_flags(parser: argparse.ArgumentParser, max_new_tokens: int | No
     parser.add_argument(
         "--adaptive", action="store_true", help="choose each round's depth (0 = off) from measured costs"
     )
+    parser.add_argument(
+        "--dsi",
+        action="store_true",
+        help="DSI: draft ahead while older chains are verified on other verifiers (--depth = lookahead)",
+    )
+    parser.add_argument("--parallel", type=int, default=None, help="DSI: verifications in flight at once")
     parser.add_argument("--timeout", type=float, default=None, help="seconds (the request's deadline)")
 
 
@@ -385,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--draft", default="default-draft")
     up.add_argument("--target", default="default-target")
     up.add_argument("--drafters", type=int, default=1, help="drafter replicas")
+    up.add_argument("--verifiers", type=int, default=1, help="verifier replicas (DSI verifies on several)")
     up.add_argument("--port", type=int, default=50051, help="the gateway's port")
     up.add_argument(
         "--backend",

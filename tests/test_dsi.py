@@ -17,7 +17,16 @@ import pytest
 import torch
 
 from specmesh.core.drafting import TreeSpec
-from specmesh.core.dsi import Block, DsiState, Outcome, Resolution, simulate
+from specmesh.core.dsi import (
+    Block,
+    DsiState,
+    Outcome,
+    Resolution,
+    acceptance_from_blocks,
+    choose_shape,
+    iid_latency,
+    simulate,
+)
 from specmesh.core.rounds import draft_round
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.verification import verify_tree
@@ -70,25 +79,9 @@ def test_an_impossible_verdict_is_refused() -> None:
 # ---- the coordinator in virtual time -----------------------------------------------------------
 
 
-def _iid_run(acceptance: float, lookahead: int, sp: int, t_draft: float, t_target: float, seed: int):
-    """DSI under the paper's model: each drafted token accepted independently."""
-    rng = random.Random(seed)
-
-    def verify(prefix: list[int], block: Block) -> Outcome:
-        n = 0
-        while n < len(block.tokens) and rng.random() < acceptance:
-            n += 1
-        return Outcome(n, 0)
-
-    return simulate(
-        [0], 200, lookahead, sp, lambda ctx, k: ([1] * k, None), verify,
-        lambda: lookahead * t_draft, lambda: t_target,
-    )  # fmt: skip
-
-
 def test_a_perfect_drafter_hides_verification() -> None:
     # Every block accepted, SP large enough: only the first verification is exposed.
-    r = _iid_run(1.0, lookahead=5, sp=4, t_draft=0.1, t_target=1.0, seed=0)
+    r = iid_latency(1.0, lookahead=5, sp=4, draft_seconds=0.1, verify_seconds=1.0, n_tokens=200)
     blocks = 200 // 5
     assert r.latency == pytest.approx(blocks * 0.5 + 1.0, abs=0.5 + 1e-9)
     assert r.max_parallel >= 2
@@ -98,8 +91,37 @@ def test_every_rejection_exposes_one_draft_and_one_forward() -> None:
     # Every draft rejected: after each rejection the drafter restarts from the recovered token, and
     # its block waits for it (the paper hides that draft behind a target-only forward; we do not,
     # docs/decisions.md).
-    r = _iid_run(0.0, lookahead=1, sp=1, t_draft=0.1, t_target=1.0, seed=0)
+    r = iid_latency(0.0, lookahead=1, sp=1, draft_seconds=0.1, verify_seconds=1.0, n_tokens=200)
     assert r.latency == pytest.approx(200 * (1.0 + 0.1))
+
+
+def test_more_parallel_verifications_pay_only_while_the_drafter_is_ahead() -> None:
+    # A fast drafter (2.5 ms a token against a 30 ms target, DSI's Vicuna rows): SP 3 beats SP 1.
+    one = iid_latency(0.8, 3, 1, 0.0025, 0.030, n_tokens=400).latency
+    three = iid_latency(0.8, 3, 3, 0.0025, 0.030, n_tokens=400).latency
+    assert three < 0.8 * one
+    # A drafter as slow as the target: there is never a second block to verify.
+    slow = [iid_latency(0.8, 3, sp, 0.030, 0.030, n_tokens=400) for sp in (1, 3)]
+    assert slow[0].latency == slow[1].latency and slow[1].max_parallel == 1
+
+
+def test_choose_shape_takes_the_fastest_and_the_fewest_replicas() -> None:
+    fast = choose_shape(0.8, 0.0025, lambda rows: 0.030, parallels=range(1, 4))
+    assert fast.parallel > 1
+    # with a drafter as slow as the target, extra replicas buy nothing: one is chosen
+    assert choose_shape(0.8, 0.030, lambda rows: 0.030, parallels=range(1, 4)).parallel == 1
+    # a fixed parallel is kept; the shape's prediction is its own simulation's
+    shape = choose_shape(0.8, 0.0025, lambda rows: 0.030, parallels=[2], lookaheads=[4])
+    assert (shape.lookahead, shape.parallel) == (4, 2)
+    assert shape.seconds_per_token == pytest.approx(
+        sum(iid_latency(0.8, 4, 2, 0.0025, 0.030, 96, seed).latency for seed in range(3)) / (3 * 96)
+    )
+
+
+@pytest.mark.parametrize("a,lookahead", [(0.3, 1), (0.7, 4), (0.95, 8)])
+def test_acceptance_from_blocks_inverts_the_truncated_geometric_mean(a: float, lookahead: int) -> None:
+    mean = sum(a**i for i in range(1, lookahead + 1))
+    assert acceptance_from_blocks(mean, lookahead) == pytest.approx(a, abs=1e-6)
 
 
 # ---- lossless ----------------------------------------------------------------------------------

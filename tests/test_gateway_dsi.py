@@ -18,15 +18,17 @@ import pytest
 import redis
 
 from specmesh.core.sampling import SamplingParams
+from specmesh.runtime.models import load_model
 from specmesh.stack.redis_server import RedisServer
 from tests.servers import Server, replica, start_all, stop_all, wait_until
-from tests.test_engine import PROMPT
-from tests.test_gateway import LONG, gateway_pb2, gateway_grpc, stream, target_greedy  # noqa: F401
+from tests.test_engine import PROMPT, hf_greedy
+from tests.test_gateway import LONG, gateway_grpc, gateway_pb2, stream
 
 pytestmark = pytest.mark.xdist_group("gateway-dsi")
 
 VERIFIERS = 3
 LOOKAHEAD = 3
+GREEDY = SamplingParams(0.0)
 
 
 @dataclass
@@ -41,9 +43,10 @@ class DsiStack:
 def dsi_stack(models, tmp_path_factory) -> Iterator[DsiStack]:
     logs = tmp_path_factory.mktemp("dsi-stack")
     with RedisServer() as redis_server:
-        drafter = replica("drafter_service", models["draft"], logs / "drafter.log", ["--forward-latency-ms", "2"])
+        fast, slow = ["--forward-latency-ms", "2"], ["--forward-latency-ms", "40"]
+        drafter = replica("drafter_service", models["draft"], logs / "drafter.log", fast)
         verifiers = [
-            replica("verifier_service", models["target"], logs / f"verifier-{i}.log", ["--forward-latency-ms", "40"])
+            replica("verifier_service", models["target"], logs / f"verifier-{i}.log", slow)
             for i in range(VERIFIERS)
         ]
         args = [
@@ -67,6 +70,12 @@ def stub(dsi_stack) -> Iterator:
 
 
 @pytest.fixture(scope="module")
+def target_greedy(models) -> list[int]:
+    target = load_model(models["target"], dtype="fp32", device="cpu")
+    return hf_greedy(target.model, PROMPT, LONG)
+
+
+@pytest.fixture(scope="module")
 def raw_redis(dsi_stack) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(dsi_stack.redis.url, decode_responses=True)
     yield client
@@ -74,7 +83,7 @@ def raw_redis(dsi_stack) -> Iterator[redis.Redis]:
 
 
 def dsi_request(
-    n: int, parallel: int = 0, depth: int = LOOKAHEAD, params: SamplingParams = SamplingParams(0.0), **extra
+    n: int, parallel: int = 0, depth: int = LOOKAHEAD, params: SamplingParams = GREEDY, **extra
 ) -> gateway_pb2.GenerateRequest:
     request = gateway_pb2.GenerateRequest(
         prompt_token_ids=gateway_pb2.TokenIds(ids=PROMPT),
@@ -90,11 +99,14 @@ def dsi_request(
 def assert_released(stack: DsiStack, raw_redis: redis.Redis) -> None:
     assert raw_redis.keys("specmesh:*") == []
     for server in (stack.drafter, *stack.verifiers):
-        wait_until(lambda s=server: s.metrics()[("specmesh_sessions", ())] == 0, what=f"{server.module} release")
+        idle = lambda s=server: s.metrics()[("specmesh_sessions", ())] == 0  # noqa: E731
+        wait_until(idle, what=f"{server.module} release")
 
 
 @pytest.mark.parametrize("parallel", [1, 2, 3])
-def test_dsi_greedy_equals_the_targets_greedy_decode(stub, dsi_stack, raw_redis, target_greedy, parallel) -> None:
+def test_dsi_greedy_equals_the_targets_greedy_decode(
+    stub, dsi_stack, raw_redis, target_greedy, parallel: int
+) -> None:
     n = 60
     unary = stub.Generate(dsi_request(n, parallel), timeout=120)
     streamed = stream(stub, dsi_request(n, parallel))

@@ -29,6 +29,7 @@ model in specmesh.core.dsi_sim and for the losslessness test with toy models.
 from __future__ import annotations
 
 import heapq
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,3 +209,78 @@ def simulate(
         schedule()
     tokens = state.committed[len(prompt) : goal]
     return SimResult(tokens, now, forwards, most)
+
+
+# ---- the paper's acceptance model, and choosing a shape with it --------------------------------
+
+
+def iid_latency(
+    acceptance: float,
+    lookahead: int,
+    sp: int,
+    draft_seconds: float,
+    verify_seconds: Callable[[int], float] | float,
+    n_tokens: int = 128,
+    seed: int = 0,
+) -> SimResult:
+    """`simulate` with each drafted token accepted independently with probability `acceptance`
+    (the paper's model); draft_seconds per drafted token, verify_seconds(rows) per target forward
+    of `rows` = lookahead + 1 query rows (or a constant)."""
+    rng = random.Random(seed)
+    forward = verify_seconds if callable(verify_seconds) else (lambda rows: float(verify_seconds))
+
+    def verify(prefix: list[int], block: Block) -> Outcome:
+        n = 0
+        while n < len(block.tokens) and rng.random() < acceptance:
+            n += 1
+        return Outcome(n, 0)
+
+    return simulate(
+        [0], n_tokens, lookahead, sp, lambda context, k: ([1] * k, None), verify,
+        lambda: lookahead * draft_seconds, lambda: forward(lookahead + 1),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Shape:
+    lookahead: int
+    parallel: int
+    seconds_per_token: float  # predicted
+
+
+def choose_shape(
+    acceptance: float,
+    draft_seconds: float,
+    verify_seconds: Callable[[int], float],
+    parallels: Sequence[int],
+    lookaheads: Sequence[int] = range(1, 9),
+    n_tokens: int = 96,
+) -> Shape:
+    """The lookahead and parallel verifications that `iid_latency` predicts fastest (ties: the
+    fewest replicas, then the shortest lookahead). Deterministic: seeded, common random numbers."""
+    best: Shape | None = None
+    for parallel in sorted(parallels):
+        for lookahead in sorted(lookaheads):
+            runs = [
+                iid_latency(acceptance, lookahead, parallel, draft_seconds, verify_seconds, n_tokens, seed)
+                for seed in range(3)
+            ]
+            per_token = sum(r.latency for r in runs) / (len(runs) * n_tokens)
+            if best is None or per_token < best.seconds_per_token * (1 - 1e-9):
+                best = Shape(lookahead, parallel, per_token)
+    assert best is not None
+    return best
+
+
+def acceptance_from_blocks(mean_accepted: float, lookahead: int) -> float:
+    """The per-token acceptance a whose truncated geometric mean a + a^2 + ... + a^lookahead is
+    `mean_accepted` (accepted tokens per verified block), by bisection."""
+    target = min(max(mean_accepted, 0.0), float(lookahead))
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(1, lookahead + 1)) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
