@@ -127,6 +127,7 @@ class DsiRun(SessionRun):
                 delta, tokens = await self._settle(future)
                 stats, emitted = stats + delta, emitted + tokens
             if emitted:
+                await self._schedule()  # the next verification and draft need not wait for Redis
                 return await self._commit_tokens(emitted, stats)
 
     async def _commit_tokens(self, emitted: list[int], stats: GenerationStats) -> Piece:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -27,6 +28,16 @@ def _bench_verify(args: argparse.Namespace) -> int:
 
     results = bench_verify(vocab=args.vocab, repeats=args.repeats, threads=args.threads)
     print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def _bench_dsi(args: argparse.Namespace) -> int:
+    from specmesh.bench.dsi import bench_dsi
+
+    results = bench_dsi(Path(args.out), repeats=args.repeats, seed=args.seed)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -79,11 +90,27 @@ def _bench_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_dsi_stack(args: argparse.Namespace) -> int:
+    from specmesh.bench.dsi_stack import TABLE2_ROWS, StackBenchConfig, bench_dsi_stack, markdown, write
+
+    cfg = StackBenchConfig(
+        rows=TABLE2_ROWS[: args.rows],
+        verifiers=tuple(range(1, args.verifiers + 1)),
+        lookahead=args.lookahead,
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+    )
+    rows = bench_dsi_stack(cfg)
+    write(rows, cfg, args.json, args.markdown)
+    print(markdown(rows, cfg))
+    return 0
+
+
 def _bench_gateway(args: argparse.Namespace) -> int:
     from specmesh.bench.gateway import bench_gateway
 
     results = bench_gateway(
-        args.address, args.prompts, args.max_new_tokens, tuple(args.temperatures), args.engine_json
+        args.address, args.prompts, args.max_new_tokens, tuple(args.temperatures), args.engine_json, args.dsi
     )
     if args.json:
         with open(args.json, "w") as f:
@@ -253,7 +280,9 @@ def _up(args: argparse.Namespace) -> int:
         args.redis_url,
         backend=args.backend,
         verifiers=args.verifiers,
-        drafter_args=drafter_args,
+        drafter_args=[*drafter_args, *shlex.split(args.drafter_flags)],
+        verifier_args=shlex.split(args.verifier_flags),
+        gateway_args=shlex.split(args.gateway_flags),
     )
     status = run_stack(plan, on_ready=on_ready)
     if status == 0 and args.exit_after_demo:
@@ -327,6 +356,15 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--json", help="also write the results here")
     verify.set_defaults(func=_bench_verify)
 
+    dsi_sim = bench.add_parser(
+        "dsi", help="the DSI paper's Table 2, Fig. 2 and Table 1, simulated (writes docs/benchmarks/dsi.md)"
+    )
+    dsi_sim.add_argument("--out", default="docs/benchmarks", help="where dsi.md and its plots go")
+    dsi_sim.add_argument("--repeats", type=int, default=1000, help="sampled runs per Table 2 row (0: none)")
+    dsi_sim.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")
+    dsi_sim.add_argument("--json", help="also write the Table 2 rows (the paper's figure and ours) here")
+    dsi_sim.set_defaults(func=_bench_dsi)
+
     engine = bench.add_parser(
         "engine", help="engine tokens/s on the real pair, autoregressive vs speculative"
     )
@@ -368,12 +406,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.set_defaults(func=_bench_report)
 
+    dsi_stack = bench.add_parser(
+        "dsi-stack",
+        help="DSI vs SI vs plain through a real stack on tiny models with Table 2 latencies, "
+        "against the DSI simulation (~5 min)",
+    )
+    dsi_stack.add_argument("--rows", type=int, default=3, help="how many of the Table 2 latency rows")
+    dsi_stack.add_argument("--verifiers", type=int, default=4, help="DSI with 1..N verifications in flight")
+    dsi_stack.add_argument("--lookahead", type=int, default=3)
+    dsi_stack.add_argument("--prompts", type=int, default=6)
+    dsi_stack.add_argument("--max-new-tokens", type=int, default=96)
+    dsi_stack.add_argument("--json", help="write the rows here")
+    dsi_stack.add_argument("--markdown", help="write the table here")
+    dsi_stack.set_defaults(func=_bench_dsi_stack)
+
     gw = bench.add_parser("gateway", help="tokens/s through a running gateway (start it with specmesh up)")
     gw.add_argument("--address", default="127.0.0.1:50051")
     gw.add_argument("--prompts", type=int, default=3)
     gw.add_argument("--max-new-tokens", type=int, default=64)
     gw.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     gw.add_argument("--engine-json", help="results of `specmesh bench engine --json`, to compare")
+    gw.add_argument(
+        "--dsi", type=int, default=0, metavar="P", help="rows none, chain-3 (SI) and DSI-3 with P in flight"
+    )
     gw.add_argument("--json", help="also write the results here")
     gw.set_defaults(func=_bench_gateway)
 
@@ -410,6 +465,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the drafters' dtype (default: int8 for the torch backend on a CPU, ~2x faster drafts; "
         "else --dtype)",
     )
+    for role in ("drafter", "verifier", "gateway"):
+        up.add_argument(
+            f"--{role}-flags",
+            default="",
+            help=f"more flags for every {role}, e.g. '--forward-latency-ms 30' (python -m {role}"
+            f"{'_service' if role != 'gateway' else ''} --help)",
+        )
     up.add_argument("--no-demo", action="store_true", help="serve without running the demo completion")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     up.add_argument("--demo-prompt", default=DEMO_PROMPT)

@@ -18,29 +18,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from specmesh.bench.tiny import save_tiny_pair
 from specmesh.stack.ports import free_port
-from tests.test_engine import VOCAB, tiny_pair
-from tests.test_models import SPECIALS, make_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-# Renders the messages as "role content ..." and ends with w0, the "assistant turn" marker.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}w0{% endif %}"
-)
 
 
 def save_tiny_models(root: Path) -> dict[str, Path]:
-    """A tiny Llama target and its noisy copy as the draft, saved with an offline word-level
-    tokenizer (words w0 … w92, specials <unk> <s> </s> <pad>) that has a chat template."""
-    tokenizer = make_tokenizer(VOCAB - len(SPECIALS))
-    tokenizer.chat_template = CHAT_TEMPLATE
-    out = {}
-    for name, model in zip(("draft", "target"), tiny_pair("llama"), strict=True):
-        model.save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
-        out[name] = root / name
-    return out
+    """The tiny Llama target and its noisy-copy draft with an offline word-level tokenizer that has a
+    chat template (specmesh.bench.tiny.save_tiny_pair)."""
+    return save_tiny_pair(root)
 
 
 @dataclass

@@ -1,17 +1,15 @@
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
+from specmesh.bench.tiny import VOCAB, tiny_pair
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.rounds import Request
 from specmesh.core.sampling import SamplingParams
 from specmesh.runtime.engine import SpeculativeEngine
-from tests.tiny import tiny_lm
 
-VOCAB = 97
+__all__ = ["VOCAB", "tiny_pair"]  # imported from here by other tests
 SPECS = {
     "none": TreeSpec("none"),
     "chain": TreeSpec("chain", depth=4),
@@ -21,20 +19,6 @@ SPECS = {
     "rsd_s": TreeSpec("rsd_s", depth=4, beam_width=3),
     "mtad": TreeSpec("mtad", depth=3, beam_width=4, mtad_threshold=0.2),
 }
-
-
-def tiny_pair(
-    arch: str, vocab: int = VOCAB, noise: float = 0.02, **config
-) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """A tiny random target and a draft that is a noisy copy of it (it agrees often, not always)."""
-    target = tiny_lm(arch, vocab, attn_implementation="sdpa", **config)
-    with torch.no_grad():  # random init gives near-uniform logits; sharpen them so argmax is stable
-        target.lm_head.weight.mul_(8.0)
-    draft = copy.deepcopy(target)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn_like(p) * noise)
-    return draft, target
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

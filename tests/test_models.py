@@ -9,23 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
+from specmesh.bench.tiny import SPECIALS, make_tokenizer, tiny_lm
 from specmesh.runtime import model_store
 from specmesh.runtime.models import LoadedModel, check_pair, load_model, resolve_dtype
-from tests.tiny import tiny_lm
-
-SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
-
-
-def make_tokenizer(n_words: int = 96, prefix: str = "w") -> PreTrainedTokenizerFast:
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + [f"{prefix}{i}" for i in range(n_words)])}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
 
 
 def save_tiny(path: Path, arch: str = "llama", vocab: int = 100, tokenizer=None) -> Path:

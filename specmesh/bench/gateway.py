@@ -13,6 +13,7 @@ import time
 
 from specmesh.bench.engine import DEFAULT_SPECS
 from specmesh.bench.measure import humaneval_prompts, run_gateway
+from specmesh.core.drafting import TreeSpec
 
 
 def bench_gateway(
@@ -21,7 +22,10 @@ def bench_gateway(
     max_new_tokens: int = 64,
     temperatures: tuple[float, ...] = (0.0, 1.0),
     engine_json: str | None = None,
+    dsi_parallel: int = 0,
 ) -> dict:
+    """dsi_parallel > 0: the rows are plain decoding, SI (chain-3) and DSI with a lookahead of 3 and
+    that many verifications in flight, instead of the engine's methods."""
     engine = {}
     if engine_json:
         with open(engine_json) as f:
@@ -30,8 +34,12 @@ def bench_gateway(
     rows = []
     for temperature in temperatures:
         base = None
-        for name, spec in DEFAULT_SPECS.items():
-            measured = asyncio.run(run_gateway(address, texts, spec, False, temperature, max_new_tokens, 1))
+        for name, spec, parallel in _rows(dsi_parallel):
+            measured = asyncio.run(
+                run_gateway(
+                    address, texts, spec, False, temperature, max_new_tokens, 1, dsi_parallel=parallel
+                )
+            )
             row = dict(method=name, temperature=temperature, **measured)
             row["tokens_per_second"] = row["tokens"] / row["seconds"]
             base = base or row
@@ -46,3 +54,14 @@ def bench_gateway(
                 flush=True,
             )
     return dict(address=address, date=time.strftime("%Y-%m-%d %H:%M:%S"), rows=rows)
+
+
+def _rows(dsi_parallel: int) -> list[tuple[str, TreeSpec, int | None]]:
+    if not dsi_parallel:
+        return [(name, spec, None) for name, spec in DEFAULT_SPECS.items()]
+    chain = DEFAULT_SPECS["chain-3"]
+    return [
+        ("none", DEFAULT_SPECS["none"], None),
+        ("chain-3", chain, None),
+        (f"dsi-3x{dsi_parallel}", chain, dsi_parallel),
+    ]

@@ -89,8 +89,12 @@ def run_engine(engine, prompts: list[list[int]], spec: TreeSpec, temperature: fl
     return sum(len(o) for o in outputs), seconds, stats, outputs
 
 
-def speculation_message(pb2, spec: TreeSpec, adaptive: bool = False):
-    """The public API's Speculation for a TreeSpec (fields the method does not use left unset)."""
+def speculation_message(pb2, spec: TreeSpec, adaptive: bool = False, dsi_parallel: int | None = None):
+    """The public API's Speculation for a TreeSpec (fields the method does not use left unset);
+    dsi_parallel: a DSI request (the chain's depth is the lookahead) with that many verifications
+    in flight at most."""
+    if dsi_parallel is not None:
+        return pb2.Speculation(dsi=True, depth=spec.depth, parallel=dsi_parallel)
     return pb2.Speculation(
         method=spec.method,
         depth=spec.depth,
@@ -116,11 +120,12 @@ async def _stream(stub, request) -> dict:
 
 async def run_gateway(
     address: str, texts: list[str], spec: TreeSpec | None, adaptive: bool, temperature: float, max_new: int,
-    concurrency: int,
+    concurrency: int, dsi_parallel: int | None = None,
 ) -> dict:  # fmt: skip
     """`concurrency` streams at once, each its own prompt (seed 1000 + i); sequential batches
-    until every text is done. spec None: no speculation field (the gateway's default). Returns
-    tokens, wall seconds, latencies and summed stats."""
+    until every text is done. spec None: no speculation field (the gateway's default);
+    dsi_parallel: DSI with spec's depth as the lookahead. Returns tokens, wall seconds, latencies
+    and summed stats."""
     pb2, pb2_grpc = load("gateway")
     results, wall = [], 0.0
     async with grpc.aio.insecure_channel(address) as channel:
@@ -131,7 +136,9 @@ async def run_gateway(
                     prompt=text,
                     max_new_tokens=max_new,
                     sampling=pb2.Sampling(temperature=temperature, seed=1000 + first + i),
-                    speculation=speculation_message(pb2, spec, adaptive) if spec is not None else None,
+                    speculation=(
+                        speculation_message(pb2, spec, adaptive, dsi_parallel) if spec is not None else None
+                    ),
                 )
                 for i, text in enumerate(texts[first : first + concurrency])
             ]
@@ -150,6 +157,8 @@ async def run_gateway(
     rounds = sum(s.target_calls for s in stats)
     return dict(
         tokens=sum(n for r in results for _, n in r["arrivals"]),
+        accepted_tokens=sum(s.accepted_tokens for s in stats),
+        dsi_max_in_flight=max((s.dsi_max_in_flight for s in stats), default=0),
         seconds=wall,
         block_efficiency=sum(s.block_efficiency * s.target_calls for s in stats) / rounds if rounds else None,
         target_calls=rounds,

@@ -261,27 +261,28 @@ def baselines(
 
 @contextlib.contextmanager
 def running_stack(cfg: SuiteConfig, draft_dtype: str | None) -> Iterator[str]:
-    """`specmesh up` in a child process; yields the gateway address once it answers.
-    draft_dtype None: `specmesh up` with its own defaults (no model flags at all)."""
+    """`specmesh up` on the suite's pair; draft_dtype None: `specmesh up` with its own defaults
+    (no model flags at all)."""
+    flags = []
+    if draft_dtype is not None:
+        flags = ["--draft", cfg.draft, "--target", cfg.target, "--dtype", cfg.dtype]
+        flags += ["--draft-dtype", draft_dtype]
+    with running_up(flags, draft_dtype or "default", probe="def f():") as address:
+        yield address
+
+
+@contextlib.contextmanager
+def running_up(flags: Sequence[str], name: str, probe: str) -> Iterator[str]:
+    """`specmesh up --no-demo <flags>` in a child process; yields the gateway address once a
+    one-token request for `probe` succeeds."""
     import grpc
 
     from specmesh.rpc.proto import load
 
     port = free_port()
-    argv = [sys.executable, "-m", "specmesh.cli", "up", "--no-demo", "--port", str(port)]
-    if draft_dtype is not None:
-        argv += [
-            "--draft",
-            cfg.draft,
-            "--target",
-            cfg.target,
-            "--dtype",
-            cfg.dtype,
-            "--draft-dtype",
-            draft_dtype,
-        ]
+    argv = [sys.executable, "-m", "specmesh.cli", "up", "--no-demo", "--port", str(port), *flags]
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in the finally below)
-        "w", prefix=f"specmesh-stack-{draft_dtype or 'default'}-", suffix=".log", delete=False
+        "w", prefix=f"specmesh-stack-{name}-", suffix=".log", delete=False
     )
     child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"127.0.0.1:{port}"
@@ -293,7 +294,7 @@ def running_stack(cfg: SuiteConfig, draft_dtype: str | None) -> Iterator[str]:
                 raise RuntimeError(f"specmesh up exited with {child.returncode}; see {log.name}")
             with grpc.insecure_channel(address) as channel:
                 try:
-                    request = pb2.GenerateRequest(prompt="def f():", max_new_tokens=1)
+                    request = pb2.GenerateRequest(prompt=probe, max_new_tokens=1)
                     pb2_grpc.GatewayStub(channel).Generate(request, timeout=30)
                     break
                 except grpc.RpcError:

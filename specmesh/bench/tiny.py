@@ -1,0 +1,78 @@
+"""Tiny random causal LMs made on the spot (never downloaded): for the tests, and for benchmarks
+that measure the serving machinery rather than a model (`specmesh bench dsi-stack`).
+
+A pair is a target and a draft that is a noisy copy of it, so that they agree often but not always;
+`save_tiny_pair` writes both with an offline word-level tokenizer (words w0, w1, ..., specials
+<unk> <s> </s> <pad>) that has a chat template.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+VOCAB = 97
+# Renders the messages as "role content ..." and ends with w0, the "assistant turn" marker.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}w0{% endif %}"
+)
+
+
+def tiny_lm(arch: str, vocab_size: int, **config) -> torch.nn.Module:
+    """A Llama or Qwen2 model with seed 0: 2 layers, hidden 64, fp32, eval mode; `config`
+    overrides the defaults."""
+    torch.manual_seed(0)
+    config_cls, model_cls = ARCHS[arch]
+    defaults = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    return model_cls(config_cls(**{**defaults, **config})).eval()
+
+
+def tiny_pair(
+    arch: str, vocab: int = VOCAB, noise: float = 0.02, **config
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny random target and a draft that is a noisy copy of it (it agrees often, not always)."""
+    target = tiny_lm(arch, vocab, attn_implementation="sdpa", **config)
+    with torch.no_grad():  # random init gives near-uniform logits; sharpen them so argmax is stable
+        target.lm_head.weight.mul_(8.0)
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * noise)
+    return draft, target
+
+
+def make_tokenizer(n_words: int = 96, prefix: str = "w") -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + [f"{prefix}{i}" for i in range(n_words)])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+def save_tiny_pair(root: Path, noise: float = 0.02) -> dict[str, Path]:
+    """A tiny Llama target and its noisy copy as the draft, saved under root/draft and root/target
+    with the word-level tokenizer and its chat template."""
+    tokenizer = make_tokenizer(VOCAB - len(SPECIALS))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    out = {}
+    for name, model in zip(("draft", "target"), tiny_pair("llama", noise=noise), strict=True):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        out[name] = root / name
+    return out
