@@ -117,6 +117,8 @@ class DsiRun(SessionRun):
         """Run drafts and verifications until verdicts commit tokens; commit them."""
         while True:
             await self._schedule()
+            if not self.calls:  # every token is committed or speculated: cannot happen unfinished
+                raise GatewayError(grpc.StatusCode.INTERNAL, f"DSI session {self.id} has nothing left to run")
             done, _ = await asyncio.wait(
                 self.calls, timeout=self._time_left(), return_when=asyncio.FIRST_COMPLETED
             )
@@ -152,23 +154,25 @@ class DsiRun(SessionRun):
         self.state, self.queued = DsiState(self.tokens), []
 
     async def _schedule(self) -> None:
-        """Start what can start: verifications of queued blocks, then the next draft."""
-        while self.queued and self._in_flight(Role.VERIFIER) < self.parallel:
-            address = self._free_verifier(self.state.prefix(self.queued[0]))
-            if address is None:
-                break
-            self._verify(self.queued.pop(0), address)
-        room = self.plan.max_new_tokens - (self.state.context_length - len(self.plan.prompt_ids))
-        if self._in_flight(Role.DRAFTER) == 0 and len(self.state.blocks) <= self.parallel and room > 0:
-            self._draft(min(self.lookahead, room))
-        if not self.calls:  # nothing can run: wait for a replica to come back (or time out)
+        """Start what can start: verifications of queued blocks, then the next draft. With work
+        left but nothing startable (no healthy or free replica), wait for a replica."""
+        while True:
+            while self.queued and self._in_flight(Role.VERIFIER) < self.parallel:
+                address = self._free_verifier(self.state.prefix(self.queued[0]))
+                if address is None:
+                    break
+                self._verify(self.queued.pop(0), address)
+            room = self.plan.max_new_tokens - (self.state.context_length - len(self.plan.prompt_ids))
+            if self._in_flight(Role.DRAFTER) == 0 and len(self.state.blocks) <= self.parallel and room > 0:
+                self._draft(min(self.lookahead, room))
+            if self.calls or not (self.queued or room > 0):
+                return
             pool = self.env.pool(Role.VERIFIER if self.queued else Role.DRAFTER)
             try:
                 await pool.wait_healthy(1, timeout=self._time_left())
             except TimeoutError:
                 raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"no healthy {pool.name} replica") from None
             await asyncio.sleep(COOLDOWN_SECONDS)
-            await self._schedule()
 
     def _in_flight(self, role: Role) -> int:
         return sum(1 for call in self.calls.values() if call.role is role)

@@ -14,7 +14,6 @@ import random
 from collections import Counter
 
 import pytest
-import torch
 
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.dsi import (
@@ -27,9 +26,8 @@ from specmesh.core.dsi import (
     iid_latency,
     simulate,
 )
-from specmesh.core.rounds import draft_round
+from specmesh.core.rounds import draft_round, verify_round
 from specmesh.core.sampling import SamplingParams
-from specmesh.core.verification import verify_tree
 from tests.stats import chi_square_pvalue
 from tests.test_lossless import DRAFT, P_VALUE_THRESHOLD, SAMPLES, TARGET, VOCAB
 
@@ -167,26 +165,29 @@ def _dsi_samples(
 ) -> tuple[Counter, Counter]:
     """SAMPLES three-token DSI generations on the toy pair with random latencies; the outputs,
     and how often verdicts were full / rejections and runs had several verifications at once."""
-    g = torch.Generator().manual_seed(0)
     rng = random.Random(0)
     spec = TreeSpec("chain", depth=lookahead)
     paths = Counter()
     counts: Counter = Counter()
+    session = 0  # the seed of the current generation
 
+    # Seeded as the services are: each draft and each verification from (session seed, the
+    # position of its block's root), so a block drafted again at the same position after a
+    # rejection reuses the numbers of the cancelled one, exactly as in the gateway.
     def draft(context: list[int], k: int):
-        seed = rng.getrandbits(62)
-        tree = draft_round(spec, DRAFT.next_logits(tuple(context)), params, seed, len(context))
+        tree = draft_round(spec, DRAFT.next_logits(tuple(context)), params, session, len(context))
         return tree.tokens.tolist(), tree
 
     def verify(prefix: list[int], block: Block) -> Outcome:
         tree = block.draft
         rows = [tuple(prefix)] + [(*prefix, *tree.path(i)) for i in range(tree.num_nodes)]
-        v = verify_tree(tree, TARGET.logits(rows), params, g)
+        v = verify_round(tree, TARGET.logits(rows), params, session, block.start)
         full = len(v.accepted_tokens) == len(block.tokens)
         counts["full" if full else "rejected"] += 1
         return Outcome(len(v.accepted_tokens), v.next_token)
 
     for _ in range(SAMPLES):
+        session = rng.getrandbits(62)
         r = simulate(
             [], 3, lookahead, sp, draft, verify,
             lambda: rng.expovariate(1 / 0.4), lambda: rng.expovariate(1.0), new_state,
