@@ -161,6 +161,23 @@ def test_parallel_without_dsi_is_refused(stub) -> None:
     assert err.value.details().startswith("speculation.parallel")
 
 
+def test_a_cancelled_dsi_stream_releases_its_session_on_every_replica(stub, dsi_stack, raw_redis) -> None:
+    call = stub.GenerateStream(dsi_request(LONG, VERIFIERS), timeout=60)
+    first = next(call)
+    assert raw_redis.exists(f"specmesh:{{{first.session_id}}}:meta")
+    call.cancel()
+    wait_until(lambda: not raw_redis.keys("specmesh:*"), what="the session's keys to go")
+    assert_released(dsi_stack, raw_redis)
+
+
+def test_the_clients_deadline_ends_a_dsi_session_everywhere(stub, dsi_stack, raw_redis) -> None:
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Generate(dsi_request(LONG, VERIFIERS), timeout=0.3)
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: not raw_redis.keys("specmesh:*"), what="the session's keys to go")
+    assert_released(dsi_stack, raw_redis)
+
+
 def test_a_verifier_killed_with_dsi_verifications_in_flight_changes_no_token(
     stub, dsi_stack, raw_redis, target_greedy
 ) -> None:

@@ -160,8 +160,18 @@ def bench_dsi_stack(cfg: StackBenchConfig) -> list[dict]:
 
 def markdown(rows: list[dict], cfg: StackBenchConfig) -> str:
     lines = [
-        f"Tiny models, greedy, lookahead {cfg.lookahead}, {cfg.prompts} prompts x {cfg.max_new_tokens} "
-        "tokens; tok/s measured through the stack (`specmesh bench dsi-stack`).",
+        "# DSI through a real stack, against the simulation",
+        "",
+        "Written by `specmesh bench dsi-stack --json docs/benchmarks/dsi_stack.json --markdown "
+        "docs/benchmarks/dsi_stack.md`. One `specmesh up` per row: Redis, one drafter, four verifiers, "
+        "the gateway, on tiny random models whose forwards last the row's latencies "
+        "(`--forward-latency-ms`), so verifiers overlap like separate accelerators. "
+        f"Greedy, lookahead {cfg.lookahead}, {cfg.prompts} prompts x {cfg.max_new_tokens} tokens, one "
+        "stream at a time. Latencies *in the stack*: from SI's rounds, a block's draft time as the "
+        "drafter reports it (per token) and the rest of a round (verify forward, gRPC, queueing, the "
+        "Redis commit). Predictions: SI by (L t_d + t_t) / (1 + a + ... + a^L), DSI by the "
+        "coordinator's virtual-time run (`specmesh.core.dsi.iid_latency`), with the measured per-token "
+        "acceptance a. *In flight*: the most verifications the gateway had out at once.",
         "",
         "| latencies (Table 2 row) | t_target / t_draft ms: set | in the stack | a (paper) | SP | in flight "
         "| plain | SI | DSI | DSI/SI measured | predicted: set | in the stack | within 15 % |",
