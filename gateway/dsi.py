@@ -129,7 +129,7 @@ class DsiRun(SessionRun):
                 delta, tokens = await self._settle(future)
                 stats, emitted = stats + delta, emitted + tokens
             if emitted:
-                await self._schedule()  # the next verification and draft need not wait for Redis
+                await self._schedule(wait=False)  # the next verification and draft need not wait for Redis
                 return await self._commit_tokens(emitted, stats)
 
     async def _commit_tokens(self, emitted: list[int], stats: GenerationStats) -> Piece:
@@ -153,9 +153,9 @@ class DsiRun(SessionRun):
             future.cancel()
         self.state, self.queued = DsiState(self.tokens), []
 
-    async def _schedule(self) -> None:
+    async def _schedule(self, wait: bool = True) -> None:
         """Start what can start: verifications of queued blocks, then the next draft. With work
-        left but nothing startable (no healthy or free replica), wait for a replica."""
+        left but nothing startable (no healthy or free replica), wait for a replica (if `wait`)."""
         while True:
             while self.queued and self._in_flight(Role.VERIFIER) < self.parallel:
                 address = self._free_verifier(self.state.prefix(self.queued[0]))
@@ -165,7 +165,7 @@ class DsiRun(SessionRun):
             room = self.plan.max_new_tokens - (self.state.context_length - len(self.plan.prompt_ids))
             if self._in_flight(Role.DRAFTER) == 0 and len(self.state.blocks) <= self.parallel and room > 0:
                 self._draft(min(self.lookahead, room))
-            if self.calls or not (self.queued or room > 0):
+            if self.calls or not (self.queued or room > 0) or not wait:
                 return
             pool = self.env.pool(Role.VERIFIER if self.queued else Role.DRAFTER)
             try:
