@@ -33,6 +33,7 @@ from typing import Any
 
 import grpc
 
+from gateway.pools import NoHealthyReplica
 from gateway.requests import GenerationPlan
 from gateway.rounds import _STUBS, GatewayEnv, GatewayError, Piece, SessionRun
 from gateway.text import TextStream
@@ -100,8 +101,7 @@ class DsiRun(SessionRun):
         return msg
 
     async def _cleanup(self) -> None:
-        for future in self.calls:
-            future.cancel()
+        self._cancel_all()
         await asyncio.gather(*self.calls, return_exceptions=True)
         self.calls.clear()
         if self.stats.rounds:  # what the next session's choice of shape starts from
@@ -144,14 +144,16 @@ class DsiRun(SessionRun):
             piece = await self._resume_from_store()
             self._restart()
         if self.finished:
-            for future in self.calls:
-                future.cancel()
+            self._cancel_all()
         return piece
 
     def _restart(self) -> None:
+        self._cancel_all()
+        self.state, self.queued = DsiState(self.tokens), []
+
+    def _cancel_all(self) -> None:
         for future in self.calls:
             future.cancel()
-        self.state, self.queued = DsiState(self.tokens), []
 
     async def _schedule(self, wait: bool = True) -> None:
         """Start what can start: verifications of queued blocks, then the next draft. With work
@@ -195,14 +197,14 @@ class DsiRun(SessionRun):
         return position
 
     def _draft(self, depth: int) -> None:
-        address = self.addresses.get(Role.DRAFTER)
-        if address is None or not self.env.pool(Role.DRAFTER).is_healthy(address):
-            try:
-                address = self.env.pool(Role.DRAFTER).pick(self.id)
-            except Exception:  # NoHealthyReplica: _schedule waits for one
-                return
-            self.addresses[Role.DRAFTER] = address
-            self.touched.add((Role.DRAFTER, address))
+        try:  # the session's drafter while it is healthy (pool affinity), else another
+            address = self.env.pool(Role.DRAFTER).pick(self.id, preferred=self.addresses.get(Role.DRAFTER))
+        except NoHealthyReplica:  # _schedule waits for one
+            return
+        if self.cooling.get(address, 0.0) > asyncio.get_running_loop().time():
+            return  # still finishing our cancelled draft; _schedule comes back after the cooldown
+        self.addresses[Role.DRAFTER] = address
+        self.touched.add((Role.DRAFTER, address))
         context = self.state.context()
         position = self._position(address, context)
         request = wire.draft_request(
