@@ -8,7 +8,9 @@ verifier replicas; the bookkeeping is specmesh.core.dsi.DsiState.
 SessionRun's lifecycle (the session in Redis, release on every replica touched, cleanup when the
 client goes away) is reused; only the rounds differ. The drafter drafts chains of `lookahead`
 tokens one after the other after the session's context (committed tokens plus unresolved blocks)
-while at most `parallel` blocks are unresolved beyond the one being verified longest. Each block
+while at most `parallel` blocks are unresolved beyond the one being verified longest (`ahead`), or
+only when every block is resolved (not `ahead`: SI's schedule, which the gateway picks where its
+simulation says working ahead does not pay). Each block
 goes to a free healthy verifier replica (one request per session per replica) with the tokens
 that replica lacks; a replica that holds speculation a rejection threw away is sent a `position`
 below what it holds and rolls back to it. Verdicts are applied in draft order; what they commit
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +49,7 @@ from specmesh.rpc.round_client import Role, needs_resync
 
 COOLDOWN_SECONDS = 0.02  # a replica that answered ABORTED still runs our cancelled call
 ACCEPTANCE_DECAY = 0.5  # weight of the older sessions in the gateway's acceptance estimate
+FORWARD_SCALE_DECAY = 0.9  # weight of the older verifications in the forward-time scale
 
 
 @dataclass
@@ -57,6 +61,7 @@ class _Call:
     context: list[int]  # Draft: the context drafted after; Verify: the block's prefix
     version: int  # the DsiState version it was started under
     block: Block | None = None  # Verify only
+    rows: int = 0  # Verify only: the forward's query rows (new prefix tokens and drafts)
 
 
 @dataclass
@@ -80,9 +85,15 @@ class DsiRun(SessionRun):
         *,
         lookahead: int,
         parallel: int,
+        ahead: bool = True,
+        verify_cost: Callable[[int], float] | None = None,
     ) -> None:
+        """verify_cost: the verifier's start-up seconds per forward of n rows, to learn
+        `GatewayEnv.dsi_forward_scale` from this session's verifications."""
         super().__init__(plan, env, text, deadline)
-        self.lookahead, self.parallel = lookahead, parallel
+        self.verify_cost = verify_cost
+        self.lookahead, self.parallel, self.ahead = lookahead, parallel, ahead
+        self.unresolved = parallel + 1 if ahead else 1  # blocks at which the drafter stops
         self.state = DsiState(self.tokens)
         self.held: dict[str, list[int]] = {}  # replica -> the tokens it surely holds
         self.calls: dict[asyncio.Future, _Call] = {}
@@ -95,8 +106,8 @@ class DsiRun(SessionRun):
 
     def stats_message(self) -> Any:
         msg = super().stats_message()
-        msg.dsi_lookahead, msg.dsi_parallel, msg.dsi_max_in_flight = (
-            self.lookahead, self.parallel, self.max_in_flight,
+        msg.dsi_lookahead, msg.dsi_parallel, msg.dsi_max_in_flight, msg.dsi_ahead = (
+            self.lookahead, self.parallel, self.max_in_flight, self.ahead,
         )  # fmt: skip
         return msg
 
@@ -165,7 +176,7 @@ class DsiRun(SessionRun):
                     break
                 self._verify(self.queued.pop(0), address)
             room = self.plan.max_new_tokens - (self.state.context_length - len(self.plan.prompt_ids))
-            if self._in_flight(Role.DRAFTER) == 0 and len(self.state.blocks) <= self.parallel and room > 0:
+            if self._in_flight(Role.DRAFTER) == 0 and len(self.state.blocks) < self.unresolved and room > 0:
                 self._draft(min(self.lookahead, room))
             if self.calls or not (self.queued or room > 0) or not wait:
                 return
@@ -220,7 +231,8 @@ class DsiRun(SessionRun):
         request = wire.verify_request(self.id, position, prefix[position:], self.plan.params, block.draft)
         stub = _STUBS[Role.VERIFIER](self.env.verifiers.channel(address))
         self.touched.add((Role.VERIFIER, address))
-        call = _Call(Role.VERIFIER, address, prefix, self.state.version, block)
+        rows = len(prefix) - position + len(block.tokens)
+        call = _Call(Role.VERIFIER, address, prefix, self.state.version, block, rows)
         self._start(stub.Verify(request, timeout=self._time_left()), call)
         self.max_in_flight = max(self.max_in_flight, self._in_flight(Role.VERIFIER))
 
@@ -250,6 +262,7 @@ class DsiRun(SessionRun):
         self.held[call.address] = call.context + list(verdict.accepted_tokens)
         if block.id in self.spent:
             self.spent[block.id].verify_seconds += response.forward_seconds
+        self._learn_forward_scale(response.forward_seconds, call.rows)
         res = self.state.finish(block.id, Outcome(len(verdict.accepted_tokens), verdict.next_token))
         self._drop(res.cancelled, res.restart)
         stats = GenerationStats()
@@ -264,6 +277,13 @@ class DsiRun(SessionRun):
                 verify_seconds=spent.verify_seconds,
             )
         return stats, res.emitted
+
+    def _learn_forward_scale(self, seconds: float, rows: int) -> None:
+        if self.verify_cost is None or seconds <= 0:
+            return
+        scale = self.env.dsi_forward_scale
+        seen = seconds / self.verify_cost(rows)
+        scale[self.ahead] = FORWARD_SCALE_DECAY * scale[self.ahead] + (1 - FORWARD_SCALE_DECAY) * seen
 
     def _drop(self, cancelled: list[Block], restart: bool) -> None:
         """Cancel the calls of thrown-away speculation (their replicas keep what they surely held)."""

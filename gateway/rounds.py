@@ -87,6 +87,12 @@ class GatewayEnv:
     cleanups: set[asyncio.Task] = dataclasses.field(default_factory=set)  # outliving their request
     policies: PolicyMemory = dataclasses.field(default_factory=PolicyMemory)  # adaptive sessions' warm start
     dsi_acceptance: float = 0.7  # per-token acceptance of finished DSI sessions, decayed (the prior: 0.7)
+    # DSI verifications' time over the verifier's start-up cost for their rows, decayed, with the
+    # drafter working ahead (True) and not (False): their ratio is what drafting beside costs
+    dsi_forward_scale: dict[bool, float] = dataclasses.field(default_factory=lambda: {True: 1.0, False: 1.0})
+
+    def dsi_overlap_slowdown(self) -> float:
+        return self.dsi_forward_scale[True] / self.dsi_forward_scale[False]
 
     def pool(self, role: Role) -> ReplicaPool:
         pool = self.drafters if role is Role.DRAFTER else self.verifiers

@@ -31,7 +31,7 @@ from gateway.session_store import SessionNotFound, SessionStore, StoreError, Sto
 from gateway.text import TextStream
 from specmesh.core.adaptive import ForwardCost
 from specmesh.core.drafting import TreeSpec
-from specmesh.core.dsi import choose_shape
+from specmesh.core.dsi import Shape, choose_shape
 from specmesh.core.methods import Method
 from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.server import RpcService, ServerConfig, configure_logging, parse_flags, rpc, serve
@@ -283,13 +283,19 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         assert model is not None
         if plan.dsi is None:
             return SessionRun(plan, self.env, text, deadline, model.forward_cost)
-        lookahead, parallel = await self._dsi_shape(plan.dsi, model)
-        return DsiRun(plan, self.env, text, deadline, lookahead=lookahead, parallel=parallel)
+        shape = await self._dsi_shape(plan.dsi, model)
+        return DsiRun(
+            plan, self.env, text, deadline, lookahead=shape.lookahead, parallel=shape.parallel,
+            ahead=shape.ahead, verify_cost=ForwardCost(model.forward_cost, decay=0.0).shape,
+        )  # fmt: skip
 
-    async def _dsi_shape(self, settings: DsiSettings, model: ServedModel) -> tuple[int, int]:
+    async def _dsi_shape(self, settings: DsiSettings, model: ServedModel) -> Shape:
         """A DSI request's lookahead and parallel verifications; what it leaves unset (0) is what
         the DSI simulation predicts fastest for the replicas' measured forward costs and the
-        acceptance of earlier DSI sessions (specmesh.core.dsi.choose_shape)."""
+        acceptance of earlier DSI sessions (specmesh.core.dsi.choose_shape). With `parallel` unset
+        SI's schedule (no drafting ahead) is a candidate, and drafting ahead is charged the
+        slowdown earlier DSI verifications measured beside it: DSI then never plans to be slower
+        than SI. A `parallel` the request sets is run as the paper's DSI, drafting ahead."""
         limit = self.config.dsi_max_parallel
         if settings.parallel > limit:
             raise GatewayError(
@@ -300,14 +306,15 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         available = max(1, min(limit, len(self.env.verifiers.healthy())))
         parallels = [settings.parallel] if settings.parallel else range(1, available + 1)
         lookaheads = [settings.lookahead] if settings.lookahead else range(1, DSI_MAX_LOOKAHEAD + 1)
-        if len(parallels) == len(lookaheads) == 1:
-            return lookaheads[0], parallels[0]
+        sequential = not settings.parallel
+        if settings.parallel and settings.lookahead:
+            return Shape(settings.lookahead, settings.parallel, seconds_per_token=0.0)  # nothing predicted
         verify = ForwardCost(model.forward_cost, decay=0.0).shape
         draft = model.draft_cost.get(1, DSI_UNKNOWN_DRAFT_SHARE * verify(1))
-        shape = await asyncio.to_thread(
-            choose_shape, self.env.dsi_acceptance, draft, verify, parallels, lookaheads
-        )
-        return shape.lookahead, shape.parallel
+        return await asyncio.to_thread(
+            choose_shape, self.env.dsi_acceptance, draft, verify, parallels, lookaheads,
+            sequential=sequential, overlap_slowdown=self.env.dsi_overlap_slowdown(),
+        )  # fmt: skip
 
     def _servable(self, plan: GenerationPlan) -> GenerationPlan:
         """The plan this gateway can run: without drafters, its own default is plain decoding."""

@@ -116,6 +116,37 @@ def test_choose_shape_takes_the_fastest_and_the_fewest_replicas() -> None:
     )
 
 
+def test_without_drafting_ahead_the_coordinator_runs_sis_schedule() -> None:
+    # Every block accepted: SI commits lookahead + 1 tokens per draft-then-verify round, on one
+    # worker however many there are.
+    r = iid_latency(1.0, lookahead=4, sp=3, draft_seconds=0.1, verify_seconds=1.0, n_tokens=200, ahead=False)
+    assert r.latency == pytest.approx(200 / 5 * (4 * 0.1 + 1.0))
+    assert r.max_parallel == 1 and r.target_forwards == 200 / 5
+
+
+def test_with_one_verifier_sis_schedule_is_never_slower() -> None:
+    # One verifier: working ahead saves a draft per fully accepted block but loses its bonus
+    # token. The real pair on 2 cores (21 ms a draft, 260 ms a forward): SI's schedule is faster.
+    real = choose_shape(0.7, 0.021, lambda rows: 0.26, parallels=[1], lookaheads=[3], sequential=True)
+    assert (real.parallel, real.ahead) == (1, False)
+    assert real.seconds_per_token < iid_latency(0.7, 3, 1, 0.021, 0.26, 96).latency / 96
+    # A drafter as slow as the target: each verdict comes before the block drafted ahead, which
+    # is restarted, so both schedules take the same time; the tie goes to SI's.
+    slow = choose_shape(0.7, 0.26, lambda rows: 0.26, parallels=[1], lookaheads=[3], sequential=True)
+    ahead = sum(iid_latency(0.7, 3, 1, 0.26, 0.26, 96, seed).latency for seed in range(3)) / (3 * 96)
+    assert slow.seconds_per_token == pytest.approx(ahead)
+    assert not slow.ahead
+    # More verifiers with a fast drafter: DSI proper.
+    assert choose_shape(0.8, 0.0025, lambda rows: 0.030, parallels=range(1, 4), sequential=True).parallel > 1
+    # A faster CPU (26 ms a draft, 140 ms a forward) at T=0's acceptance: drafting ahead is
+    # predicted faster, unless a forward beside a draft is measured 20 % slower than alone.
+    kw = {"parallels": [1], "lookaheads": [3], "sequential": True}
+    assert choose_shape(0.95, 0.026, lambda rows: 0.14, **kw).ahead
+    assert not choose_shape(0.95, 0.026, lambda rows: 0.14, overlap_slowdown=1.2, **kw).ahead
+    # Without the candidate (the request fixed parallel) it stays ahead.
+    assert choose_shape(0.7, 0.021, lambda rows: 0.26, parallels=[1], lookaheads=[3]).ahead
+
+
 @pytest.mark.parametrize("a,lookahead", [(0.3, 1), (0.7, 4), (0.95, 8)])
 def test_acceptance_from_blocks_inverts_the_truncated_geometric_mean(a: float, lookahead: int) -> None:
     mean = sum(a**i for i in range(1, lookahead + 1))

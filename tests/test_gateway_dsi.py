@@ -49,12 +49,7 @@ def dsi_stack(models, tmp_path_factory) -> Iterator[DsiStack]:
             replica("verifier_service", models["target"], logs / f"verifier-{i}.log", slow)
             for i in range(VERIFIERS)
         ]
-        args = [
-            *("--drafters", drafter.address, "--verifiers", ",".join(v.address for v in verifiers)),
-            *("--redis-url", redis_server.url, "--max-new-tokens-limit", "200"),
-            *("--health-interval", "0.2", "--round-timeout", "30", "--dsi-max-parallel", str(VERIFIERS)),
-        ]
-        gateway = Server("gateway", args, logs / "gateway.log")
+        gateway = Server("gateway", gateway_args(drafter, verifiers, redis_server), logs / "gateway.log")
         servers = [drafter, *verifiers, gateway]
         try:
             start_all(*servers)
@@ -63,10 +58,31 @@ def dsi_stack(models, tmp_path_factory) -> Iterator[DsiStack]:
             stop_all(*servers)
 
 
+def gateway_args(drafter: Server, verifiers: list[Server], redis_server: RedisServer) -> list[str]:
+    return [
+        *("--drafters", drafter.address, "--verifiers", ",".join(v.address for v in verifiers)),
+        *("--redis-url", redis_server.url, "--max-new-tokens-limit", "200"),
+        *("--health-interval", "0.2", "--round-timeout", "30", "--dsi-max-parallel", str(VERIFIERS)),
+    ]
+
+
 @pytest.fixture(scope="module")
 def stub(dsi_stack) -> Iterator:
     with grpc.insecure_channel(dsi_stack.gateway.address) as channel:
         yield gateway_grpc.GatewayStub(channel)
+
+
+@pytest.fixture(scope="module")
+def one_verifier_stub(dsi_stack, tmp_path_factory) -> Iterator:
+    """A second gateway on the same Redis and drafter that knows only the first verifier."""
+    args = gateway_args(dsi_stack.drafter, dsi_stack.verifiers[:1], dsi_stack.redis)
+    gateway = Server("gateway", args, tmp_path_factory.mktemp("dsi-one") / "gateway.log")
+    try:
+        start_all(gateway)
+        with grpc.insecure_channel(gateway.address) as channel:
+            yield gateway_grpc.GatewayStub(channel)
+    finally:
+        stop_all(gateway)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +128,7 @@ def test_dsi_greedy_equals_the_targets_greedy_decode(
     streamed = stream(stub, dsi_request(n, parallel))
     assert list(unary.token_ids) == target_greedy[:n] == streamed.token_ids
     stats = unary.stats
-    assert (stats.dsi_lookahead, stats.dsi_parallel) == (LOOKAHEAD, parallel)
+    assert (stats.dsi_lookahead, stats.dsi_parallel, stats.dsi_ahead) == (LOOKAHEAD, parallel, True)
     assert 1 <= stats.dsi_max_in_flight <= parallel
     if parallel > 1:
         assert stats.dsi_max_in_flight > 1  # verifications really overlapped
@@ -131,6 +147,24 @@ def test_the_gateway_chooses_when_dsi_leaves_depth_and_parallel_unset(stub, targ
     reply = stub.Generate(dsi_request(20, parallel=0, depth=0), timeout=120)
     assert list(reply.token_ids) == target_greedy[:20]
     assert reply.stats.dsi_lookahead >= 1 and 1 <= reply.stats.dsi_parallel <= VERIFIERS
+    if not reply.stats.dsi_ahead:
+        assert reply.stats.dsi_parallel == reply.stats.dsi_max_in_flight == 1
+
+
+def test_with_one_verifier_and_a_fast_drafter_the_gateway_takes_si_schedule(
+    one_verifier_stub, dsi_stack, raw_redis, target_greedy
+) -> None:
+    # One verifier, 1-token blocks drafted in 2 ms against a 40 ms forward: drafting ahead would
+    # save 2 ms per accepted block and lose its bonus token, so the gateway does not (stats say so),
+    # and the output is still the target's greedy decode. A parallel the request sets is kept.
+    n = 30
+    auto = one_verifier_stub.Generate(dsi_request(n, parallel=0, depth=1), timeout=120)
+    fixed = one_verifier_stub.Generate(dsi_request(n, parallel=1, depth=1), timeout=120)
+    assert list(auto.token_ids) == list(fixed.token_ids) == target_greedy[:n]
+    assert (auto.stats.dsi_lookahead, auto.stats.dsi_parallel, auto.stats.dsi_ahead) == (1, 1, False)
+    assert auto.stats.dsi_max_in_flight == 1
+    assert (fixed.stats.dsi_parallel, fixed.stats.dsi_ahead) == (1, True)
+    assert_released(dsi_stack, raw_redis)
 
 
 @pytest.mark.parametrize(

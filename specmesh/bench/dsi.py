@@ -14,10 +14,15 @@ from pathlib import Path
 
 import numpy as np
 
+from specmesh.core import dsi_emulator as emu
 from specmesh.core import dsi_sim as sim
 
 TOLERANCE = 0.10  # a Table 2 row is reproduced when ours is within 10 % of the paper's figure
 PINK = (248 / 256, 24 / 256, 148 / 256, 1.0)  # the paper's colour for slowdowns
+# Per-cycle process restart (ms, SI and DSI) that the authors' emulator keeps in its wall time: measured on
+# our 2-core VM by running their code (docs/benchmarks/dsi_table2_causes.md §2), a constant here.
+RESTART_MS = (14.0, 17.0)
+EMULATOR_REPEATS = 1000  # generations for the authors' emulator when --repeats 0 (it has no exact mode)
 
 
 # ---- computations --------------------------------------------------------------------------------
@@ -29,7 +34,8 @@ def _within(ratio: float) -> bool:
 
 def table2_rows(repeats: int, seed: int) -> list[dict]:
     """Each Table 2 row: the paper's figure, ours (exact), ours sampled at the same lookaheads with
-    common random numbers, and ours under the emulator's accounting (`sim.emulator_speedup`)."""
+    common random numbers, ours under the later emulator accounting (`sim.emulator_speedup`), and the
+    authors' emulator that produced the figure (`authors_emulator`)."""
     out = []
     for row in sim.TABLE2:
         res = sim.table2_row(row)
@@ -40,6 +46,7 @@ def table2_rows(repeats: int, seed: int) -> list[dict]:
             dsi = sim.latency_dsi(fw, row.acceptance, res.dsi.lookahead, n, sim.SERVERS, repeats, seed)
             sampled = si / dsi
         emulator = sim.emulator_speedup(row)
+        authors = authors_emulator(row, repeats or EMULATOR_REPEATS, seed)
         out.append(
             {
                 "target": row.target,
@@ -61,9 +68,38 @@ def table2_rows(repeats: int, seed: int) -> list[dict]:
                 "latency_ms": {"nonsi": res.nonsi, "si": res.si.latency, "dsi": res.dsi.latency},
                 "sampled_speedup": sampled,
                 "emulator_speedup": emulator,
+                "authors_emulator": authors,
             }
         )
     return out
+
+
+def _choice(run: emu.EmulatorRun) -> dict:
+    return {"si_lookahead": run.si_lookahead, "dsi_lookahead": run.dsi_lookahead, "dsi_sp": run.sp}
+
+
+def authors_emulator(row: sim.Table2Row, repeats: int, seed: int) -> dict:
+    """The row on the port of the authors' emulator (specmesh.core.dsi_emulator): the paper's TPOT
+    feasibility rule without restart cost; their TTFT-based config check, without and with the measured
+    restart cost; that on their own draws (seed 42, one run); and the SI restart costs (DSI's 3 ms more,
+    as measured) that bring the TTFT-rule figure within 10 % of the paper's."""
+    tpot = emu.emulator_run(row, repeats, seed)
+    ttft = emu.emulator_run(row, repeats, seed, ttft_rule=True, restart_ms=RESTART_MS)
+    seed42 = emu.emulator_run(row, 1, emu.AUTHORS_SEED, ttft_rule=True, restart_ms=RESTART_MS)
+    extra = RESTART_MS[1] - RESTART_MS[0]
+    high, low = (emu.restart_for(ttft, f * row.paper, extra) for f in (1 - TOLERANCE, 1 + TOLERANCE))
+    return {
+        "tpot_rule": tpot.speedup,
+        "ttft_rule": ttft.si_ms / ttft.dsi_ms,
+        "ttft_rule_restart": ttft.speedup,
+        "seed42_ttft_rule_restart": seed42.speedup,
+        "tpot_rule_choice": _choice(tpot),
+        "ttft_rule_choice": _choice(ttft),
+        "restart_ms": list(RESTART_MS),
+        "cycles": tpot.cycles,
+        "seed42_cycles": seed42.cycles,
+        "restart_ms_within_10pct": [max(low, 0.0), high] if high >= 0 else None,
+    }
 
 
 def grid_summary(grid: sim.Fig2Grid, seconds: float) -> dict:
@@ -121,47 +157,114 @@ TABLE2_INTRO = """
     latency % of the target's (three digits, more than its ms column). SI takes its best lookahead of {si};
     DSI its best feasible lookahead on SP <= {sp} target servers (SP: the least that runs it). Ours: exact
     expectations. Sampled: the same lookaheads, {repeats} sampled generations, SI and DSI on the same
-    acceptance draws (seed {seed}). Emulator acct.: our model with the SI accounting of the authors'
-    emulator (below).
+    acceptance draws (seed {seed}). Emulator acct.: our model with the accounting of the authors' later
+    branch (below). Authors' emulator: a deterministic port of the code that produced the paper's figures
+    (specmesh/core/dsi_emulator.py), {emu_repeats} generations whose draws both arms share (seed {seed}),
+    Table 3's TTFTs, SI lookahead {si}, DSI lookahead {si} x SP <= {sp}; *TPOT rule*: DSI configurations
+    feasible on TPOTs, as the paper states, and no restart cost; *TTFT rule + restart*: the authors' own
+    config check, which uses the TTFTs, and the per-cycle process restart their wall time holds, {restart}
+    ms (SI / DSI) as measured on our VM. ✅: within 10 % of the paper's figure.
 """
 
 TABLE2_WHY = """
     **Why the rows differ.** Table 2's figures are not outputs of the analytic cost model: the paper
     measured the wall-clock time of a multithreaded emulator in which every forward is a sleep of its
-    latency (§4; the cost model is used only for Fig. 2). Our model follows the paper's cost model for both
-    arms: SI as in its App. E.1 (every iteration drafts k tokens and runs one target forward, and commits
-    the accepted drafts plus the target's token), DSI paying drafting while blocks are accepted and one
-    target forward per rejection. The emulator in the authors' repository
-    (keyboardAnt/distributed-speculative-inference, its thread-pool simulation), as we read it, makes SI
-    more expensive than that: after every rejection its SI arm first runs a blocking target forward and
-    only then drafts, and a fully accepted block commits no bonus token (the emulator counts a run of
-    accepted drafts, capped at 20, plus one token per rejection, for both arms). `Emulator acct.` is our
-    model with exactly those differences (`emulator_latencies` in specmesh/core/dsi_sim.py; TPOT only). It
-    brings the rows it names within 10 %; for the others the paper's figure is reproduced by neither
-    accounting, and we could not isolate the cause. Candidates the analytic model leaves out: in the
-    emulator each target thread pays TTFT on its first use (DSI spreads verifications over up to 7 threads,
-    SI uses one; TTFT is 4.5-5.4x TPOT on CNN-DM), a new process is started after every rejection, and the
-    figures are wall-clock measurements of Python threads. (Its branch `add_1_from_target` is the one that
-    commits the target's token after a rejection; the default branch commits it for neither arm.)
+    latency (§4; the cost model is used only for Fig. 2). [dsi_table2_causes.md](dsi_table2_causes.md) sets
+    out how its code (keyboardAnt/distributed-speculative-inference at commit 057adbb) produced them, and
+    checks each row's cause; the *Authors' emulator* columns are its accounting replayed in virtual time.
+    That accounting differs from the paper's cost model, which ours follows (SI as in App. E.1: draft k,
+    verify, commit the accepted drafts plus the target's token): a generation runs in cycles, one OS process
+    each, that commit the run of accepted drafts (capped at 20) and no target token; SI blocks on a target
+    call on the committed prefix at the start of every cycle; a cycle takes floor(C/k)+1 blocks, and the
+    last cycle ends at its first target call. This raises every Vicuna row from about 1.2x to about 1.7x.
+    Two things the paper does not state lower some rows again: the authors' config check requires SP >=
+    ceil(TTFT_target / (k TTFT_drafter)), which on CNN-DM (TTFT 4.5-5.4x TPOT) forces long DSI blocks, and
+    each cycle's process restart (fork, shared-dict proxies, pool start, kill, join) stays in the measured
+    time, which matters for rows with many short cycles. The paper's driver for the table is unpublished,
+    so which rule and grid it used cannot be checked, and no one setting reproduces every row. `Emulator
+    acct.` (`emulator_latencies` in specmesh/core/dsi_sim.py) follows the authors' later branch
+    `add_1_from_target` instead (C+1 tokens and ceil(C/k) blocks per cycle, the last cycle paid in full),
+    which is not the code that produced the paper.
 """
 
 
-def _cause(r: dict) -> str:
-    """Why a row is off by more than 10 %, from this run's figures (TABLE2_WHY has the details)."""
-    ours, emu, paper = r["speedup"], r["emulator_speedup"], r["paper_speedup"]
-    if _within(emu / paper):
-        return f"the emulator's SI accounting: with it ours is {emu:.2f}x ({emu / paper:.2f} of the paper's)"
-    where = "between" if min(ours, emu) < paper < max(ours, emu) else "above" if paper > ours else "below"
-    return (
-        f"not isolated: the paper's figure is {where} ours with the paper's cost model ({ours:.2f}x) and "
-        f"with the emulator's SI accounting ({emu:.2f}x)"
-    )
+def _cause(r: dict, rows: dict[tuple[str, str], dict]) -> str:
+    """The checked cause of the row's difference (dsi_table2_causes.md §3), with this run's figures; the
+    measured constants (restart cost, their code's wall-clock results) come from that doc."""
+    e = r["authors_emulator"]
+    x = {
+        "ours": r["speedup"],
+        "tpot": e["tpot_rule"],
+        "ttft0": e["ttft_rule"],
+        "ttft": e["ttft_rule_restart"],
+        "seed42": e["seed42_ttft_rule_restart"],
+        "paper": r["paper_speedup"],
+    }
+    f = {name: f"{value:.2f}x" for name, value in x.items()}
+    ratio, cycles = r["ttft_ratio_target"], e["cycles"]
+    k, sp = e["ttft_rule_choice"]["dsi_lookahead"], e["ttft_rule_choice"]["dsi_sp"]
+    restart = e["restart_ms_within_10pct"]
+    match r["target"], r["dataset"]:
+        case "Vicuna-13B", "CNN-DM":
+            return (
+                f"Partly explained: the emulator's accounting raises ours ({f['ours']}) to {f['tpot']}; "
+                f"the authors' TTFT-based config check (TTFT {ratio}x TPOT) admits DSI only from k = {k} "
+                f"(SP {sp}), giving {f['ttft0']}, {f['ttft']} with the restart cost; the paper's figure lies "
+                "between these settings, and which one its unpublished driver used cannot be known."
+            )
+        case "Vicuna-13B", "Alpaca":
+            return (
+                f"The per-cycle process restart: about {cycles:.0f} short cycles pay it in both arms, which "
+                f"at the {RESTART_MS[0]:.0f}/{RESTART_MS[1]:.0f} ms measured on our VM lowers the "
+                f"emulator's {f['tpot']} to {f['ttft']}; within 10 % for an SI restart cost of "
+                f"{restart[0]:.1f}-{restart[1]:.1f} ms per cycle (DSI's 3 ms more)."
+            )
+        case "Vicuna-7B", "CNN-DM":
+            return (
+                f"The TTFT-based config check plus the restart cost: with TTFT {ratio}x TPOT their check "
+                f"admits DSI only k = {k}, SP = {sp}, giving {f['ttft']} (their code run here: 1.23x, "
+                f"measured); our cost model's match ({f['ours']}) is a coincidence of two larger, opposite "
+                "effects."
+            )
+        case "Vicuna-7B", "Alpaca":
+            other = rows["Vicuna-13B", "Alpaca"]["authors_emulator"]["restart_ms_within_10pct"]
+            return (
+                f"Not reproducible together with Vicuna-13B/Alpaca: the emulator's accounting gives "
+                f"{f['tpot']}, within 10 % only for an SI restart cost of at most {restart[1]:.1f} ms per "
+                f"cycle ({f['ttft']} at the measured cost), while Vicuna-13B/Alpaca, with nearly the same "
+                f"parameters, needs at least {other[0]:.1f} ms: no one restart cost fits both rows."
+            )
+        case "Starcoder-15B", "HumanEval":
+            return (
+                f"Not reproducible by any setting of the authors' code: the most it gives is {f['tpot']}, "
+                "within 10 % only with no restart cost, which their code does pay (with it "
+                f"{f['ttft']}, {f['seed42']} on their seed-42 draws; their code run here: 1.52x, "
+                f"measured); nothing in it reaches the paper's {f['paper']}."
+            )
+        case "Phi3-14B", "CNN-DM":
+            return (
+                f"The emulator's accounting ({f['tpot']}; {f['ttft']} with the TTFT rule and restart cost) "
+                f"plus the authors' single run on seed 42, which draws only {e['seed42_cycles']:.0f} "
+                f"cycles and gives {f['seed42']}."
+            )
+        case "Phi3-14B", "HumanEval":
+            return (
+                f"The emulator's accounting ({f['tpot']}); with about {cycles:.0f} cycles the restart cost "
+                f"hardly matters ({f['ttft']})."
+            )
+    return f"The emulator's accounting: {f['tpot']}; {f['ttft']} with the TTFT rule and the restart cost."
+
+
+def _mark(value: float, paper: float) -> str:
+    return f"{value:.2f}x" + (" ✅" if _within(value / paper) else "")
 
 
 def _table2_md(rows: list[dict], repeats: int, seed: int) -> list[str]:
     header = ["Target", "Drafter", "Dataset", "Target TPOT ms", "Drafter %", "Accept.", "Paper", "Ours",
               "Ours / paper", "Within 10 %", "SI k", "DSI k, SP", f"Sampled ({repeats} runs)",
-              "Emulator acct.", "Cause (rows outside 10 %)"]  # fmt: skip
+              "Emulator acct.", "Authors' emulator, TPOT rule", "Authors' emulator, TTFT rule + restart",
+              "Cause (checked)"]  # fmt: skip
+    by_key = {(r["target"], r["dataset"]): r for r in rows}
     body = [
         [
             r["target"],
@@ -178,26 +281,37 @@ def _table2_md(rows: list[dict], repeats: int, seed: int) -> list[str]:
             f"{r['dsi_lookahead']}, {r['dsi_sp']}",
             _x(r["sampled_speedup"]),
             _x(r["emulator_speedup"]),
-            "" if r["within_10pct"] else _cause(r),
+            _mark(r["authors_emulator"]["tpot_rule"], r["paper_speedup"]),
+            _mark(r["authors_emulator"]["ttft_rule_restart"], r["paper_speedup"]),
+            _cause(r, by_key),
         ]
         for r in rows
     ]
     ratios = [r["ratio"] for r in rows]
-    emu = [r["emulator_speedup"] / r["paper_speedup"] for r in rows]
+    paper = [r["paper_speedup"] for r in rows]
+    others = {
+        "Emulator acct.": [r["emulator_speedup"] for r in rows],
+        "the authors' emulator, TPOT rule": [r["authors_emulator"]["tpot_rule"] for r in rows],
+        "the authors' emulator, TTFT rule + restart": [
+            r["authors_emulator"]["ttft_rule_restart"] for r in rows
+        ],
+    }
     intro = TABLE2_INTRO.format(
         n=sim.TABLE2_TOKENS,
         si=", ".join(map(str, sim.SI_LOOKAHEADS)),
         sp=sim.SERVERS,
         repeats=repeats,
         seed=seed,
+        emu_repeats=repeats or EMULATOR_REPEATS,
+        restart="/".join(f"{x:.0f}" for x in RESTART_MS),
     )
-    tally = (
-        f"Within 10 %: {sum(map(_within, ratios))} of {len(rows)} rows with our cost model (ours / paper "
-        f"{min(ratios):.2f}-{max(ratios):.2f}); {sum(map(_within, emu))} of {len(rows)} with the emulator's "
-        f"accounting ({min(emu):.2f}-{max(emu):.2f})."
-    )
+    tally = f"Within 10 %: {sum(map(_within, ratios))} of {len(rows)} rows with our cost model (ours / paper "
+    tally += f"{min(ratios):.2f}-{max(ratios):.2f})"
+    for name, speedups in others.items():
+        rs = [s / p for s, p in zip(speedups, paper, strict=True)]
+        tally += f"; {sum(map(_within, rs))} of {len(rows)} with {name} ({min(rs):.2f}-{max(rs):.2f})"
     return ["## Table 2: DSI vs SI on the paper's model pairs", "", _para(intro), "", *_table(header, body),
-            "", tally, "", _para(TABLE2_WHY), ""]  # fmt: skip
+            "", tally + ".", "", _para(TABLE2_WHY), ""]  # fmt: skip
 
 
 GRID_INTRO = """
@@ -379,8 +493,10 @@ def bench_dsi(out: Path, repeats: int = 1000, seed: int = 0) -> dict:
     (out / "dsi.md").write_text("\n".join(lines))
     for r in rows:
         mark = "ok " if r["within_10pct"] else "off"
+        e = r["authors_emulator"]
         print(f"{mark} {r['target']:>13} {r['dataset']:<9} paper {r['paper_speedup']:.2f}x ours "
-              f"{r['speedup']:.2f}x (emulator acct. {r['emulator_speedup']:.2f}x)")  # fmt: skip
+              f"{r['speedup']:.2f}x (emulator acct. {r['emulator_speedup']:.2f}x; authors' emulator "
+              f"{e['tpot_rule']:.2f}x, + TTFT rule, restart {e['ttft_rule_restart']:.2f}x)")  # fmt: skip
     slower = f"{summary['dsi_slower_cells']} of {summary['cells']} cells"
     print(f"Fig. 2: DSI slower than min(SI, non-SI) in {slower}")
     print(f"Table 1: {'reproduced' if table1 == sim.TABLE1_PAPER else 'DIFFERS'}; wrote {out / 'dsi.md'}")

@@ -24,8 +24,10 @@ def bench_gateway(
     engine_json: str | None = None,
     dsi_parallel: int = 0,
 ) -> dict:
-    """dsi_parallel > 0: the rows are plain decoding, SI (chain-3) and DSI with a lookahead of 3 and
-    that many verifications in flight, instead of the engine's methods."""
+    """dsi_parallel > 0: the rows are plain decoding, SI (chain-3), DSI with a lookahead of 3 and
+    that many verifications in flight (the paper's DSI, drafting ahead), and DSI with a lookahead of
+    3 and the rest left to the gateway (`dsi-3-auto`: it may choose SI's schedule), instead of the
+    engine's methods."""
     engine = {}
     if engine_json:
         with open(engine_json) as f:
@@ -47,10 +49,12 @@ def bench_gateway(
             row["engine_tokens_per_second"] = ref["tokens_per_second"] if ref else None
             rows.append(row)
             vs_engine = f"x{row['tokens_per_second'] / ref['tokens_per_second']:.2f} of engine" if ref else ""
+            shapes = f"  dsi (lookahead, parallel, ahead): {row['dsi_shapes']}" if row["dsi_shapes"] else ""
             print(
                 f"T={temperature:<3} {name:<12} {row['tokens_per_second']:6.2f} tok/s  "
                 f"x{row['tokens_per_second'] / base['tokens_per_second']:4.2f} vs AR  "
-                f"eta {row['block_efficiency']:4.2f}  network {row['network_seconds']:5.1f}s  {vs_engine}",
+                f"eta {row['block_efficiency']:4.2f}  network {row['network_seconds']:5.1f}s  {vs_engine}"
+                f"{shapes}",
                 flush=True,
             )
     return dict(address=address, date=time.strftime("%Y-%m-%d %H:%M:%S"), rows=rows)
@@ -64,4 +68,5 @@ def _rows(dsi_parallel: int) -> list[tuple[str, TreeSpec, int | None]]:
         ("none", DEFAULT_SPECS["none"], None),
         ("chain-3", chain, None),
         (f"dsi-3x{dsi_parallel}", chain, dsi_parallel),
+        ("dsi-3-auto", chain, 0),
     ]

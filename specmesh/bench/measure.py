@@ -159,6 +159,7 @@ async def run_gateway(
         tokens=sum(n for r in results for _, n in r["arrivals"]),
         accepted_tokens=sum(s.accepted_tokens for s in stats),
         dsi_max_in_flight=max((s.dsi_max_in_flight for s in stats), default=0),
+        dsi_shapes=sorted({(s.dsi_lookahead, s.dsi_parallel, s.dsi_ahead) for s in stats if s.dsi_lookahead}),
         seconds=wall,
         block_efficiency=sum(s.block_efficiency * s.target_calls for s in stats) / rounds if rounds else None,
         target_calls=rounds,

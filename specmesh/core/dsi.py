@@ -149,13 +149,15 @@ def simulate(
     draft_seconds: Callable[[], float],
     verify_seconds: Callable[[], float],
     new_state: Callable[[Sequence[int]], DsiState] = DsiState,
+    ahead: bool = True,
 ) -> SimResult:
     """DSI with one drafter and `sp` target workers, every forward a wait of its latency.
 
     draft_seconds(): the time to draft one block; verify_seconds(): one target forward. The drafter
     works ahead while fewer than sp + 1 blocks are unresolved (one more than the workers can
     take, so a worker never waits for a draft it could have had). A rejection preempts the
-    cancelled blocks' workers and the draft in progress at once."""
+    cancelled blocks' workers and the draft in progress at once. ahead=False: the drafter waits
+    for every verdict, which is SI's schedule (every fully accepted block keeps its bonus token)."""
     if lookahead < 1 or sp < 1 or n_tokens < 1:
         raise ValueError("lookahead, sp and n_tokens must be >= 1")
     state = new_state(prompt)
@@ -166,6 +168,7 @@ def simulate(
     running: dict[int, Block] = {}  # block id -> block, on a worker
     queued: list[Block] = []  # drafted, waiting for a worker
     forwards = most = 0
+    unresolved = sp + 1 if ahead else 1  # blocks at which the drafter stops
 
     def push(t: float, kind: str, payload: object) -> None:
         nonlocal seq
@@ -180,7 +183,7 @@ def simulate(
             forwards += 1
             most = max(most, len(running))
             push(now + verify_seconds(), "verified", (block, state.prefix(block)))
-        if drafting is None and len(state.blocks) < sp + 1 and len(state.committed) < goal:
+        if drafting is None and len(state.blocks) < unresolved and len(state.committed) < goal:
             drafting = state.version
             push(now + draft_seconds(), "drafted", (state.version, state.context()))
 
@@ -222,6 +225,7 @@ def iid_latency(
     verify_seconds: Callable[[int], float] | float,
     n_tokens: int = 128,
     seed: int = 0,
+    ahead: bool = True,
 ) -> SimResult:
     """`simulate` with each drafted token accepted independently with probability `acceptance`
     (the paper's model); draft_seconds per drafted token, verify_seconds(rows) per target forward
@@ -237,7 +241,7 @@ def iid_latency(
 
     return simulate(
         [0], n_tokens, lookahead, sp, lambda context, k: ([1] * k, None), verify,
-        lambda: lookahead * draft_seconds, lambda: forward(lookahead + 1),
+        lambda: lookahead * draft_seconds, lambda: forward(lookahead + 1), ahead=ahead,
     )  # fmt: skip
 
 
@@ -246,6 +250,7 @@ class Shape:
     lookahead: int
     parallel: int
     seconds_per_token: float  # predicted
+    ahead: bool = True  # False: the drafter waits for every verdict (SI's schedule, one verifier)
 
 
 def choose_shape(
@@ -255,19 +260,33 @@ def choose_shape(
     parallels: Sequence[int],
     lookaheads: Sequence[int] = range(1, 9),
     n_tokens: int = 96,
+    sequential: bool = False,
+    overlap_slowdown: float = 1.0,
 ) -> Shape:
     """The lookahead and parallel verifications that `iid_latency` predicts fastest (ties: the
-    fewest replicas, then the shortest lookahead). Deterministic: seeded, common random numbers."""
+    fewest replicas, then the shortest lookahead). Deterministic: seeded, common random numbers.
+
+    sequential: SI's schedule (no drafting ahead) is a candidate too, and wins ties. With one
+    verifier, working ahead saves one draft per fully accepted block but loses that block's bonus
+    token (the younger block decides the position); where a block takes longer to draft than a
+    forward, the verdict comes first, the bonus is kept and the draft restarted, which is SI's
+    timing. So with one verifier it rarely pays, and SI's schedule keeps DSI from being slower.
+    overlap_slowdown: a forward's measured time beside drafting over its time alone (above 1 where
+    the drafter shares the target's cores), charged to every candidate that drafts ahead."""
+    candidates = [(1, False)] if sequential else []
+    candidates += [(parallel, True) for parallel in sorted(parallels)]
     best: Shape | None = None
-    for parallel in sorted(parallels):
+    for parallel, ahead in candidates:
+        slowdown = overlap_slowdown if ahead else 1.0
+        forward = lambda rows, s=slowdown: s * verify_seconds(rows)  # noqa: E731
         for lookahead in sorted(lookaheads):
             runs = [
-                iid_latency(acceptance, lookahead, parallel, draft_seconds, verify_seconds, n_tokens, seed)
+                iid_latency(acceptance, lookahead, parallel, draft_seconds, forward, n_tokens, seed, ahead)
                 for seed in range(3)
             ]
             per_token = sum(r.latency for r in runs) / (len(runs) * n_tokens)
             if best is None or per_token < best.seconds_per_token * (1 - 1e-9):
-                best = Shape(lookahead, parallel, per_token)
+                best = Shape(lookahead, parallel, per_token, ahead)
     assert best is not None
     return best
 

@@ -495,12 +495,15 @@ def table2_row(
 def emulator_latencies(
     t_target: float, t_draft: float, acceptance: float, lookahead: int, n_tokens: int, max_run: int = 20
 ) -> tuple[float, float]:
-    """Expected (SI, DSI) latency under the accounting of the authors' wall-clock emulator (their public
-    repository, keyboardAnt/distributed-speculative-inference, as we read its thread-pool simulation;
-    TPOT only), for explaining Table 2. Per cycle between rejections, C = min(geometric run of accepted
-    drafts, max_run) and C + 1 tokens; v = ceil(C/k) blocks are drafted. SI pays a blocking target
-    forward before drafting and then v (draft k + verify): no bonus token for a fully accepted block
-    and an extra forward per cycle; DSI pays v·k·t_draft + one forward, as in our model."""
+    """Expected (SI, DSI) latency under the accounting of the authors' emulator as changed on their later
+    branch `add_1_from_target` (keyboardAnt/distributed-speculative-inference, commits 0e688ec and 1fb0623,
+    July 2024; TPOT only), which is not the code that produced the paper's Table 2: that one, at 057adbb,
+    commits C tokens per cycle in ⌊C/k⌋+1 blocks and ends the last cycle at its first target call, and is
+    ported in specmesh.core.dsi_emulator. Here, per cycle between rejections, C = min(geometric run of
+    accepted drafts, max_run) and C + 1 tokens; v = ceil(C/k) blocks are drafted, the last cycle paid in
+    full. SI pays a blocking target forward before drafting and then v (draft k + verify): no bonus token
+    for a fully accepted block and an extra forward per cycle; DSI pays v·k·t_draft + one forward, as in
+    our model."""
     runs = np.arange(max_run + 1)
     v = -(-runs // lookahead)
     si_cost = t_target + v * (lookahead * t_draft + t_target)
