@@ -41,7 +41,7 @@ from gateway.requests import GenerationPlan
 from gateway.rounds import _STUBS, GatewayEnv, GatewayError, Piece, SessionRun
 from gateway.text import TextStream
 from specmesh.core.drafting import TreeSpec
-from specmesh.core.dsi import Block, DsiState, Outcome, acceptance_from_blocks
+from specmesh.core.dsi import Block, DsiState, Outcome, acceptance_from_blocks, drafting_limit
 from specmesh.core.methods import Method
 from specmesh.core.stats import GenerationStats
 from specmesh.rpc import wire
@@ -93,7 +93,7 @@ class DsiRun(SessionRun):
         super().__init__(plan, env, text, deadline)
         self.verify_cost = verify_cost
         self.lookahead, self.parallel, self.ahead = lookahead, parallel, ahead
-        self.unresolved = parallel + 1 if ahead else 1  # blocks at which the drafter stops
+        self.unresolved = drafting_limit(parallel, ahead)
         self.state = DsiState(self.tokens)
         self.held: dict[str, list[int]] = {}  # replica -> the tokens it surely holds
         self.calls: dict[asyncio.Future, _Call] = {}

@@ -283,13 +283,16 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         assert model is not None
         if plan.dsi is None:
             return SessionRun(plan, self.env, text, deadline, model.forward_cost)
-        shape = await self._dsi_shape(plan.dsi, model)
+        verify = ForwardCost(model.forward_cost, decay=0.0).shape
+        shape = await self._dsi_shape(plan.dsi, verify, model.draft_cost)
         return DsiRun(
             plan, self.env, text, deadline, lookahead=shape.lookahead, parallel=shape.parallel,
-            ahead=shape.ahead, verify_cost=ForwardCost(model.forward_cost, decay=0.0).shape,
+            ahead=shape.ahead, verify_cost=verify,
         )  # fmt: skip
 
-    async def _dsi_shape(self, settings: DsiSettings, model: ServedModel) -> Shape:
+    async def _dsi_shape(
+        self, settings: DsiSettings, verify: Callable[[int], float], draft_cost: dict[int, float]
+    ) -> Shape:
         """A DSI request's lookahead and parallel verifications; what it leaves unset (0) is what
         the DSI simulation predicts fastest for the replicas' measured forward costs and the
         acceptance of earlier DSI sessions (specmesh.core.dsi.choose_shape). With `parallel` unset
@@ -309,8 +312,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         sequential = not settings.parallel
         if settings.parallel and settings.lookahead:
             return Shape(settings.lookahead, settings.parallel, seconds_per_token=0.0)  # nothing predicted
-        verify = ForwardCost(model.forward_cost, decay=0.0).shape
-        draft = model.draft_cost.get(1, DSI_UNKNOWN_DRAFT_SHARE * verify(1))
+        draft = draft_cost.get(1, DSI_UNKNOWN_DRAFT_SHARE * verify(1))
         return await asyncio.to_thread(
             choose_shape, self.env.dsi_acceptance, draft, verify, parallels, lookaheads,
             sequential=sequential, overlap_slowdown=self.env.dsi_overlap_slowdown(),

@@ -365,11 +365,11 @@ SEED42 = (1.24, 1.51, 1.235, 1.44, 1.44, 1.59, 1.44, 1.49, 1.47, 1.58)
 @pytest.mark.parametrize("key", EMULATED, ids="-".join)
 def test_emulator_table2_figures(key):
     tpot, ttft = EMULATED[key]
-    assert emu.emulator_speedup_exact(ROWS[key]) == pytest.approx(tpot, abs=0.01)
-    restarted = emu.emulator_speedup_exact(ROWS[key], ttft_rule=True, restart_ms=(14.0, 17.0))
+    assert emu.emulator_run(ROWS[key]).speedup == pytest.approx(tpot, abs=0.01)
+    restarted = emu.emulator_run(ROWS[key], ttft_rule=True, restart_ms=(14.0, 17.0)).speedup
     assert restarted == pytest.approx(ttft, abs=0.01)
 
 
 def test_emulator_seed42_figures():
-    got = [emu.emulator_speedup_exact(r, 1, 42, ttft_rule=True, restart_ms=(14.0, 17.0)) for r in sim.TABLE2]
+    got = [emu.emulator_run(r, 1, 42, ttft_rule=True, restart_ms=(14.0, 17.0)).speedup for r in sim.TABLE2]
     assert got == pytest.approx(SEED42, abs=0.006)

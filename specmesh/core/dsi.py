@@ -124,6 +124,12 @@ class DsiState:
         return res
 
 
+def drafting_limit(parallel: int, ahead: bool) -> int:
+    """Unresolved blocks at which the drafter stops: one more than `parallel` verifications can take,
+    so a verifier never waits for a draft it could have had; 1 without drafting ahead (SI's schedule)."""
+    return parallel + 1 if ahead else 1
+
+
 # ---- the coordinator in virtual time -----------------------------------------------------------
 
 # (context, lookahead) -> (drafted tokens, what verify needs of the draft, e.g. its tree)
@@ -168,7 +174,7 @@ def simulate(
     running: dict[int, Block] = {}  # block id -> block, on a worker
     queued: list[Block] = []  # drafted, waiting for a worker
     forwards = most = 0
-    unresolved = sp + 1 if ahead else 1  # blocks at which the drafter stops
+    unresolved = drafting_limit(sp, ahead)
 
     def push(t: float, kind: str, payload: object) -> None:
         nonlocal seq

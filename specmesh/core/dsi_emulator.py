@@ -157,10 +157,7 @@ def dsi_cycle(
 
 def si_generation(fw: Forwards, k: int, runs: Sequence[int]) -> float:
     """One SI generation for the given C per cycle (the last one ends the generation)."""
-    runs = np.asarray(runs)[None, :]
-    _, last, fresh = _flags(runs)
-    first = np.arange(runs.shape[1]) == 0
-    return float(si_cycle(fw, k, runs, first, fresh, last).sum())
+    return _si_mean(fw, k, np.asarray(runs)[None, :])
 
 
 def dsi_generation(fw: Forwards, k: int, sp: int, runs: Sequence[int]) -> float:
@@ -243,7 +240,8 @@ def emulator_run(
 ) -> EmulatorRun:
     """Table 2's protocol (§4) on the emulator: SI at its best lookahead of 1, 5, 10; DSI at its best
     (lookahead in 1, 5, 10; SP <= 7) admitted by the rule, or of lookaheads 1..max_run if none is (the
-    driver is unpublished: this grid is the paper's text). Ties: the smaller lookahead, then SP."""
+    driver is unpublished: this grid is the paper's text). Ties: the smaller lookahead, then SP.
+    `.speedup` is Table 2's DSI-vs-SI figure as the authors' emulator gives it, without its noise."""
     fw = row.forwards()
     mean = functools.partial(_mean, fw, row.acceptance, repeats, seed, max_run)
     si_ms, si_k = min((mean(k, 0), k) for k in SI_LOOKAHEADS)
@@ -253,17 +251,6 @@ def emulator_run(
     dsi_ms, dsi_k, sp = min((mean(k, sp), k, sp) for k, sp in grid)
     live = draw_cycles(row.acceptance, repeats, seed, TABLE2_TOKENS, max_run) >= 0
     return EmulatorRun(si_k, dsi_k, sp, si_ms, dsi_ms, float(live.sum() / repeats), restart_ms)
-
-
-def emulator_speedup_exact(
-    row: Table2Row,
-    repeats: int = 1000,
-    seed: int = 0,
-    ttft_rule: bool = False,
-    restart_ms: tuple[float, float] = (0.0, 0.0),
-) -> float:
-    """Table 2's DSI-vs-SI figure as the authors' emulator gives it, without its wall-clock noise."""
-    return emulator_run(row, repeats, seed, ttft_rule, restart_ms).speedup
 
 
 def restart_for(run: EmulatorRun, speedup: float, dsi_extra_ms: float = 0.0) -> float:
