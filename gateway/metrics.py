@@ -1,30 +1,56 @@
-"""The gateway's Prometheus metrics (docs/gateway.md): the rounds it committed, in the same terms
-as the verifier's (specmesh.rpc.metrics.RoundMetrics, namespace "gateway"), and its own."""
+"""The gateway's Prometheus metrics (docs/gateway.md, "Metrics"), named like vLLM's under the
+`specmesh:` namespace: per request (latencies, tokens, running / waiting) and per committed round
+(specmesh.rpc.metrics.RoundMetrics with the prefix "specmesh:"). A "draft token" there is a tree
+node; emitted tokens are the accepted ones plus one per round."""
 
 from __future__ import annotations
+
+import time
 
 from specmesh.core.stats import GenerationStats
 from specmesh.rpc.metrics import TIME_BUCKETS, RoundMetrics, RpcMetrics
 
+NS = "specmesh:"
 _ROUND_BUCKETS = (*TIME_BUCKETS, 10.0, 30.0)
+_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _PHASES = "time per round and phase: draft, verify (as the replicas report), network, commit (Redis)"
 
 
 class GatewayMetrics(RpcMetrics):
     def __init__(self) -> None:
         super().__init__()
-        self.round_counts = RoundMetrics(self, "gateway")
-        self.sessions = self.gauge("specmesh_gateway_sessions", "generations in progress")
-        self.tokens = self.counter("specmesh_gateway_tokens", "generated tokens committed")
-        self.failovers = self.counter(
-            "specmesh_gateway_failovers", "replica calls that failed and moved the session, by role", "role"
+        self.round_counts = RoundMetrics(self, NS)
+        self.running = self.gauge(f"{NS}num_requests_running", "requests generating (a session in Redis)")
+        self.waiting = self.gauge(
+            f"{NS}num_requests_waiting", "requests admitted but not generating yet (tokenizing, placing)"
         )
-        self.phase = self.histogram("specmesh_gateway_phase_seconds", _PHASES, _ROUND_BUCKETS, "phase")
+        self.prompt_tokens = self.counter(f"{NS}prompt_tokens", "prompt tokens of the requests that started")
+        self.generation_tokens = self.counter(f"{NS}generation_tokens", "generated tokens committed")
+        self.request_success = self.counter(
+            f"{NS}request_success", "requests that finished, by finish reason", "finished_reason"
+        )
+        h = self.histogram
+        self.ttft = h(f"{NS}time_to_first_token_seconds", "arrival to the first token", _REQUEST_BUCKETS)
+        self.itl = h(
+            f"{NS}inter_token_latency_seconds",
+            "time between two chunks of a stream (one chunk per round; a round may emit several tokens)",
+            _ROUND_BUCKETS,
+        )
+        self.tpot = h(
+            f"{NS}request_time_per_output_token_seconds",
+            "per request: (end - first token) / (generated tokens - 1)",
+            _ROUND_BUCKETS,
+        )
+        self.e2e = h(f"{NS}e2e_request_latency_seconds", "arrival to the last token", _REQUEST_BUCKETS)
+        self.failovers = self.counter(
+            f"{NS}failovers", "replica calls that failed and moved the session, by role", "role"
+        )
+        self.phase = h(f"{NS}round_phase_seconds", _PHASES, _ROUND_BUCKETS, "phase")
 
     def observe_round(self, stats: GenerationStats, tokens: int, commit_seconds: float) -> None:
         """One committed round: its stats delta and the tokens kept (after stop / length cuts)."""
         self.round_counts.observe(stats.drafted_tokens, stats.accepted_tokens)
-        self.tokens.inc(tokens)
+        self.generation_tokens.inc(tokens)
         for phase, seconds in (
             ("draft", stats.draft_seconds),
             ("verify", stats.verify_seconds),
@@ -32,3 +58,32 @@ class GatewayMetrics(RpcMetrics):
             ("commit", commit_seconds),
         ):
             self.phase.labels(phase).observe(seconds)
+
+
+class RequestClock:
+    """One request's latencies, observed as its chunks go out (the same for gRPC and HTTP)."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+        self.start = self.last = time.perf_counter()
+        self.first: float | None = None
+        self.tokens = 0
+
+    def chunk(self, tokens: int) -> None:
+        if not tokens:
+            return
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now
+        self.tokens += tokens
+
+    def finished(self, reason: str) -> None:
+        m = self.metrics
+        m.request_success.labels(reason).inc()
+        m.e2e.observe(time.perf_counter() - self.start)
+        if self.first is not None and self.tokens > 1:
+            m.tpot.observe((self.last - self.first) / (self.tokens - 1))

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specmesh.rpc.tracing import client_interceptors
+
 __all__ = ["NoHealthyReplica", "ReplicaPool", "Target", "parse_targets"]
 
 log = logging.getLogger("specmesh.gateway.pools")
@@ -127,7 +129,9 @@ class ReplicaPool:
         self.resolve_interval = resolve_interval
         self.failure_cooldown = health_interval if failure_cooldown is None else failure_cooldown
         self._channel_factory = channel_factory or (
-            lambda addr: grpc.aio.insecure_channel(addr, options=DEFAULT_CHANNEL_OPTIONS)
+            lambda addr: grpc.aio.insecure_channel(
+                addr, options=DEFAULT_CHANNEL_OPTIONS, interceptors=client_interceptors()
+            )
         )
         self._replicas: dict[str, Replica] = {}
         self._resolved: dict[Target, list[str]] = {}

@@ -52,8 +52,10 @@ from specmesh.rpc.round_client import (
     RoundResult,
     release_session,
 )
+from specmesh.rpc.tracing import tracer
 
 log = logging.getLogger("specmesh.gateway.rounds")
+_tracer = tracer("specmesh.gateway")
 
 _FAILOVER = {
     grpc.StatusCode.UNAVAILABLE,
@@ -151,7 +153,7 @@ class SessionRun:
     # ---- lifecycle -----------------------------------------------------------------------------
 
     async def __aenter__(self) -> SessionRun:
-        self.env.metrics.sessions.inc()
+        self.env.metrics.running.inc()
         try:
             await self._place()
             p = self.plan
@@ -182,7 +184,7 @@ class SessionRun:
             raise
 
     async def _cleanup(self) -> None:
-        self.env.metrics.sessions.dec()
+        self.env.metrics.running.dec()
         if self.client.policy is not None:
             self.env.policies.remember(self.client.policy, self.plan.params)
         releases = [
@@ -201,7 +203,12 @@ class SessionRun:
     # ---- rounds --------------------------------------------------------------------------------
 
     async def step(self) -> Piece:
-        """One round, committed; retried on other replicas when one fails."""
+        """One round, committed; retried on other replicas when one fails. Traced as a span
+        "round" with the Draft and Verify calls and the commit under it."""
+        with _tracer.start_as_current_span("round", attributes={"session": self.id, "round": self.round}):
+            return await self._step()
+
+    async def _step(self) -> Piece:
         for _ in range(self.env.max_attempts):
             result = await self._run_round()
             kept, finish = self._cut(result.tokens)
@@ -224,9 +231,10 @@ class SessionRun:
         """Commit one round's tokens to Redis: what the client gets, or None if Redis is at another
         round."""
         start = time.perf_counter()
-        committed = await self.env.store.commit_round(
-            self.id, self.round, kept, stats, lengths, finish_reason=finish
-        )
+        with _tracer.start_as_current_span("commit", attributes={"tokens": len(kept)}):
+            committed = await self.env.store.commit_round(
+                self.id, self.round, kept, stats, lengths, finish_reason=finish
+            )
         if not committed:
             return None
         self.env.metrics.observe_round(stats, len(kept), time.perf_counter() - start)

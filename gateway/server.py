@@ -12,9 +12,11 @@ verifier's, and takes the context length from the model config (unless --max-con
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +25,9 @@ from grpc_health.v1 import health, health_pb2
 
 from gateway.api import gateway_pb2, gateway_pb2_grpc
 from gateway.dsi import DsiRun
-from gateway.metrics import GatewayMetrics
+from gateway.http_server import HttpServer
+from gateway.metrics import GatewayMetrics, RequestClock
+from gateway.openai_api import create_app
 from gateway.pools import NoHealthyReplica, ReplicaPool
 from gateway.requests import DsiSettings, GenerationPlan, ModelLimits, parse_generate_request
 from gateway.rounds import GatewayEnv, GatewayError, SessionRun
@@ -34,7 +38,15 @@ from specmesh.core.drafting import TreeSpec
 from specmesh.core.dsi import Shape, choose_shape
 from specmesh.core.methods import Method
 from specmesh.rpc.proto import pb2, pb2_grpc
-from specmesh.rpc.server import RpcService, ServerConfig, configure_logging, parse_flags, rpc, serve
+from specmesh.rpc.server import (
+    RpcService,
+    ServerConfig,
+    configure_logging,
+    parse_flags,
+    rpc,
+    rpc_stream,
+    serve,
+)
 from specmesh.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger("specmesh.gateway")
@@ -60,6 +72,10 @@ class GatewayConfig(ServerConfig):
     max_attempts: int
     health_interval: float
     dsi_max_parallel: int
+    http_port: int
+    served_model_name: str
+    max_concurrent_requests: int
+    api_keys: str
 
 
 _FLAGS: dict[str, tuple[type, str]] = {
@@ -81,6 +97,17 @@ _FLAGS: dict[str, tuple[type, str]] = {
         "seconds between health checks of the replicas (also the cooldown after a failure)",
     ),
     "dsi_max_parallel": (int, "DSI: the most verifications of one session in flight at once"),
+    "http_port": (int, "port of the OpenAI-compatible HTTP API, /health and /metrics (0 = off)"),
+    "served_model_name": (str, "the model name of the HTTP API (empty: the verifier's model id)"),
+    "max_concurrent_requests": (
+        int,
+        "generations at once; one more is refused at once with RESOURCE_EXHAUSTED / HTTP 429 (0 = no limit)",
+    ),
+    "api_keys": (
+        str,
+        "comma-separated API keys; when set, every request needs one (gRPC metadata `authorization: "
+        "Bearer KEY`, HTTP header `Authorization: Bearer KEY`), else UNAUTHENTICATED / 401",
+    ),
 }
 
 DEFAULTS: dict[str, Any] = {
@@ -96,6 +123,10 @@ DEFAULTS: dict[str, Any] = {
     "max_attempts": 5,
     "health_interval": 1.0,
     "dsi_max_parallel": 4,
+    "http_port": 8000,
+    "served_model_name": "",
+    "max_concurrent_requests": 0,
+    "api_keys": "",
 }  # --verifiers has no default: it is required; the flags every server has: ServerConfig
 
 
@@ -104,18 +135,17 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         "python -m gateway", GatewayConfig, _FLAGS, DEFAULTS, argv,
         at_least_one=("max_new_tokens_limit", "default_max_new_tokens", "max_attempts", "dsi_max_parallel"),
         positive=("session_ttl", "round_timeout", "health_interval"),
+        non_negative=("http_port", "max_concurrent_requests"),
     )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class ServedModel:
+    name: str  # the verifier's model id (InfoResponse.model_id)
     tokenizer: Any
     limits: ModelLimits
     forward_cost: dict[int, float]  # the verifier's, rows -> seconds (InfoResponse.forward_cost)
     draft_cost: dict[int, float]  # a drafter's, likewise (empty: no drafter answered)
-
-
-Emit = Callable[[Any], Awaitable[None]]
 
 
 class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
@@ -139,6 +169,9 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         self.model: ServedModel | None = None
         self._not_ready = "waiting for a healthy verifier to learn the model"
         self._ready_task: asyncio.Task | None = None
+        self._api_keys = [k.strip().encode() for k in config.api_keys.split(",") if k.strip()]
+        self._admitted = 0  # generate() calls in progress (the admission limit counts these)
+        self._http: HttpServer | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -148,6 +181,15 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         for pool in self._pools():
             await pool.start()
         self._ready_task = asyncio.create_task(self._become_ready(health_servicer), name="gateway-ready")
+
+    async def serve_more(self, config: ServerConfig) -> None:
+        if self.config.http_port:
+            self._http = HttpServer(create_app(self), self.config.host, self.config.http_port)
+            await self._http.start()
+
+    async def drain(self, grace_seconds: float) -> None:
+        if self._http is not None:
+            await self._http.stop(grace_seconds)
 
     async def close(self) -> None:
         if self._ready_task is not None:
@@ -195,9 +237,8 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             max_new_tokens_limit=c.max_new_tokens_limit,
             default_max_new_tokens=c.default_max_new_tokens,
         )
-        return ServedModel(
-            tokenizer, limits, {c.rows: c.seconds for c in info.forward_cost}, await self._draft_cost()
-        )
+        forward_cost = {c.rows: c.seconds for c in info.forward_cost}
+        return ServedModel(info.model_id, tokenizer, limits, forward_cost, await self._draft_cost())
 
     async def _draft_cost(self) -> dict[int, float]:
         """A drafter's measured forward cost, for DSI's choice of shape; {} if none answers now."""
@@ -228,12 +269,9 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
 
     @rpc
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        chunks: list[Any] = []
-
-        async def collect(chunk: Any) -> None:
-            chunks.append(chunk)
-
-        await self._generate(request, context, collect)
+        self.authorize(_bearer(context))
+        async with contextlib.aclosing(self.generate(request, self._deadline(context))) as generated:
+            chunks = [c async for c in generated]
         last = chunks[-1]
         return gateway_pb2.GenerateResponse(
             text="".join(c.text for c in chunks),
@@ -243,38 +281,85 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             session_id=last.session_id,
         )
 
-    @rpc
-    async def GenerateStream(self, request: Any, context: grpc.aio.ServicerContext) -> None:
-        await self._generate(request, context, context.write)
+    @rpc_stream
+    async def GenerateStream(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        self.authorize(_bearer(context))
+        async with contextlib.aclosing(self.generate(request, self._deadline(context))) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
-    async def _generate(self, request: Any, context: grpc.aio.ServicerContext, emit: Emit) -> None:
-        """Validate, then one chunk per committed round; the last carries finish_reason and stats."""
-        model = self.model
-        if model is None:
-            raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"gateway not ready: {self._not_ready}")
-        plan = self._servable(parse_generate_request(request, model.tokenizer, model.limits))
-        text = TextStream(model.tokenizer, plan.stop, context=plan.prompt_ids)
-        async with await self._session_run(plan, text, self._deadline(context)) as run:
-            while not run.finished:
-                piece = await run.step()
-                chunk = gateway_pb2.GenerateChunk(
-                    text=piece.text, token_ids=piece.token_ids, session_id=run.id
-                )
-                if run.finished:
-                    chunk.finish_reason = run.finish_reason
-                    chunk.stats.CopyFrom(run.stats_message())
-                await emit(chunk)
-            log.debug(
-                "generated",
-                extra={
-                    "session": run.id,
-                    "prompt_tokens": len(plan.prompt_ids),
-                    "tokens": run.generated,
-                    "rounds": run.round,
-                    "finish_reason": run.finish_reason,
-                    "method": plan.spec.method,
-                },
+    # ---- what gRPC and HTTP share --------------------------------------------------------------
+
+    def authorize(self, token: str | None) -> None:
+        """token: the bearer token the request carried (None: none)."""
+        if not self._api_keys:
+            return
+        if token is None:
+            raise GatewayError(
+                grpc.StatusCode.UNAUTHENTICATED, "authorization: this gateway needs an API key (Bearer)"
             )
+        if not any(hmac.compare_digest(token.encode(), key) for key in self._api_keys):
+            raise GatewayError(grpc.StatusCode.UNAUTHENTICATED, "authorization: invalid API key")
+
+    def served_model(self) -> ServedModel:
+        """The model being served; UNAVAILABLE until the gateway has learnt it."""
+        if self.model is None:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"gateway not ready: {self._not_ready}")
+        return self.model
+
+    def model_name(self) -> str:
+        """The model's name in the HTTP API: --served-model-name, else the verifier's model id."""
+        return self.config.served_model_name or self.served_model().name
+
+    async def generate(self, request: Any, deadline: float | None) -> AsyncIterator[Any]:
+        """request: a specmesh.v1.GenerateRequest -> its GenerateChunks, one per committed round;
+        the last carries finish_reason and stats. Validated (WireError) before anything is stored
+        or sent to a replica. Close it (aclosing) or cancel its consumer to end the session."""
+        model = self.served_model()
+        limit = self.config.max_concurrent_requests
+        if limit and self._admitted >= limit:
+            raise GatewayError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the gateway is serving its limit of {limit} requests (--max-concurrent-requests); "
+                "retry later",
+            )
+        m, clock = self.metrics, RequestClock(self.metrics)
+        self._admitted += 1
+        m.waiting.inc()
+        waiting = True
+        try:
+            plan = self._servable(parse_generate_request(request, model.tokenizer, model.limits))
+            text = TextStream(model.tokenizer, plan.stop, context=plan.prompt_ids)
+            async with await self._session_run(plan, text, deadline) as run:
+                m.waiting.dec()
+                waiting = False
+                m.prompt_tokens.inc(len(plan.prompt_ids))
+                while not run.finished:
+                    piece = await run.step()
+                    clock.chunk(len(piece.token_ids))
+                    chunk = gateway_pb2.GenerateChunk(
+                        text=piece.text, token_ids=piece.token_ids, session_id=run.id
+                    )
+                    if run.finished:
+                        chunk.finish_reason = run.finish_reason
+                        chunk.stats.CopyFrom(run.stats_message())
+                        clock.finished(run.finish_reason)
+                    yield chunk
+                log.debug(
+                    "generated",
+                    extra={
+                        "session": run.id,
+                        "prompt_tokens": len(plan.prompt_ids),
+                        "tokens": run.generated,
+                        "rounds": run.round,
+                        "finish_reason": run.finish_reason,
+                        "method": plan.spec.method,
+                    },
+                )
+        finally:
+            self._admitted -= 1
+            if waiting:
+                m.waiting.dec()
 
     async def _session_run(
         self, plan: GenerationPlan, text: TextStream, deadline: float | None
@@ -339,10 +424,19 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         return asyncio.get_running_loop().time() + remaining
 
 
-async def _serve(config: GatewayConfig) -> None:
+def _bearer(context: grpc.aio.ServicerContext) -> str | None:
+    """The token of an `authorization: Bearer TOKEN` metadata entry, if any."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            scheme, _, token = str(value).partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+async def _serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     service = GatewayService(config)
-    details = {"drafters": config.drafters, "verifiers": config.verifiers}
-    await serve(service, config, MAX_MESSAGE_BYTES, details)
+    details = {"drafters": config.drafters, "verifiers": config.verifiers, "http_port": config.http_port}
+    await serve(service, config, MAX_MESSAGE_BYTES, details, stop)
 
 
 def run(argv: list[str] | None = None) -> None:

@@ -253,6 +253,14 @@ def _up(args: argparse.Namespace) -> int:
             model_store.pull_model(spec, progress=True)
     demo_status: list[int] = []
 
+    def serving(plan: StackPlan) -> None:
+        print(f"--- serving gRPC on {plan.gateway}", flush=True)
+        if plan.http:
+            print(f"--- serving the OpenAI-compatible API on http://{plan.http}/v1", flush=True)
+        for name, address in plan.metrics.items():
+            print(f"--- metrics of {name}: http://{address}/metrics", flush=True)
+        print("--- Ctrl-C stops everything", flush=True)
+
     def demo(plan: StackPlan) -> None:
         print(f"--- demo completion through the gateway at {plan.gateway}:", flush=True)
         print(args.demo_prompt, end="", flush=True)
@@ -260,11 +268,11 @@ def _up(args: argparse.Namespace) -> int:
         if args.exit_after_demo:
             os.kill(os.getpid(), signal.SIGTERM)  # the supervisor's own clean shutdown
         else:
-            print(f"--- serving on {plan.gateway}; Ctrl-C stops everything", flush=True)
+            serving(plan)
 
     def on_ready(plan: StackPlan) -> None:
         if args.no_demo:
-            print(f"--- serving on {plan.gateway}; Ctrl-C stops everything", flush=True)
+            serving(plan)
             return
         # The supervisor's event loop calls this; the demo must not block it (it pumps the logs).
         threading.Thread(target=demo, args=(plan,), name="demo", daemon=True).start()
@@ -280,6 +288,7 @@ def _up(args: argparse.Namespace) -> int:
         args.redis_url,
         backend=args.backend,
         verifiers=args.verifiers,
+        http_port=args.http_port,
         drafter_args=[*drafter_args, *shlex.split(args.drafter_flags)],
         verifier_args=shlex.split(args.verifier_flags),
         gateway_args=shlex.split(args.gateway_flags),
@@ -450,7 +459,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--target", default="default-target")
     up.add_argument("--drafters", type=int, default=1, help="drafter replicas")
     up.add_argument("--verifiers", type=int, default=1, help="verifier replicas (DSI verifies on several)")
-    up.add_argument("--port", type=int, default=50051, help="the gateway's port")
+    up.add_argument("--port", type=int, default=50051, help="the gateway's gRPC port")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="the gateway's OpenAI-compatible HTTP API, with /health and /metrics (0 = off)",
+    )
     up.add_argument(
         "--backend",
         default=None,

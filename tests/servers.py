@@ -48,6 +48,8 @@ class Server:
 
     def command(self) -> list[str]:
         ports = ["--port", str(self.port), "--metrics-port", str(self.metrics_port)]
+        if self.module == "gateway" and "--http-port" not in self.args:
+            ports += ["--http-port", str(free_port())]  # not the default 8000: gateways run side by side
         return [sys.executable, "-m", self.module, *self.args, *ports]
 
     def start(self) -> None:

@@ -326,7 +326,7 @@ def test_sigkill_of_the_sessions_drafter_mid_stream_changes_no_token(
 ) -> None:
     request = make_request(SPECS["chain"], max_new_tokens=LONG, params=params)
     uninterrupted = stub.Generate(request, timeout=60)
-    failovers = gateway_metric(stack, "specmesh_gateway_failovers_total", role="drafter")
+    failovers = gateway_metric(stack, "specmesh:failovers_total", role="drafter")
     killed: list[Server] = []
     try:
         streamed = stream(stub, request, after_first=kill_assigned_drafter(stack, raw_redis, killed))
@@ -336,7 +336,7 @@ def test_sigkill_of_the_sessions_drafter_mid_stream_changes_no_token(
             start_all(victim)
     assert streamed.token_ids == list(uninterrupted.token_ids)
     assert streamed.text == uninterrupted.text and streamed.last.finish_reason == uninterrupted.finish_reason
-    assert gateway_metric(stack, "specmesh_gateway_failovers_total", role="drafter") == failovers + 1
+    assert gateway_metric(stack, "specmesh:failovers_total", role="drafter") == failovers + 1
 
 
 def test_a_verifier_restarted_mid_stream_and_the_session_goes_on(
@@ -349,7 +349,7 @@ def test_a_verifier_restarted_mid_stream_and_the_session_goes_on(
     streamed = stream(stub, make_request(SPECS["mcsd_wor"], max_new_tokens=LONG), after_first=restart)
     stack.verifier.wait_serving()
     assert streamed.token_ids == target_greedy[:LONG]
-    assert gateway_metric(stack, "specmesh_gateway_failovers_total", role="verifier") >= 1
+    assert gateway_metric(stack, "specmesh:failovers_total", role="verifier") >= 1
     assert_finished_and_released(stack, raw_redis)
 
 

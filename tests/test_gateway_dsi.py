@@ -226,7 +226,7 @@ def test_a_verifier_killed_with_dsi_verifications_in_flight_changes_no_token(
         assert streamed.token_ids == target_greedy[:LONG]
         assert streamed.last.finish_reason == "length"
         failovers = dsi_stack.gateway.metrics()
-        assert failovers.get(("specmesh_gateway_failovers_total", (("role", "verifier"),)), 0) >= 1
+        assert failovers.get(("specmesh:failovers_total", (("role", "verifier"),)), 0) >= 1
     finally:
         victim.proc.wait()
         victim.start()

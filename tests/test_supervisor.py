@@ -278,6 +278,8 @@ def test_plan_stack_command_lines():
         "gateway",
         "--port",
         "50099",
+        "--http-port",
+        "8000",
         "--drafters",
         ",".join(plan.drafters),
         "--verifiers",
@@ -286,6 +288,10 @@ def test_plan_stack_command_lines():
         plan.redis_url,
     ]
     assert len(set(plan.drafters + plan.verifiers)) == 3
+    assert plan.http == "127.0.0.1:8000" and plan.metrics["gateway"] == plan.http
+    for spec in (d0, v0):  # every replica serves /metrics on its own port
+        port = spec.argv[spec.argv.index("--metrics-port") + 1]
+        assert plan.metrics[spec.name] == f"127.0.0.1:{port}"
     external = plan_stack("d", "t", drafters=1, redis_url="redis://cache:6379/0", python="py")
     assert [s.name for s in external.specs] == ["drafter-0", "verifier-0", "gateway"]
     assert external.specs[-1].argv[-1] == "redis://cache:6379/0"

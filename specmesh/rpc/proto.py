@@ -1,14 +1,20 @@
-"""The generated protobuf / gRPC modules of proto/, built on first import.
+"""The generated protobuf / gRPC modules of the .proto files (package `specmesh.v1`).
 
     from specmesh.rpc.proto import pb2, pb2_grpc      # specmesh.v1 messages and service stubs
 
-grpcio-tools generates the code into `specmesh/v1/` (gitignored, never edited by hand) whenever
-it is missing or stale. The proto package `specmesh.v1` maps onto that Python package, so the
-generated `from specmesh.v1 import specmesh_pb2` resolves with no sys.path tricks, and the
-descriptors keep their canonical file names (`specmesh/v1/specmesh.proto`) for reflection.
-Staleness: a stamp file holds a hash of every .proto file and of the grpcio-tools / protobuf
-versions. A file lock makes concurrent first imports (pytest workers, servers starting together)
-generate once; files are written to a temporary folder and moved into place one by one.
+The proto package `specmesh.v1` maps onto the Python package `specmesh/v1/`, so the generated
+`from specmesh.v1 import specmesh_pb2` resolves with no sys.path tricks, and the descriptors keep
+their canonical file names (`specmesh/v1/specmesh.proto`) for reflection. Where the code comes from:
+
+- Installed wheel: setup.py generated `specmesh/v1/` at build time and shipped the .proto files
+  as `specmesh/proto/specmesh/v1/*.proto` (PROTO_ROOT). Nothing is generated or written here;
+  grpcio-tools is not needed.
+- Source checkout (proto/ and pyproject.toml beside the packages; editable installs too):
+  grpcio-tools generates the code into `specmesh/v1/` (gitignored, never edited by hand) whenever
+  it is missing or stale. Staleness: a stamp file holds a hash of every .proto file and of the
+  grpcio-tools / protobuf versions. A file lock makes concurrent first imports (pytest workers,
+  servers starting together) generate once; files are written to a temporary folder and moved
+  into place one by one.
 """
 
 from __future__ import annotations
@@ -24,8 +30,12 @@ from types import ModuleType
 
 __all__ = ["GENERATED_DIR", "PROTO_ROOT", "ensure_generated", "load", "pb2", "pb2_grpc"]
 
-PROTO_ROOT = Path(__file__).resolve().parents[2] / "proto"
-GENERATED_DIR = Path(__file__).resolve().parents[1] / "v1"  # = protoc output for proto/specmesh/v1
+_PACKAGE = Path(__file__).resolve().parents[1]  # specmesh/
+_CHECKOUT = _PACKAGE.parent
+# a source checkout generates its own code; an installed wheel has it generated at build time
+_FROM_SOURCE = (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "proto" / "specmesh" / "v1").is_dir()
+PROTO_ROOT = _CHECKOUT / "proto" if _FROM_SOURCE else _PACKAGE / "proto"
+GENERATED_DIR = _PACKAGE / "v1"  # = protoc output for PROTO_ROOT/specmesh/v1
 _STAMP = ".stamp"
 
 
@@ -91,10 +101,21 @@ def _install(built: Path, fingerprint: str) -> None:
 
 
 def ensure_generated() -> None:
-    """(Re)generate the code when the .proto files or the tool versions changed."""
-    files = _proto_files()
-    if not files:  # installed without proto/: use what was generated at build time
+    """(Re)generate the code when the .proto files or the tool versions changed (source checkout
+    only: an installed wheel carries the code generated at build time)."""
+    if not _FROM_SOURCE:
         return
+    files = _proto_files()
+    if not files:
+        return
+    try:
+        import grpc_tools  # noqa: F401
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(
+            f"a source checkout ({_CHECKOUT}) generates specmesh/v1 from proto/ with grpcio-tools, "
+            "which is not installed: pip install -e '.[dev]' (or pip install grpcio-tools)",
+            name=e.name,
+        ) from e
     fingerprint = _fingerprint(files)
     stamp = GENERATED_DIR / _STAMP
     if _is_current(stamp, fingerprint):
@@ -116,10 +137,19 @@ def ensure_generated() -> None:
 def load(stem: str) -> tuple[ModuleType, ModuleType]:
     """(pb2, pb2_grpc) of proto/specmesh/v1/<stem>.proto."""
     ensure_generated()
-    return (
-        importlib.import_module(f"specmesh.v1.{stem}_pb2"),
-        importlib.import_module(f"specmesh.v1.{stem}_pb2_grpc"),
-    )
+    try:
+        return (
+            importlib.import_module(f"specmesh.v1.{stem}_pb2"),
+            importlib.import_module(f"specmesh.v1.{stem}_pb2_grpc"),
+        )
+    except ModuleNotFoundError as e:
+        if _FROM_SOURCE or not (e.name or "").startswith("specmesh.v1"):
+            raise
+        raise ModuleNotFoundError(
+            f"{e.name} is missing from this specmesh installation ({_PACKAGE}): the wheel must be "
+            "built by its build backend (pip wheel . / python -m build), whose setup.py generates it",
+            name=e.name,
+        ) from e
 
 
 pb2, pb2_grpc = load("specmesh")

@@ -2,8 +2,9 @@
 
 Every server: flags with SPECMESH_* environment defaults (`parse_flags`; the flags every server
 has are `ServerConfig`'s), JSON logs, Prometheus metrics (`RpcMetrics`), the error mapping and
-request logging of `RpcService` (`rpc`), grpc.health.v1, reflection and a graceful SIGTERM
-(`serve`). Nothing here knows a model: the model services' machinery is specmesh.services.
+request logging of `RpcService` (`rpc`), grpc.health.v1, reflection, OpenTelemetry tracing
+(specmesh.rpc.tracing) and a graceful SIGTERM (`serve`). Nothing here knows a model: the model
+services' machinery is specmesh.services.
 
 Errors: WireError -> INVALID_ARGUMENT (the message names the field); a service maps its own
 exceptions by overriding `RpcService.status`; anything else -> INTERNAL with a short message and an
@@ -39,6 +40,7 @@ from prometheus_client import start_http_server
 from specmesh.rpc import wire
 from specmesh.rpc.metrics import RpcMetrics
 from specmesh.rpc.proto import pb2, pb2_grpc
+from specmesh.rpc.tracing import configure_tracing, server_interceptors
 
 log = logging.getLogger("specmesh.rpc.server")
 
@@ -174,6 +176,12 @@ class RpcService:
         """The server is listening; say SERVING (a service that is not ready yet overrides this)."""
         await health_servicer.set(self.full_name, health_pb2.HealthCheckResponse.SERVING)
 
+    async def serve_more(self, config: ServerConfig) -> None:
+        """Before the gRPC server starts: anything else this service serves (the gateway's HTTP)."""
+
+    async def drain(self, grace_seconds: float) -> None:
+        """On SIGTERM, beside the gRPC server's drain: let what `serve_more` started finish."""
+
     async def close(self) -> None:
         """After the server stopped (its grace period is over)."""
 
@@ -227,6 +235,25 @@ def rpc(fn: Handler) -> Handler:
     return handler
 
 
+StreamHandler = Callable[[Any, Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+
+
+def rpc_stream(fn: StreamHandler) -> StreamHandler:
+    """A server-streaming handler (an async generator), answered through `_answering`; closed
+    (its `async with` blocks exited) however the call ends."""
+
+    @functools.wraps(fn)
+    async def handler(
+        self: RpcService, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        items = fn(self, request, context)
+        async with _answering(self, fn.__name__, request, context), contextlib.aclosing(items):
+            async for item in items:
+                yield item
+
+    return handler
+
+
 def _status(method: str, session: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
     if isinstance(exc, wire.WireError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ()
@@ -245,15 +272,22 @@ def _status(method: str, session: str, exc: Exception) -> tuple[grpc.StatusCode,
 
 
 async def serve(
-    service: RpcService, config: ServerConfig, max_message_bytes: int, details: Mapping[str, Any]
+    service: RpcService,
+    config: ServerConfig,
+    max_message_bytes: int,
+    details: Mapping[str, Any],
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Serve `service` with health and reflection until SIGTERM / SIGINT, then stop gracefully:
-    health NOT_SERVING, new RPCs refused, in-flight ones get config.grace_seconds."""
+    """Serve `service` with health, reflection and tracing until SIGTERM / SIGINT (or `stop` is
+    set, for a server run inside a test), then stop gracefully: health NOT_SERVING, new RPCs
+    refused, in-flight ones get config.grace_seconds."""
+    configure_tracing(service.service_name.lower())
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
-        ]
+        ],
+        interceptors=server_interceptors(),
     )
     service.add_to_server(server)
     health_servicer = health.aio.HealthServicer()
@@ -263,11 +297,13 @@ async def serve(
     )
     http = _start_metrics(config, service.metrics)
     port = _listen(server, f"{config.host}:{config.port}")
+    await service.serve_more(config)
     await server.start()
     await service.started(health_servicer)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     log.info(
         "serving",
         extra={
@@ -282,7 +318,7 @@ async def serve(
     await stop.wait()
     log.info("stopping", extra={"grace_seconds": config.grace_seconds})
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(config.grace_seconds)
+    await asyncio.gather(server.stop(config.grace_seconds), service.drain(config.grace_seconds))
     await service.close()
     if http is not None:
         http[0].shutdown()

@@ -348,6 +348,8 @@ class StackPlan:
     drafters: list[str]
     verifiers: list[str]
     redis_url: str
+    http: str = ""  # the gateway's OpenAI-compatible HTTP API, host:port ("" = off)
+    metrics: dict[str, str] = field(default_factory=dict)  # child name -> its /metrics host:port
 
 
 def plan_stack(
@@ -360,6 +362,7 @@ def plan_stack(
     *,
     backend: str | None = None,
     verifiers: int = 1,
+    http_port: int = 8000,
     host: str = "127.0.0.1",
     python: str = sys.executable,
     ready_timeout: float = 900.0,
@@ -368,7 +371,8 @@ def plan_stack(
     gateway_args: Sequence[str] = (),
 ) -> StackPlan:
     """The command lines of the whole stack on loopback: redis (unless redis_url is given),
-    `drafters` drafters, `verifiers` verifiers, and the gateway on `port`."""
+    `drafters` drafters, `verifiers` verifiers, and the gateway on `port` (gRPC) and `http_port`
+    (its HTTP API and /metrics; 0 = off). Each replica serves /metrics on a free port."""
     if drafters < 0 or verifiers < 1:
         raise ValueError("need drafters >= 0 and verifiers >= 1")
     specs: list[ChildSpec] = []
@@ -380,12 +384,16 @@ def plan_stack(
     model_flags = ["--dtype", dtype] if dtype else []
     model_flags += ["--backend", backend] if backend else []
 
+    metrics: dict[str, str] = {}
+
     def service(kind: str, index: int, model: str, extra: Sequence[str]) -> tuple[ChildSpec, str]:
-        address = f"{host}:{free_port(host)}"
+        address, name, metrics_port = f"{host}:{free_port(host)}", f"{kind}-{index}", free_port(host)
         argv = [python, "-m", f"{kind}_service", "--model", model, "--host", host]
-        argv += ["--port", address.rpartition(":")[2], *model_flags, *extra]
+        argv += ["--port", address.rpartition(":")[2], "--metrics-port", str(metrics_port)]
+        argv += [*model_flags, *extra]
+        metrics[name] = f"{host}:{metrics_port}"
         ready = grpc_ready(address)
-        return ChildSpec(f"{kind}-{index}", argv, ready, stage=1, ready_timeout=ready_timeout), address
+        return ChildSpec(name, argv, ready, stage=1, ready_timeout=ready_timeout), address
 
     drafter_addrs, verifier_addrs = [], []
     for i in range(drafters):
@@ -397,12 +405,15 @@ def plan_stack(
         specs.append(spec)
         verifier_addrs.append(addr)
     gateway = f"{host}:{port}"
-    argv = [python, "-m", "gateway", "--port", str(port)]
+    argv = [python, "-m", "gateway", "--port", str(port), "--http-port", str(http_port)]
+    http = f"{host}:{http_port}" if http_port else ""
+    if http:
+        metrics["gateway"] = http
     if drafter_addrs:
         argv += ["--drafters", ",".join(drafter_addrs)]
     argv += ["--verifiers", ",".join(verifier_addrs), "--redis-url", redis_url, *gateway_args]
     specs.append(ChildSpec("gateway", argv, grpc_ready(gateway), stage=2, ready_timeout=120.0))
-    return StackPlan(specs, gateway, drafter_addrs, verifier_addrs, redis_url)
+    return StackPlan(specs, gateway, drafter_addrs, verifier_addrs, redis_url, http, metrics)
 
 
 def run_stack(

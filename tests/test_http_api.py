@@ -1,0 +1,463 @@
+"""The gateway's OpenAI-compatible HTTP API end to end, driven by the official `openai` client: a real
+Redis, a drafter, a verifier and the gateway as processes on tiny random models (tests.servers).
+
+The reference for every answer is the gateway's own gRPC API with the same request: the HTTP API
+is a translation of it, so text, tokens, usage and errors must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import httpx2 as httpx  # the openai client's HTTP library
+import openai
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from specmesh.rpc.proto import load
+from specmesh.stack.ports import free_port
+from specmesh.stack.redis_server import RedisServer
+from tests.servers import Server, replica, start_all, stop_all, wait_until
+from tests.test_engine import PROMPT
+
+pytestmark = pytest.mark.xdist_group("http")
+
+gateway_pb2, gateway_grpc = load("gateway")
+
+LIMIT = 200
+WORDS = " ".join(f"w{t - 4}" for t in PROMPT)  # PROMPT as text in the tiny word-level tokenizer
+KEY = "sk-test-key"
+
+
+@dataclass
+class Stack:
+    redis: RedisServer
+    replicas: list[Server]
+    gateway: Server
+    http_port: int
+    model: str
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+
+def gateway_server(stack_args: list[str], log, http_port: int, *flags: str) -> Server:
+    return Server("gateway", [*stack_args, "--http-port", str(http_port), *flags], log)
+
+
+@pytest.fixture(scope="module")
+def stack(models, tmp_path_factory) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("http-stack")
+    with RedisServer() as redis_server:
+        drafter = replica("drafter_service", models["draft"], logs / "drafter.log")
+        verifier = replica("verifier_service", models["target"], logs / "verifier.log")
+        args = [
+            *("--drafters", drafter.address, "--verifiers", verifier.address),
+            *("--redis-url", redis_server.url, "--max-new-tokens-limit", str(LIMIT)),
+            *("--health-interval", "0.2", "--round-timeout", "30", "--served-model-name", "tiny"),
+        ]
+        http_port = free_port()
+        gateway = gateway_server(args, logs / "gateway.log", http_port)
+        try:
+            start_all(drafter, verifier, gateway)
+            yield Stack(redis_server, [drafter, verifier], gateway, http_port, "tiny")
+        finally:
+            stop_all(drafter, verifier, gateway)
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def stub(stack) -> Iterator:
+    with grpc.insecure_channel(stack.gateway.address) as channel:
+        yield gateway_grpc.GatewayStub(channel)
+
+
+@pytest.fixture(scope="module")
+def raw_redis(stack) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(stack.redis.url, decode_responses=True)
+    yield client
+    client.close()
+
+
+def grpc_request(
+    *, prompt: str | None = None, chat: list[dict] | None = None, max_tokens: int = 12, **sampling
+) -> gateway_pb2.GenerateRequest:
+    request = gateway_pb2.GenerateRequest(max_new_tokens=max_tokens)
+    if "seed" in sampling:
+        request.speculation.method, request.speculation.depth = CHAIN["method"], CHAIN["depth"]
+    if chat is not None:
+        for m in chat:
+            request.chat.messages.add(**m)
+    else:
+        request.prompt = prompt
+    request.sampling.temperature = sampling.get("temperature", 1.0)
+    if "seed" in sampling:
+        request.sampling.seed = sampling["seed"]
+    return request
+
+
+def assert_no_sessions(stack: Stack, raw_redis: redis.Redis) -> None:
+    wait_until(lambda: not raw_redis.keys("specmesh:*"), what="the sessions' keys to go")
+    for server in stack.replicas:
+        wait_until(
+            lambda s=server: s.metrics()[("specmesh_sessions", ())] == 0, what=f"{server.module} release"
+        )
+
+
+# ---- discovery ---------------------------------------------------------------------------------
+
+
+def test_models_and_health(stack, client) -> None:
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    health = httpx.get(f"{stack.base_url}/health", timeout=10)
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+# ---- equality with the gRPC API ----------------------------------------------------------------
+
+SAMPLINGS = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "seed": 11}}
+# At T > 0 a seed fixes the text only with a fixed tree shape (the gateway's adaptive default
+# follows wall-clock timings): the seeded cases fix one.
+CHAIN = {"method": "chain", "depth": 3}
+
+
+def fixed_shape(sampling: str) -> dict:
+    return {"extra_body": {"speculation": CHAIN}} if sampling == "seeded" else {}
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_completions_equal_grpc_generate_streamed_and_not(client, stub, sampling: str) -> None:
+    params = SAMPLINGS[sampling]
+    want = stub.Generate(grpc_request(prompt=WORDS, max_tokens=16, **params), timeout=60)
+    whole = client.completions.create(
+        model="tiny", prompt=WORDS, max_tokens=16, **params, **fixed_shape(sampling)
+    )
+    assert whole.choices[0].text == want.text and whole.choices[0].finish_reason == want.finish_reason
+    assert whole.usage.prompt_tokens == want.stats.prompt_tokens == len(PROMPT)
+    assert whole.usage.completion_tokens == len(want.token_ids) and whole.usage.total_tokens == len(
+        PROMPT
+    ) + len(want.token_ids)
+    assert whole.model_extra["stats"]["generated_tokens"] == len(want.token_ids)
+    events = list(
+        client.completions.create(
+            model="tiny",
+            prompt=WORDS,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+            **params,
+            **fixed_shape(sampling),
+        )
+    )
+    text_events, usage_event = events[:-1], events[-1]
+    assert "".join(e.choices[0].text for e in text_events) == want.text
+    assert [e.choices[0].finish_reason for e in text_events][-1] == want.finish_reason
+    assert all(e.choices[0].finish_reason is None for e in text_events[:-1])
+    assert usage_event.choices == [] and usage_event.usage.completion_tokens == len(want.token_ids)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_chat_completions_equal_grpc_generate_streamed_and_not(client, stub, sampling: str) -> None:
+    params = SAMPLINGS[sampling]
+    chat = [{"role": "w1", "content": WORDS}, {"role": "w2", "content": "w3 w4"}]
+    want = stub.Generate(grpc_request(chat=chat, max_tokens=16, **params), timeout=60)
+    whole = client.chat.completions.create(
+        model="tiny", messages=chat, max_completion_tokens=16, **params, **fixed_shape(sampling)
+    )
+    message = whole.choices[0].message
+    assert message.role == "assistant" and message.content == want.text
+    assert whole.usage.prompt_tokens == want.stats.prompt_tokens
+    assert whole.usage.completion_tokens == len(want.token_ids)
+    events = list(
+        client.chat.completions.create(
+            model="tiny", messages=chat, max_tokens=16, stream=True, **params, **fixed_shape(sampling)
+        )
+    )
+    assert events[0].choices[0].delta.role == "assistant"
+    assert "".join(e.choices[0].delta.content or "" for e in events) == want.text
+    assert events[-1].choices[0].finish_reason == want.finish_reason and events[-1].usage is None
+
+
+def test_speculation_settings_and_stats_travel_in_extra_fields(client, stub) -> None:
+    speculation = {"method": "rsd_s", "depth": 3, "beamWidth": 2}
+    request = grpc_request(prompt=WORDS, max_tokens=20, temperature=0.0)
+    request.speculation.method, request.speculation.depth, request.speculation.beam_width = "rsd_s", 3, 2
+    want = stub.Generate(request, timeout=60)
+    got = client.completions.create(
+        model="tiny", prompt=WORDS, max_tokens=20, temperature=0, extra_body={"speculation": speculation}
+    )
+    stats = got.model_extra["stats"]
+    assert got.choices[0].text == want.text
+    assert stats["drafted_tokens"] == want.stats.drafted_tokens > 0
+    assert stats["accepted_tokens"] == want.stats.accepted_tokens
+
+
+def test_stop_strings_and_raw_sse_ends_with_done(stack, stub) -> None:
+    full = stub.Generate(grpc_request(prompt=WORDS, max_tokens=12, temperature=0.0), timeout=60)
+    stop = f" {full.text.split()[3]}"
+    body = {
+        "model": "tiny",
+        "prompt": WORDS,
+        "max_tokens": 12,
+        "temperature": 0,
+        "stop": stop,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert "".join(e["choices"][0]["text"] for e in events) == "".join(f" {w}" for w in full.text.split()[:3])
+    assert events[-1]["choices"][0]["finish_reason"] == "stop" and "stats" in events[-1]
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+BASE = {"model": "tiny", "prompt": WORDS, "max_tokens": 4}
+CHAT = {"model": "tiny", "messages": [{"role": "w1", "content": WORDS}], "max_tokens": 4}
+
+# case -> (endpoint, body, status, param)
+BAD: dict[str, tuple[str, dict, int, str | None]] = {
+    "max-tokens-zero": ("completions", {**BASE, "max_tokens": 0}, 400, "max_tokens"),
+    "max-tokens-negative": ("completions", {**BASE, "max_tokens": -5}, 400, "max_tokens"),
+    "max-tokens-above-limit": ("completions", {**BASE, "max_tokens": LIMIT + 1}, 400, "max_tokens"),
+    "max-tokens-huge": ("completions", {**BASE, "max_tokens": 2**40}, 400, "max_tokens"),
+    "max-tokens-string": ("completions", {**BASE, "max_tokens": "8"}, 400, "max_tokens"),
+    "max-completion-tokens-zero": ("chat", {**CHAT, "max_tokens": None, "max_completion_tokens": 0}, 400,
+                                   "max_completion_tokens"),
+    "max-tokens-disagree": ("chat", {**CHAT, "max_completion_tokens": 5}, 400, "max_completion_tokens"),
+    "temperature-negative": ("completions", {**BASE, "temperature": -0.5}, 400, "temperature"),
+    "temperature-string": ("completions", {**BASE, "temperature": "hot"}, 400, "temperature"),
+    "top-p-zero": ("completions", {**BASE, "top_p": 0}, 400, "top_p"),
+    "top-p-above-one": ("completions", {**BASE, "top_p": 1.5}, 400, "top_p"),
+    "top-k-negative": ("completions", {**BASE, "top_k": -3}, 400, "top_k"),
+    "seed-negative": ("completions", {**BASE, "seed": -1}, 400, "seed"),
+    "n-two": ("completions", {**BASE, "n": 2}, 400, "n"),
+    "stop-empty": ("completions", {**BASE, "stop": [""]}, 400, "stop[0]"),
+    "stop-number": ("completions", {**BASE, "stop": 3}, 400, "stop"),
+    "prompt-missing": ("completions", {"model": "tiny"}, 400, "prompt"),
+    "prompt-empty": ("completions", {**BASE, "prompt": ""}, 400, "prompt"),
+    "prompt-batch": ("completions", {**BASE, "prompt": ["w1", "w2"]}, 400, "prompt"),
+    "prompt-token-outside-vocab": ("completions", {**BASE, "prompt": [5, 10**6]}, 400, "prompt"),
+    "messages-empty": ("chat", {**CHAT, "messages": []}, 400, "messages"),
+    "message-without-role": ("chat", {**CHAT, "messages": [{"content": "w1"}]}, 400, "messages[0].role"),
+    "message-image-part": ("chat", {**CHAT, "messages": [{"role": "w1", "content": [{"type": "image_url"}]}]},
+                           400, "messages[0].content"),
+    "model-unknown": ("completions", {**BASE, "model": "gpt-4"}, 404, "model"),
+    "model-missing": ("completions", {"prompt": WORDS}, 400, "model"),
+    "unknown-field": ("completions", {**BASE, "best_prompt": 1}, 400, "best_prompt"),
+    "frequency-penalty": ("completions", {**BASE, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    "logprobs": ("completions", {**BASE, "logprobs": 2}, 400, "logprobs"),
+    "echo": ("completions", {**BASE, "echo": True}, 400, "echo"),
+    "stream-options-without-stream": ("completions", {**BASE, "stream_options": {"include_usage": True}}, 400,
+                                      "stream_options"),
+    "speculation-method": ("completions", {**BASE, "speculation": {"method": "bogus"}}, 400,
+                           "speculation.method"),
+    "speculation-unknown-field": ("completions", {**BASE, "speculation": {"width": 2}}, 400, "speculation"),
+    "speculation-depth-negative": ("completions", {**BASE, "speculation": {"depth": -1}}, 400, "speculation"),
+    "speculation-parallel-without-dsi": ("completions", {**BASE, "speculation": {"parallel": 2}}, 400,
+                                         "speculation.parallel"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_parameters_are_400_naming_the_parameter(stack, raw_redis, case: str) -> None:
+    endpoint, body, status, param = BAD[case]
+    body = {k: v for k, v in body.items() if v is not None}
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    response = httpx.post(f"{stack.base_url}{path}", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert error["message"].startswith(f"{param}:") or param == "model", error
+    assert set(error) == {"message", "type", "param", "code"}
+    assert not raw_redis.keys("specmesh:*")
+
+
+def test_the_openai_client_raises_its_typed_errors(client) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt=WORDS, max_tokens=0)
+    assert bad.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt=WORDS, max_tokens=2)
+
+
+def test_invalid_json_is_400(stack) -> None:
+    response = httpx.post(
+        f"{stack.base_url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+# ---- disconnects ---------------------------------------------------------------------------------
+
+
+def finished_requests(stack: Stack) -> float:
+    """Requests the gateway ran to their end (any finish reason): a cancelled one is not counted."""
+    return sum(
+        v for (name, _), v in stack.gateway.metrics().items() if name == "specmesh:request_success_total"
+    )
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_cancels_its_session_everywhere(stack, raw_redis, stream: bool) -> None:
+    body = {"model": "tiny", "prompt": WORDS, "max_tokens": LIMIT, "temperature": 0, "stream": stream}
+    body["speculation"] = {"method": "rsd_c"}  # tree drafts: the slowest rounds, many of them
+    finished = finished_requests(stack)
+    with httpx.Client(timeout=60) as http:
+        if stream:
+            with http.stream("POST", f"{stack.base_url}/v1/completions", json=body) as response:
+                lines = response.iter_lines()
+                first = next(line for line in lines if line)
+                session = json.loads(first.removeprefix("data: "))["id"].removeprefix("cmpl-")
+                assert raw_redis.exists(f"specmesh:{{{session}}}:meta")
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(f"{stack.base_url}/v1/completions", json=body, timeout=0.3)
+    assert_no_sessions(stack, raw_redis)
+    time.sleep(1.0)  # long enough for an uncancelled generation of this size to have finished
+    assert finished_requests(stack) == finished  # it was cut short, not run to its end
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+
+def test_metrics_show_latency_histograms_and_spec_decode_counters(stack, client) -> None:
+    client.completions.create(model="tiny", prompt=WORDS, max_tokens=12, temperature=0)
+    text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert samples[(f"specmesh:{name}_count", ())] > 0, name
+    for name in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "generation_tokens"):
+        assert samples[(f"specmesh:{name}_total", ())] > 0, name
+    assert samples[("specmesh:num_requests_running", ())] == 0
+    assert samples[("specmesh:num_requests_waiting", ())] == 0
+    assert samples[("specmesh_requests_total", (("code", "OK"), ("method", "POST /v1/completions")))] > 0
+
+
+# ---- API keys, admission, not ready --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def guarded(stack, tmp_path_factory) -> Iterator[Server]:
+    """A second gateway on the same replicas, with API keys and room for one request at a time."""
+    replicas = stack.replicas
+    args = [
+        *(
+            "--drafters",
+            replicas[0].address,
+            "--verifiers",
+            replicas[1].address,
+            "--redis-url",
+            stack.redis.url,
+        ),
+        *("--api-keys", f"other,{KEY}", "--max-concurrent-requests", "1", "--served-model-name", "tiny"),
+    ]
+    server = gateway_server(args, tmp_path_factory.mktemp("guarded") / "gateway.log", free_port())
+    start_all(server)
+    yield server
+    stop_all(server)
+
+
+def guarded_url(server: Server) -> str:
+    return f"http://127.0.0.1:{server.args[server.args.index('--http-port') + 1]}"
+
+
+def test_api_keys_are_required_on_http_and_grpc(guarded) -> None:
+    url = f"{guarded_url(guarded)}/v1/completions"
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}):
+        response = httpx.post(url, json=BASE, headers=headers, timeout=30)
+        assert response.status_code == 401, response.text
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert (
+        httpx.post(url, json=BASE, headers={"Authorization": f"Bearer {KEY}"}, timeout=30).status_code == 200
+    )
+    request = grpc_request(prompt=WORDS, max_tokens=3)
+    with grpc.insecure_channel(guarded.address) as channel:
+        stub = gateway_grpc.GatewayStub(channel)
+        with pytest.raises(grpc.RpcError) as keyless:
+            stub.Generate(request, timeout=30)
+        assert keyless.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert stub.Generate(request, timeout=30, metadata=[("authorization", f"Bearer {KEY}")]).token_ids
+
+
+def test_past_the_concurrency_limit_a_request_is_refused_at_once_with_429(guarded) -> None:
+    client = openai.OpenAI(base_url=f"{guarded_url(guarded)}/v1", api_key=KEY, max_retries=0, timeout=60)
+    body = {"model": "tiny", "prompt": WORDS, "max_tokens": LIMIT, "temperature": 0}
+    running = client.completions.create(**body, stream=True, extra_body={"speculation": {"method": "rsd_c"}})
+    first = next(iter(running))
+    start = time.monotonic()
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(**body)
+    assert time.monotonic() - start < 2.0
+    running.close()
+    assert first.choices[0].text
+
+
+def test_not_ready_is_503(stack, tmp_path_factory) -> None:
+    """A gateway whose verifier never answers: /health and generations are 503."""
+    dead = f"127.0.0.1:{free_port()}"
+    args = ["--verifiers", dead, "--redis-url", stack.redis.url]
+    http_port = free_port()
+    server = gateway_server(args, tmp_path_factory.mktemp("dead") / "gateway.log", http_port)
+    server.start()
+    try:
+        url = f"http://127.0.0.1:{http_port}"
+        wait_until(lambda: _answers(f"{url}/health"), timeout=30, what="the HTTP port")
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+        response = httpx.post(f"{url}/v1/completions", json=BASE, timeout=10)
+        assert response.status_code == 503 and "not ready" in response.json()["error"]["message"]
+    finally:
+        server.stop()
+
+
+def _answers(url: str) -> bool:
+    try:
+        httpx.get(url, timeout=1)
+    except httpx.HTTPError:
+        return False
+    return True
+
+
+# ---- load ----------------------------------------------------------------------------------------
+
+
+def test_eight_concurrent_streams_all_complete_and_match(stack, client, stub, raw_redis) -> None:
+    """A short form of the load check (specmesh bench http runs it for a minute)."""
+    want = stub.Generate(grpc_request(prompt=WORDS, max_tokens=24, temperature=0.0), timeout=60).text
+    results: list[str] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            events = client.completions.create(
+                model="tiny", prompt=WORDS, max_tokens=24, temperature=0, stream=True
+            )
+            results.append("".join(e.choices[0].text for e in events))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == [] and results == [want] * 8
+    assert_no_sessions(stack, raw_redis)
