@@ -197,8 +197,8 @@ def _set_prompt(request: Any, prompt: Any) -> None:
         request.prompt = prompt
         return
     if prompt and all(isinstance(t, int) for t in prompt):
-        if any(t < 0 for t in prompt):
-            raise ApiError(400, "prompt: token ids must be >= 0", "prompt")
+        if any(not 0 <= t < 2**32 for t in prompt):  # the vocabulary is checked by the gateway
+            raise ApiError(400, "prompt: token ids must be in [0, 2^32)", "prompt")
         request.prompt_token_ids.ids.extend(prompt)
         return
     if len(prompt) != 1:

@@ -106,6 +106,19 @@ def _bench_dsi_stack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_http(args: argparse.Namespace) -> int:
+    from specmesh.bench.http import bench_http
+
+    results = bench_http(
+        args.address, args.url, args.concurrency, args.duration, args.repeats, args.prompts,
+        args.max_new_tokens, args.temperature,
+    )  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if results["errors"] == 0 else 1
+
+
 def _bench_gateway(args: argparse.Namespace) -> int:
     from specmesh.bench.gateway import bench_gateway
 
@@ -440,6 +453,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gw.add_argument("--json", help="also write the results here")
     gw.set_defaults(func=_bench_gateway)
+
+    http = bench.add_parser(
+        "http", help="N concurrent streams for a while through the OpenAI HTTP API and through gRPC"
+    )
+    http.add_argument("--address", default="127.0.0.1:50051", help="the gateway's gRPC address")
+    http.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's HTTP API")
+    http.add_argument("--concurrency", type=int, default=8)
+    http.add_argument("--duration", type=float, default=60.0, help="seconds per phase")
+    http.add_argument("--repeats", type=int, default=1, help="gRPC, HTTP phase pairs")
+    http.add_argument("--prompts", type=int, default=8)
+    http.add_argument("--max-new-tokens", type=int, default=64)
+    http.add_argument("--temperature", type=float, default=0.0)
+    http.add_argument("--json", help="also write the results here")
+    http.set_defaults(func=_bench_http)
 
     demo = sub.add_parser("demo", help="in-process generation on the default pair, AR vs speculative")
     demo.add_argument("prompt", nargs="?", default=DEMO_PROMPT)

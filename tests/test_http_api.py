@@ -252,6 +252,8 @@ BAD: dict[str, tuple[str, dict, int, str | None]] = {
     "prompt-empty": ("completions", {**BASE, "prompt": ""}, 400, "prompt"),
     "prompt-batch": ("completions", {**BASE, "prompt": ["w1", "w2"]}, 400, "prompt"),
     "prompt-token-outside-vocab": ("completions", {**BASE, "prompt": [5, 10**6]}, 400, "prompt"),
+    "prompt-token-negative": ("completions", {**BASE, "prompt": [5, -1]}, 400, "prompt"),
+    "prompt-token-above-uint32": ("completions", {**BASE, "prompt": [5, 2**33]}, 400, "prompt"),
     "messages-empty": ("chat", {**CHAT, "messages": []}, 400, "messages"),
     "message-without-role": ("chat", {**CHAT, "messages": [{"content": "w1"}]}, 400, "messages[0].role"),
     "message-image-part": ("chat", {**CHAT, "messages": [{"role": "w1", "content": [{"type": "image_url"}]}]},
