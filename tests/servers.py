@@ -3,22 +3,25 @@ test_gateway, test_cli_up): the saved model pair, one restartable process per re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import pytest
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from specmesh.bench.tiny import save_tiny_pair
+from specmesh.rpc.proto import load
 from specmesh.stack.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,6 +129,24 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str =
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def gateway_stub(address: str) -> Iterator:
+    """A specmesh.v1.Gateway stub on a fresh channel to `address`."""
+    _, gateway_grpc = load("gateway")
+    with grpc.insecure_channel(address) as channel:
+        yield gateway_grpc.GatewayStub(channel)
+
+
+@contextlib.contextmanager
+def redis_client(url: str) -> Iterator[redis.Redis]:
+    """A plain Redis client (str answers), for looking at the sessions' keys."""
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        yield client
+    finally:
+        client.close()
 
 
 def grpcurl(*args: str) -> subprocess.CompletedProcess:

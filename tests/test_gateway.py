@@ -27,7 +27,14 @@ from specmesh.core.sampling import SamplingParams
 from specmesh.rpc.proto import load
 from specmesh.runtime.models import load_model
 from specmesh.stack.redis_server import RedisServer
-from tests.servers import Server, grpcurl, replica, start_all, stop_all, wait_until
+from tests.servers import (
+    Server,
+    grpcurl,
+    replica,
+    start_all,
+    stop_all,
+    wait_until,
+)
 from tests.test_engine import PROMPT, SPECS, hf_greedy
 
 # one worker runs this module, so pytest -n 2 starts its servers once (--dist loadgroup)
@@ -70,19 +77,6 @@ def stack(models, tmp_path_factory) -> Iterator[Stack]:
             yield Stack(redis_server, drafters, verifier, gateway)
         finally:
             stop_all(*servers)
-
-
-@pytest.fixture(scope="module")
-def stub(stack) -> Iterator:
-    with grpc.insecure_channel(stack.gateway.address) as channel:
-        yield gateway_grpc.GatewayStub(channel)
-
-
-@pytest.fixture(scope="module")
-def raw_redis(stack) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(stack.redis.url, decode_responses=True)
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")

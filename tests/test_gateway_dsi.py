@@ -20,7 +20,7 @@ import redis
 from specmesh.core.sampling import SamplingParams
 from specmesh.runtime.models import load_model
 from specmesh.stack.redis_server import RedisServer
-from tests.servers import Server, replica, start_all, stop_all, wait_until
+from tests.servers import Server, gateway_stub, redis_client, replica, start_all, stop_all, wait_until
 from tests.test_engine import PROMPT, hf_greedy
 from tests.test_gateway import LONG, gateway_grpc, gateway_pb2, stream
 
@@ -68,8 +68,8 @@ def gateway_args(drafter: Server, verifiers: list[Server], redis_server: RedisSe
 
 @pytest.fixture(scope="module")
 def stub(dsi_stack) -> Iterator:
-    with grpc.insecure_channel(dsi_stack.gateway.address) as channel:
-        yield gateway_grpc.GatewayStub(channel)
+    with gateway_stub(dsi_stack.gateway.address) as stub:
+        yield stub
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +93,8 @@ def target_greedy(models) -> list[int]:
 
 @pytest.fixture(scope="module")
 def raw_redis(dsi_stack) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(dsi_stack.redis.url, decode_responses=True)
-    yield client
-    client.close()
+    with redis_client(dsi_stack.redis.url) as client:
+        yield client
 
 
 def dsi_request(

@@ -77,19 +77,6 @@ def client(stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def stub(stack) -> Iterator:
-    with grpc.insecure_channel(stack.gateway.address) as channel:
-        yield gateway_grpc.GatewayStub(channel)
-
-
-@pytest.fixture(scope="module")
-def raw_redis(stack) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(stack.redis.url, decode_responses=True)
-    yield client
-    client.close()
-
-
 def grpc_request(
     *, prompt: str | None = None, chat: list[dict] | None = None, max_tokens: int = 12, **sampling
 ) -> gateway_pb2.GenerateRequest:
