@@ -34,6 +34,9 @@ METHOD_DEFAULTS: dict[Method, TreeSpec] = {
 }
 
 
+REPLICA_LIMITS = wire.Limits()  # the replicas' default --max-* flags, the gateway's defaults too
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     """What the gateway knows about the served model and its own limits."""
@@ -43,6 +46,10 @@ class ModelLimits:
     max_context: int  # prompt + generated tokens; 0 = unknown (no check)
     max_new_tokens_limit: int
     default_max_new_tokens: int
+    tree: wire.Limits = REPLICA_LIMITS  # the largest tree a request may ask for (checked before planning)
+    max_stop_sequences: int = 16
+    max_stop_length: int = 256  # characters of one stop sequence
+    max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of a text prompt or of a chat's contents, before tokenizing
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,7 @@ class GenerationPlan:
 
 def parse_generate_request(request: Any, tokenizer: Any, limits: ModelLimits) -> GenerationPlan:
     """request: a specmesh.v1.GenerateRequest."""
+    _check_prompt_bytes(request, limits.max_prompt_bytes)
     prompt_ids = prompt_token_ids(request, tokenizer, limits.vocab_size)
     stop_ids = tuple(_token_ids(request.stop_token_ids, limits.vocab_size, "stop_token_ids"))
     if limits.eos_token_id is not None and limits.eos_token_id not in stop_ids:
@@ -77,14 +85,30 @@ def parse_generate_request(request: Any, tokenizer: Any, limits: ModelLimits) ->
     return GenerationPlan(
         prompt_ids=prompt_ids,
         max_new_tokens=_max_new_tokens(request, len(prompt_ids), limits),
-        stop=_stop_strings(request.stop),
+        stop=_stop_strings(request.stop, limits),
         stop_token_ids=stop_ids,
         params=sampling_params(request.sampling),
-        **speculation(request.speculation),
+        **speculation(request.speculation, limits.tree),
     )
 
 
 # ---- prompt ------------------------------------------------------------------------------------
+
+
+def _check_prompt_bytes(request: Any, limit: int) -> None:
+    """Before anything is tokenized: a huge prompt costs the tokenizer seconds and memory."""
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        size, field = len(request.prompt.encode()), "prompt"
+    elif kind == "chat":
+        size = sum(len(m.content.encode()) + len(m.role.encode()) for m in request.chat.messages)
+        field = "chat.messages"
+    else:
+        return
+    if size > limit:
+        raise wire.WireError(
+            field, f"{size} bytes is above the gateway's limit of {limit} (--max-prompt-bytes)"
+        )
 
 
 def prompt_token_ids(request: Any, tokenizer: Any, vocab_size: int) -> list[int]:
@@ -116,6 +140,8 @@ def _chat_token_ids(chat: Any, tokenizer: Any) -> list[int]:
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
     except Exception as exc:  # the template's own checks (e.g. roles must alternate)
         raise wire.WireError("chat.messages", f"the chat template refused them: {exc}") from None
+    if not rendered["input_ids"]:  # would reach the replicas as an empty prompt
+        raise wire.WireError("chat.messages", "render to no tokens with the model's chat template")
     return list(rendered["input_ids"])
 
 
@@ -158,10 +184,22 @@ def _max_new_tokens(request: Any, prompt_len: int, limits: ModelLimits) -> int:
     return n
 
 
-def _stop_strings(values: Sequence[str]) -> tuple[str, ...]:
+def _stop_strings(values: Sequence[str], limits: ModelLimits) -> tuple[str, ...]:
+    if len(values) > limits.max_stop_sequences:
+        raise wire.WireError(
+            "stop",
+            f"{len(values)} stop sequences is above the gateway's limit of {limits.max_stop_sequences} "
+            "(--max-stop-sequences)",
+        )
     for i, text in enumerate(values):
         if not text:
             raise wire.WireError(f"stop[{i}]", "must not be empty")
+        if len(text) > limits.max_stop_length:
+            raise wire.WireError(
+                f"stop[{i}]",
+                f"{len(text)} characters is above the gateway's limit of {limits.max_stop_length} "
+                "(--max-stop-length)",
+            )
     return tuple(values)
 
 
@@ -175,15 +213,21 @@ def sampling_params(msg: Any) -> SamplingParams:
     return replace(params, seed=session_seed(params))
 
 
-def speculation(msg: Any) -> dict[str, Any]:
-    """msg: specmesh.v1.Speculation -> the plan's spec, adaptive and auto."""
+def speculation(msg: Any, limits: wire.Limits = REPLICA_LIMITS) -> dict[str, Any]:
+    """msg: specmesh.v1.Speculation -> the plan's spec, adaptive and auto. The tree is checked
+    against `limits` before anything is planned (an adaptive policy enumerates every depth)."""
     if not msg.ListFields():
         return {"spec": AUTO_SPEC, "adaptive": True, "auto": True}
+    whose = "the gateway's"
+    wire.check_depth(msg.depth, limits, "speculation", whose)
+    wire.check_depth(len(msg.branching), limits, "speculation", whose)
     if msg.dsi:
         return {"spec": TreeSpec(Method.CHAIN, depth=msg.depth or 1), "dsi": dsi_settings(msg)}
     if msg.parallel:
         raise wire.WireError("speculation.parallel", "applies only with speculation.dsi")
-    return {"spec": tree_spec(msg), "adaptive": msg.adaptive}
+    spec = tree_spec(msg)
+    wire.check_tree_limits(spec, limits, "speculation", whose)
+    return {"spec": spec, "adaptive": msg.adaptive}
 
 
 def dsi_settings(msg: Any) -> DsiSettings:

@@ -12,8 +12,10 @@ verifier's, and takes the context length from the model config (unless --max-con
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -29,7 +31,7 @@ from gateway.http_server import HttpServer
 from gateway.metrics import GatewayMetrics, RequestClock
 from gateway.openai_api import create_app
 from gateway.pools import NoHealthyReplica, ReplicaPool
-from gateway.requests import DsiSettings, GenerationPlan, ModelLimits, parse_generate_request
+from gateway.requests import REPLICA_LIMITS, DsiSettings, GenerationPlan, ModelLimits, parse_generate_request
 from gateway.rounds import GatewayEnv, GatewayError, SessionRun
 from gateway.session_store import SessionNotFound, SessionStore, StoreError, StoreUnavailable
 from gateway.text import TextStream
@@ -47,6 +49,7 @@ from specmesh.rpc.server import (
     rpc_stream,
     serve,
 )
+from specmesh.rpc.wire import Limits
 from specmesh.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger("specmesh.gateway")
@@ -76,6 +79,13 @@ class GatewayConfig(ServerConfig):
     served_model_name: str
     max_concurrent_requests: int
     api_keys: str
+    max_depth: int
+    max_tree_nodes: int
+    max_branching: int
+    max_beam_width: int
+    max_stop_sequences: int
+    max_stop_length: int
+    max_prompt_bytes: int
 
 
 _FLAGS: dict[str, tuple[type, str]] = {
@@ -103,6 +113,16 @@ _FLAGS: dict[str, tuple[type, str]] = {
         int,
         "generations at once; one more is refused at once with RESOURCE_EXHAUSTED / HTTP 429 (0 = no limit)",
     ),
+    "max_depth": (int, "the deepest tree (or DSI lookahead) a request may ask for"),
+    "max_tree_nodes": (int, "the most nodes a request's tree may have"),
+    "max_branching": (int, "the most children per level a request may ask for (mcsd, rsd_c)"),
+    "max_beam_width": (int, "the widest beam a request may ask for (rsd_s, mtad)"),
+    "max_stop_sequences": (int, "the most stop sequences in one request"),
+    "max_stop_length": (int, "the longest stop sequence, in characters"),
+    "max_prompt_bytes": (
+        int,
+        "the largest text prompt (or chat contents) in UTF-8 bytes, checked before tokenizing",
+    ),
     "api_keys": (
         str,
         "comma-separated API keys; when set, every request needs one (gRPC metadata `authorization: "
@@ -127,13 +147,23 @@ DEFAULTS: dict[str, Any] = {
     "served_model_name": "",
     "max_concurrent_requests": 0,
     "api_keys": "",
+    "max_depth": REPLICA_LIMITS.max_depth,
+    "max_tree_nodes": REPLICA_LIMITS.max_tree_nodes,
+    "max_branching": REPLICA_LIMITS.max_branching,
+    "max_beam_width": REPLICA_LIMITS.max_beam_width,
+    "max_stop_sequences": 16,
+    "max_stop_length": 256,
+    "max_prompt_bytes": 1 << 20,
 }  # --verifiers has no default: it is required; the flags every server has: ServerConfig
 
 
 def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     return parse_flags(
         "python -m gateway", GatewayConfig, _FLAGS, DEFAULTS, argv,
-        at_least_one=("max_new_tokens_limit", "default_max_new_tokens", "max_attempts", "dsi_max_parallel"),
+        at_least_one=(
+            "max_new_tokens_limit", "default_max_new_tokens", "max_attempts", "dsi_max_parallel", "max_depth",
+            "max_tree_nodes", "max_branching", "max_beam_width", "max_stop_length", "max_prompt_bytes",
+        ),
         positive=("session_ttl", "round_timeout", "health_interval"),
         non_negative=("http_port", "max_concurrent_requests"),
     )  # fmt: skip
@@ -159,7 +189,14 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         pool_options = {"health_interval": config.health_interval}
         drafters = ReplicaPool(config.drafters, name="drafter", **pool_options) if config.drafters else None
         self.env = GatewayEnv(
-            store=SessionStore(config.redis_url, ttl_seconds=config.session_ttl),
+            store=SessionStore(
+                config.redis_url,
+                ttl_seconds=config.session_ttl,
+                # a session uses one connection at a time; its cleanup may briefly need another
+                max_connections=2 * config.max_concurrent_requests + 8
+                if config.max_concurrent_requests
+                else 128,
+            ),
             drafters=drafters,
             verifiers=ReplicaPool(config.verifiers, name="verifier", **pool_options),
             metrics=self.metrics,
@@ -172,6 +209,9 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         self._api_keys = [k.strip().encode() for k in config.api_keys.split(",") if k.strip()]
         self._admitted = 0  # generate() calls in progress (the admission limit counts these)
         self._http: HttpServer | None = None
+        # one thread: requests are tokenized in turn, off the event loop (a tokenizer is not
+        # meant to encode from several threads at once)
+        self._parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parse")
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -199,6 +239,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         for pool in self._pools():
             await pool.close()
         await self.env.store.close()
+        self._parser.shutdown(wait=False)
 
     def _pools(self) -> list[ReplicaPool]:
         return [p for p in (self.env.drafters, self.env.verifiers) if p is not None]
@@ -236,6 +277,10 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             max_context=c.max_context or context or 0,
             max_new_tokens_limit=c.max_new_tokens_limit,
             default_max_new_tokens=c.default_max_new_tokens,
+            tree=Limits(c.max_tree_nodes, c.max_depth, c.max_branching, c.max_beam_width),
+            max_stop_sequences=c.max_stop_sequences,
+            max_stop_length=c.max_stop_length,
+            max_prompt_bytes=c.max_prompt_bytes,
         )
         forward_cost = {c.rows: c.seconds for c in info.forward_cost}
         return ServedModel(info.model_id, tokenizer, limits, forward_cost, await self._draft_cost())
@@ -328,7 +373,9 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         m.waiting.inc()
         waiting = True
         try:
-            plan = self._servable(parse_generate_request(request, model.tokenizer, model.limits))
+            # tokenizing (and a chat template) may take a while: never on the event loop
+            parse = functools.partial(parse_generate_request, request, model.tokenizer, model.limits)
+            plan = self._servable(await asyncio.get_running_loop().run_in_executor(self._parser, parse))
             text = TextStream(model.tokenizer, plan.stop, context=plan.prompt_ids)
             async with await self._session_run(plan, text, deadline) as run:
                 m.waiting.dec()

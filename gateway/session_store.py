@@ -268,20 +268,27 @@ class SessionStore:
         socket_timeout: float = 1.0,
         connect_timeout: float = 1.0,
         retries: int = 1,
+        max_connections: int = 128,
+        pool_timeout: float = 30.0,
     ) -> None:
+        """max_connections: Redis connections at most; a command past them waits for one to be
+        free, up to pool_timeout seconds (then StoreUnavailable), instead of failing at once."""
         if ttl_seconds <= 0:
             raise ValueError("ttl_seconds must be > 0")
         self.url = url
         self.ttl_seconds = ttl_seconds
         self.prefix = prefix
-        self._redis = aioredis.Redis.from_url(
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=max_connections,
+            timeout=pool_timeout,
             decode_responses=True,
             socket_timeout=socket_timeout,
             socket_connect_timeout=connect_timeout,
             retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries),
             client_name="specmesh-gateway",
         )
+        self._redis = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes it
         self._create = self._redis.register_script(_CREATE)
         self._commit = self._redis.register_script(_COMMIT)
         self._assign = self._redis.register_script(_ASSIGN)

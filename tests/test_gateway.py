@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -452,17 +453,71 @@ BAD_INPUT: dict[str, tuple[gateway_pb2.GenerateRequest, str]] = {
     "top-p-above-one": (with_fields(sampling={"topP": 1.5}), "sampling.top_p: "),
     "empty-stop-string": (with_fields(stop=["w3", ""]), "stop[1]: "),
     "stop-token-outside-vocab": (with_fields(stopTokenIds=[1000]), "stop_token_ids[0]: "),
+    # issue 14, finding 1: checked against the gateway's --max-* before any planning
+    "adaptive-depth-3000": (
+        with_fields(speculation={"method": "mcsd", "depth": 3000, "adaptive": True}),
+        "speculation.depth: ",
+    ),
+    "dsi-lookahead-3000": (with_fields(speculation={"dsi": True, "depth": 3000}), "speculation.depth: "),
+    "branching-levels-3000": (
+        with_fields(speculation={"method": "rsd_c", "branching": [1] * 3000}),
+        "speculation.depth: ",
+    ),
+    "branching-above-limit": (
+        with_fields(speculation={"method": "mcsd", "depth": 2, "branching": [9, 1]}),
+        "speculation.branching: ",
+    ),
+    "beam-width-above-limit": (
+        with_fields(speculation={"method": "rsd_s", "beamWidth": 9}),
+        "speculation.beam_width: ",
+    ),
+    "tree-nodes-above-limit": (
+        with_fields(speculation={"method": "mcsd", "depth": 3, "branching": [8, 8, 8]}),
+        "speculation: ",
+    ),
+    # issue 14, finding 3: stop sequences and prompt size, before any tokenizing
+    "too-many-stop-strings": (with_fields(stop=[f"w{i}" for i in range(17)]), "stop: "),
+    "stop-string-too-long": (with_fields(stop=["w1 " * 100]), "stop[0]: "),
+    "prompt-above-byte-limit": (gateway_pb2.GenerateRequest(prompt="w1 " * 400_000), "prompt: "),
+    "chat-above-byte-limit": (
+        gateway_pb2.GenerateRequest(
+            chat=gateway_pb2.ChatPrompt(
+                messages=[gateway_pb2.ChatMessage(role="w1", content="w2 " * 400_000)]
+            )
+        ),
+        "chat.messages: ",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_invalid_argument_naming_the_field(stack, stub, raw_redis, case: str) -> None:
     request, field = BAD_INPUT[case]
+    start = time.monotonic()
     with pytest.raises(grpc.RpcError) as error:
         stub.Generate(request, timeout=60)
+    # refused before any work: not a stall (a depth of 3000 with adaptive froze the gateway ~24 s)
+    assert time.monotonic() - start < 5.0
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
     assert error.value.details().startswith(field), error.value.details()
     assert raw_redis.keys("specmesh:*") == []
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1e-310}, {"temperature": 1e-40}, {"topP": 1e-300}])
+def test_an_underflowing_temperature_or_top_p_is_greedy_and_ejects_no_replica(
+    stack, stub, target_greedy, sampling: dict
+) -> None:
+    """Issue 14, finding 2: these made Draft fail with INTERNAL (counted as replica faults, drafters
+    ejected) or returned wrong tokens; their limit is greedy on every replica."""
+    failovers = sum(
+        gateway_metric(stack, "specmesh:failovers_total", role=r) for r in ("drafter", "verifier")
+    )
+    for method in ("none", "rsd_c"):
+        request = with_fields(sampling={**sampling, "seed": 3}, maxNewTokens=12)
+        request.speculation.CopyFrom(speculation(SPECS[method]))
+        assert list(stub.Generate(request, timeout=60).token_ids) == target_greedy[:12], method
+    after = sum(gateway_metric(stack, "specmesh:failovers_total", role=r) for r in ("drafter", "verifier"))
+    assert after == failovers
 
 
 # ---- discovery and the CLI -------------------------------------------------------------------------

@@ -235,6 +235,11 @@ BAD: dict[str, tuple[str, dict, int, str | None]] = {
     "n-two": ("completions", {**BASE, "n": 2}, 400, "n"),
     "stop-empty": ("completions", {**BASE, "stop": [""]}, 400, "stop[0]"),
     "stop-number": ("completions", {**BASE, "stop": 3}, 400, "stop"),
+    "stop-too-many": ("completions", {**BASE, "stop": [f"w{i}" for i in range(17)]}, 400, "stop"),
+    "stop-too-long": ("completions", {**BASE, "stop": "w1 " * 100}, 400, "stop[0]"),
+    "prompt-too-large": ("completions", {**BASE, "prompt": "w1 " * 400_000}, 400, "prompt"),
+    "speculation-depth-3000": ("completions", {**BASE, "speculation": {"method": "mcsd", "depth": 3000,
+                               "adaptive": True}}, 400, "speculation.depth"),
     "prompt-missing": ("completions", {"model": "tiny"}, 400, "prompt"),
     "prompt-empty": ("completions", {**BASE, "prompt": ""}, 400, "prompt"),
     "prompt-batch": ("completions", {**BASE, "prompt": ["w1", "w2"]}, 400, "prompt"),
@@ -305,6 +310,9 @@ def finished_requests(stack: Stack) -> float:
 def test_a_client_that_disconnects_cancels_its_session_everywhere(stack, raw_redis, stream: bool) -> None:
     body = {"model": "tiny", "prompt": WORDS, "max_tokens": LIMIT, "temperature": 0, "stream": stream}
     body["speculation"] = {"method": "rsd_c"}  # tree drafts: the slowest rounds, many of them
+    started = time.monotonic()
+    httpx.post(f"{stack.base_url}/v1/completions", json={**body, "stream": False}, timeout=60)
+    uncancelled = time.monotonic() - started  # how long the whole generation takes here, now
     finished = finished_requests(stack)
     with httpx.Client(timeout=60) as http:
         if stream:
@@ -315,9 +323,9 @@ def test_a_client_that_disconnects_cancels_its_session_everywhere(stack, raw_red
                 assert raw_redis.exists(f"specmesh:{{{session}}}:meta")
         else:
             with pytest.raises(httpx.ReadTimeout):
-                http.post(f"{stack.base_url}/v1/completions", json=body, timeout=0.3)
+                http.post(f"{stack.base_url}/v1/completions", json=body, timeout=uncancelled / 4)
     assert_no_sessions(stack, raw_redis)
-    time.sleep(1.0)  # long enough for an uncancelled generation of this size to have finished
+    time.sleep(uncancelled)  # an uncancelled generation would have finished by now
     assert finished_requests(stack) == finished  # it was cut short, not run to its end
 
 

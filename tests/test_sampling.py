@@ -95,3 +95,22 @@ def test_sample_iid_matches_the_distribution_and_skips_zero_mass() -> None:
     counts = Counter(draws)
     assert set(counts) == {1, 3, 4}
     assert chi_square_pvalue(counts, {i: float(p[i]) for i in range(6)}) > 1e-4
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(1e-310), SamplingParams(1e-40), SamplingParams(1e-6), SamplingParams(1.0, top_p=1e-300)],
+    ids=["temperature-1e-310", "temperature-1e-40", "temperature-1e-6", "top-p-1e-300"],
+)
+def test_a_temperature_or_top_p_below_eps_is_greedy_not_nan(params: SamplingParams) -> None:
+    """Issue 14, finding 2: these made warp return NaN (Draft failed with INTERNAL) or, at 1e-40,
+    wrong tokens; their limit is greedy, everywhere SamplingParams is built."""
+    logits = torch.tensor([[1.0, 30.0, -4.0, 29.0]])
+    assert params.greedy and params.top_p == 1.0
+    torch.testing.assert_close(warp(logits, params), torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+
+
+def test_a_temperature_at_eps_is_still_sampled() -> None:
+    params = SamplingParams(1e-5)
+    assert not params.greedy
+    assert torch.isfinite(warp(torch.tensor([[1.0, 30.0, -4.0, 29.0]]), params)).all()

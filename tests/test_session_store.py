@@ -282,3 +282,26 @@ def test_redis_stopping_mid_session_commits_nothing_half():
 
     with RedisServer() as srv:  # its own server: this test stops it
         run(scenario(srv))
+
+
+def test_more_concurrent_commands_than_connections_wait_instead_of_failing(server):
+    """Issue 14, finding 4: past 100 concurrent streams redis-py's pool raised "Too many
+    connections" mid-stream; the store's pool now waits for a free connection."""
+
+    async def main() -> None:
+        async with SessionStore(server.url, max_connections=4) as store:
+            ids = [sid() for _ in range(150)]
+            await asyncio.gather(*(store.create(i, [1, 2, 3], drafter="d", verifier="v") for i in ids))
+            loaded = await asyncio.gather(*(store.load(i) for i in ids))
+            assert [s.tokens for s in loaded] == [[1, 2, 3]] * 150
+            await asyncio.gather(*(store.delete(i) for i in ids))
+
+    run(main())
+
+
+def test_the_default_pool_serves_more_than_a_hundred_concurrent_commands(server):
+    async def main() -> None:
+        async with SessionStore(server.url) as store:
+            assert all(s is None for s in await asyncio.gather(*(store.load(sid()) for _ in range(300))))
+
+    run(main())

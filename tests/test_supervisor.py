@@ -136,6 +136,68 @@ def test_restarts_are_bounded_then_the_stack_stops(child):
     asyncio.run(scenario())
 
 
+def _wait_for(predicate, timeout: float = 15.0):
+    async def wait() -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.05)
+
+    return wait()
+
+
+def test_crashes_spread_over_time_never_exhaust_the_budget(child):
+    """Issue 14, finding 8: the budget was per lifetime, so the 4th crash ever stopped the stack."""
+
+    async def scenario():
+        crashing = child("drafter-0", "crash", max_restarts=2, restart_window=0.25, restart_delay=0.05)
+        sup = Supervisor([crashing], output=io.StringIO())
+        await sup.start()
+        await _wait_for(lambda: events(child).count("drafter-0 started") >= 5)  # > 2 restarts
+        assert not sup._done.is_set()
+        await sup.stop()
+
+    asyncio.run(scenario())
+
+
+def test_an_expendable_childs_crash_loop_leaves_the_others_serving(child):
+    """Issue 14, finding 8: one drafter's crash loop stopped the stack, Redis and the healthy drafter
+    included."""
+
+    async def scenario():
+        specs = [
+            child("redis"),
+            child("drafter-0", "crash", stage=1, max_restarts=1, restart_delay=0.05, expendable=True),
+            child("drafter-1", stage=1),
+        ]
+        sup = Supervisor(specs, grace=5, output=io.StringIO())
+        await sup.start()
+        await _wait_for(lambda: "goes on without it" in sup.output.getvalue())
+        await asyncio.sleep(0.3)
+        assert not sup._done.is_set() and not any("SIG" in e for e in events(child))
+        await sup.stop()
+        assert "drafter-1 SIGTERM" in events(child) and "redis SIGTERM" in events(child)
+
+    asyncio.run(scenario())
+
+
+def test_the_children_die_with_a_sigkilled_supervisor(child, tmp_path):
+    """Issue 14, finding 8: a SIGKILLed supervisor left its children running."""
+    specs = [child("redis", stage=0), child("gateway", stage=1)]
+    proc = _supervisor_process(specs)
+    try:
+        _wait_all_ready(proc)
+        proc.kill()
+        proc.wait(15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 15
+    while sorted(e for e in events(child) if "SIG" in e) != ["gateway SIGTERM", "redis SIGTERM"]:
+        assert time.monotonic() < deadline, events(child)
+        time.sleep(0.05)
+
+
 def test_a_child_that_fails_to_start_stops_the_stack_at_once(child):
     async def scenario():
         out = io.StringIO()
@@ -226,6 +288,20 @@ def test_grpc_health_readiness(tmp_path):
 def test_sigint_to_the_supervisor_is_forwarded_in_reverse_order(child, tmp_path):
     """The real thing: a supervisor process gets Ctrl-C's SIGINT and passes it on."""
     specs = [child("redis", stage=0), child("verifier-0", stage=1), child("gateway", stage=2)]
+    proc = _supervisor_process(specs)
+    try:
+        _wait_all_ready(proc)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    got = [e for e in events(child) if "SIG" in e]
+    assert got == ["gateway SIGINT", "verifier-0 SIGINT", "redis SIGINT"]
+
+
+def _supervisor_process(specs: list[ChildSpec]) -> subprocess.Popen:
+    """A real supervisor process running `specs`; it prints ALL READY once they are."""
     program = textwrap.dedent(
         f"""
         import asyncio, sys
@@ -235,23 +311,18 @@ def test_sigint_to_the_supervisor_is_forwarded_in_reverse_order(child, tmp_path)
         sys.exit(asyncio.run(sup.run()))
         """
     )
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-c", program], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent
     )
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "ALL READY" in line:
-                break
-        assert any("ALL READY" in line for line in lines), "".join(lines)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(15) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    got = [e for e in events(child) if "SIG" in e]
-    assert got == ["gateway SIGINT", "verifier-0 SIGINT", "redis SIGINT"]
+
+
+def _wait_all_ready(proc: subprocess.Popen) -> None:
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "ALL READY" in line:
+            return
+    pytest.fail("".join(lines))
 
 
 def _spec_source(spec: ChildSpec) -> str:

@@ -17,6 +17,11 @@ import torch
 # The kept set is almost always small, so look at the top candidates first and sort everything
 # only when they do not reach the mass (exact either way; topk 1024 / 8192 cost 0.5 / 2 ms).
 _TOP_P_PROBES = (1024, 8192)
+# Below this a temperature or a top-p is its limit, greedy (vLLM's _SAMPLING_EPS): logits / 1e-40
+# overflow fp32 to inf (softmax then gives NaN), and a top-p under fp32's resolution keeps nothing.
+# Every replica builds its SamplingParams here, so the gateway, drafters, verifiers and the engine
+# all see the same greedy request.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.temperature < SAMPLING_EPS or self.top_p < SAMPLING_EPS:  # their limit: greedy
+            object.__setattr__(self, "temperature", 0.0)
+            object.__setattr__(self, "top_p", 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -106,8 +106,7 @@ def tree_spec_to_proto(spec: TreeSpec) -> pb2.TreeSpec:
 
 def tree_spec_from_proto(msg: pb2.TreeSpec, limits: Limits, field: str = "tree_spec") -> TreeSpec:
     """A TreeSpec within the replica's limits; method "none" drafts nothing and is refused."""
-    # before TreeSpec, which builds a (1,) * depth tuple for some methods
-    _check_limit(f"{field}.depth", msg.depth, limits.max_depth, "--max-depth")
+    check_depth(msg.depth, limits, field)
     kwargs: dict = dict(
         method=msg.method,
         depth=msg.depth,
@@ -123,19 +122,32 @@ def tree_spec_from_proto(msg: pb2.TreeSpec, limits: Limits, field: str = "tree_s
         raise core_error(field, exc) from None
     if not spec.method.drafts:
         raise WireError(f"{field}.method", "'none' drafts no tree; send Verify with an empty tree instead")
-    _check_limit(
-        f"{field}.branching", max(spec.branching, default=1), limits.max_branching, "--max-branching"
-    )
-    if spec.method.beamed:
-        _check_limit(f"{field}.beam_width", spec.beam_width, limits.max_beam_width, "--max-beam-width")
-    _check_limit(field, spec.max_nodes, limits.max_tree_nodes, "--max-tree-nodes", what="tree nodes")
+    check_tree_limits(spec, limits, field)
     return spec
 
 
-def _check_limit(field: str, value: int, limit: int, flag: str, what: str = "") -> None:
+def check_depth(depth: int, limits: Limits, field: str, whose: str = "this replica's") -> None:
+    """Before a TreeSpec is built (it makes a (1,) * depth tuple) or planned for."""
+    _check_limit(f"{field}.depth", depth, limits.max_depth, "--max-depth", whose=whose)
+
+
+def check_tree_limits(spec: TreeSpec, limits: Limits, field: str, whose: str = "this replica's") -> None:
+    """Branching, beam width and node count within `limits` (the replicas', or the gateway's own)."""
+    branching = max(spec.branching, default=1)
+    _check_limit(f"{field}.branching", branching, limits.max_branching, "--max-branching", whose=whose)
+    if spec.method.beamed:
+        beam = spec.beam_width
+        _check_limit(f"{field}.beam_width", beam, limits.max_beam_width, "--max-beam-width", whose=whose)
+    nodes, limit = spec.max_nodes, limits.max_tree_nodes
+    _check_limit(field, nodes, limit, "--max-tree-nodes", what="tree nodes", whose=whose)
+
+
+def _check_limit(
+    field: str, value: int, limit: int, flag: str, what: str = "", whose: str = "this replica's"
+) -> None:
     if value > limit:
         label = f"{value} {what}".strip()
-        raise WireError(field, f"{label} is above this replica's limit of {limit} ({flag})")
+        raise WireError(field, f"{label} is above {whose} limit of {limit} ({flag})")
 
 
 # ---- distributions -----------------------------------------------------------------------------

@@ -5,20 +5,25 @@
 Children start stage by stage (redis, then the model services, then the gateway); within a stage
 they start together and all must be ready (TCP port accepting, gRPC health SERVING, Redis PING)
 before the next stage starts. Their stdout and stderr are copied line by line with a `name |`
-prefix. A child that crashes after it was ready is restarted (at most `max_restarts` times, then
-the whole stack stops with exit status 1); a child that fails before it was ever ready stops the
-stack at once, because a bad flag or model path will not get better by retrying.
+prefix. A child that crashes after it was ready is restarted; its budget is `max_restarts` restarts
+within `restart_window` seconds (a crash now and then never adds up). Past it, an `expendable`
+child (a replica with a sibling of its role) is given up alone and the rest keeps serving; any
+other child stops the whole stack with exit status 1. A child that fails before it was ever ready
+stops the stack at once, because a bad flag or model path will not get better by retrying.
 
 Children run in their own process groups, so a terminal's Ctrl-C reaches only the supervisor,
 which forwards it (SIGINT or SIGTERM, whichever it got) child by child in reverse start order,
 waits `grace` seconds for each and then kills its group. A second signal kills what is left at
-once. A supervisor killed with SIGKILL cannot clean up: its children are then left running.
+once. A supervisor killed with SIGKILL cannot clean up; on Linux each child is then sent SIGTERM
+by the kernel (the parent-death signal), so none is left running.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import dataclasses
 import os
 import signal
 import socket
@@ -101,15 +106,18 @@ class ChildSpec:
     env: Mapping[str, str] | None = None  # added to the supervisor's environment
     cwd: str | None = None
     ready_timeout: float = 60.0
-    max_restarts: int = 3
+    max_restarts: int = 3  # within restart_window seconds
+    restart_window: float = 300.0
     restart_delay: float = 1.0
+    expendable: bool = False  # past its budget, give up this child alone (the stack serves without it)
 
 
 @dataclass
 class _Child:
     spec: ChildSpec
     proc: asyncio.subprocess.Process | None = None
-    restarts: int = 0
+    restarts: int = 0  # in its lifetime
+    recent: list[float] = field(default_factory=list)  # monotonic times of the restarts in the window
     pump: asyncio.Task[None] | None = None
     watcher: asyncio.Task[None] | None = None
 
@@ -238,6 +246,7 @@ class Supervisor:
                 env=env,
                 cwd=spec.cwd,
                 start_new_session=True,  # own process group: signals reach it only through us
+                preexec_fn=_die_with_parent,
                 limit=1 << 20,
             )
         except OSError as exc:
@@ -275,7 +284,7 @@ class Supervisor:
                 await asyncio.wait_for(proc.wait(), self.poll_interval)
 
     async def _watch(self, child: _Child) -> None:
-        """Restart a child that exits on its own, up to max_restarts times."""
+        """Restart a child that exits on its own, within its budget (module docstring)."""
         spec = child.spec
         while True:
             assert child.proc is not None
@@ -283,16 +292,24 @@ class Supervisor:
             await self._drain(child)
             if self._stopping:
                 return
-            if child.restarts >= spec.max_restarts:
-                self._failure = (
-                    f"{spec.name} exited with status {status}; gave up after {child.restarts} restarts"
+            now = time.monotonic()
+            child.recent = [t for t in child.recent if now - t < spec.restart_window]
+            if len(child.recent) >= spec.max_restarts:
+                given_up = (
+                    f"exited with status {status}; gave up after {len(child.recent)} restarts "
+                    f"in {spec.restart_window:g}s"
                 )
+                if spec.expendable:
+                    self._say(f"{given_up}; the rest of the stack goes on without it", spec.name)
+                    return
+                self._failure = f"{spec.name} {given_up}"
                 self._done.set()
                 return
             child.restarts += 1
+            child.recent.append(now)
             self._say(
-                f"exited with status {status}; restart {child.restarts}/{spec.max_restarts} "
-                f"in {spec.restart_delay:g}s",
+                f"exited with status {status}; restart {len(child.recent)}/{spec.max_restarts} "
+                f"in {spec.restart_window:g}s, in {spec.restart_delay:g}s",
                 spec.name,
             )
             await asyncio.sleep(spec.restart_delay)
@@ -336,6 +353,16 @@ class Supervisor:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the supervisor dies, even by SIGKILL (Linux)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 # ---- the specmesh stack --------------------------------------------------------------------------
@@ -398,11 +425,11 @@ def plan_stack(
     drafter_addrs, verifier_addrs = [], []
     for i in range(drafters):
         spec, addr = service("drafter", i, draft, drafter_args)
-        specs.append(spec)
+        specs.append(dataclasses.replace(spec, expendable=drafters > 1))
         drafter_addrs.append(addr)
     for i in range(verifiers):
         spec, addr = service("verifier", i, target, verifier_args)
-        specs.append(spec)
+        specs.append(dataclasses.replace(spec, expendable=verifiers > 1))
         verifier_addrs.append(addr)
     gateway = f"{host}:{port}"
     argv = [python, "-m", "gateway", "--port", str(port), "--http-port", str(http_port)]
