@@ -65,7 +65,7 @@ class Gateway(Protocol):
 
     metrics: Any
 
-    def authorize(self, token: str | None) -> None: ...
+    def authorize(self, authorization: str | None) -> None: ...
     def served_model(self) -> Any: ...
     def model_name(self) -> str: ...
     def generate(self, request: Any, deadline: float | None) -> AsyncIterator[Any]: ...
@@ -427,7 +427,7 @@ async def _answer(gateway: Gateway, request: Request, method: str, handler: Hand
     """Authorize, run, and map every failure to OpenAI's error shape; count and log the call."""
     start = time.perf_counter()
     try:
-        gateway.authorize(_bearer(request))
+        gateway.authorize(request.headers.get("authorization"))
         response = await handler(gateway, request, *args)
     except ClientGone:
         gateway.answered(method, "", grpc.StatusCode.CANCELLED, start)
@@ -446,11 +446,6 @@ async def _answer(gateway: Gateway, request: Request, method: str, handler: Hand
         return error_response(status, details, param)
     gateway.answered(method, "", grpc.StatusCode.OK, start)
     return response
-
-
-def _bearer(request: Request) -> str | None:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
 async def _models(gateway: Gateway, request: Request) -> Response:

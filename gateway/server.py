@@ -147,13 +147,9 @@ DEFAULTS: dict[str, Any] = {
     "served_model_name": "",
     "max_concurrent_requests": 0,
     "api_keys": "",
-    "max_depth": REPLICA_LIMITS.max_depth,
-    "max_tree_nodes": REPLICA_LIMITS.max_tree_nodes,
-    "max_branching": REPLICA_LIMITS.max_branching,
-    "max_beam_width": REPLICA_LIMITS.max_beam_width,
-    "max_stop_sequences": 16,
-    "max_stop_length": 256,
-    "max_prompt_bytes": 1 << 20,
+    # the request caps: ModelLimits' defaults (the tree's are the replicas' defaults)
+    **dataclasses.asdict(REPLICA_LIMITS),
+    **{f: getattr(ModelLimits, f) for f in ("max_stop_sequences", "max_stop_length", "max_prompt_bytes")},
 }  # --verifiers has no default: it is required; the flags every server has: ServerConfig
 
 
@@ -277,7 +273,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             max_context=c.max_context or context or 0,
             max_new_tokens_limit=c.max_new_tokens_limit,
             default_max_new_tokens=c.default_max_new_tokens,
-            tree=Limits(c.max_tree_nodes, c.max_depth, c.max_branching, c.max_beam_width),
+            tree=Limits(**{f.name: getattr(c, f.name) for f in dataclasses.fields(Limits)}),
             max_stop_sequences=c.max_stop_sequences,
             max_stop_length=c.max_stop_length,
             max_prompt_bytes=c.max_prompt_bytes,
@@ -314,7 +310,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
 
     @rpc
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        self.authorize(_bearer(context))
+        self.authorize(_authorization(context))
         async with contextlib.aclosing(self.generate(request, self._deadline(context))) as generated:
             chunks = [c async for c in generated]
         last = chunks[-1]
@@ -328,18 +324,20 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
 
     @rpc_stream
     async def GenerateStream(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        self.authorize(_bearer(context))
+        self.authorize(_authorization(context))
         async with contextlib.aclosing(self.generate(request, self._deadline(context))) as chunks:
             async for chunk in chunks:
                 yield chunk
 
     # ---- what gRPC and HTTP share --------------------------------------------------------------
 
-    def authorize(self, token: str | None) -> None:
-        """token: the bearer token the request carried (None: none)."""
+    def authorize(self, authorization: str | None) -> None:
+        """authorization: the request's `authorization` (gRPC metadata, HTTP header), "Bearer KEY"."""
         if not self._api_keys:
             return
-        if token is None:
+        scheme, _, token = (authorization or "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
             raise GatewayError(
                 grpc.StatusCode.UNAUTHENTICATED, "authorization: this gateway needs an API key (Bearer)"
             )
@@ -471,12 +469,11 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         return asyncio.get_running_loop().time() + remaining
 
 
-def _bearer(context: grpc.aio.ServicerContext) -> str | None:
-    """The token of an `authorization: Bearer TOKEN` metadata entry, if any."""
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    """The call's `authorization` metadata entry, if any."""
     for key, value in context.invocation_metadata() or ():
         if key == "authorization":
-            scheme, _, token = str(value).partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else None
+            return str(value)
     return None
 
 

@@ -116,7 +116,6 @@ class ChildSpec:
 class _Child:
     spec: ChildSpec
     proc: asyncio.subprocess.Process | None = None
-    restarts: int = 0  # in its lifetime
     recent: list[float] = field(default_factory=list)  # monotonic times of the restarts in the window
     pump: asyncio.Task[None] | None = None
     watcher: asyncio.Task[None] | None = None
@@ -305,7 +304,6 @@ class Supervisor:
                 self._failure = f"{spec.name} {given_up}"
                 self._done.set()
                 return
-            child.restarts += 1
             child.recent.append(now)
             self._say(
                 f"exited with status {status}; restart {len(child.recent)}/{spec.max_restarts} "
