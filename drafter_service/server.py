@@ -81,12 +81,13 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         await super().close()
 
     def forget_local(self, session_id: str) -> None:
+        super().forget_local(session_id)
         self._pending.pop(session_id, None)
 
     @rpc
     async def Draft(self, request: pb2.DraftRequest, context: grpc.aio.ServicerContext) -> pb2.DraftResponse:
         draft = wire.parse_draft_request(request, self.vocab_size, self.limits)
-        resume = self.begin(draft.session_id, draft.position)
+        resume = self.begin(draft, context)
         cancelled = threading.Event()
         try:
             job = self._builders.submit(self._draft, draft, resume, cancelled)

@@ -9,7 +9,8 @@ RPC failed calls `mark_failed(addr)`: the replica stays out for `failure_cooldow
 its health service still says SERVING, so a flapping replica is not picked again at once.
 
 Single event loop: pick / mark_failed / healthy are plain methods that never await, so they need no
-locks. Channels are shared per address (`channel(addr)`), for the health checks and the callers.
+locks. Channels are shared per address (`channel(addr)`), for the health checks and the callers;
+with `tls` (specmesh.rpc.tls.ClientTls) they are TLS channels, mutual when it has a certificate.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specmesh.rpc.tls import ClientTls, aio_channel
 from specmesh.rpc.tracing import client_interceptors
 
 __all__ = ["NoHealthyReplica", "ReplicaPool", "Target", "parse_targets"]
@@ -104,6 +106,7 @@ class Replica:
     failed_until: float = 0.0  # monotonic time before which a probe cannot make it healthy
     last_error: str = "not checked yet"
     sessions: int = 0  # sessions currently assigned here (for least-loaded placement)
+    failed_probes: int = 0  # consecutive failed health checks
 
 
 class ReplicaPool:
@@ -119,7 +122,9 @@ class ReplicaPool:
         health_timeout: float = 1.0,
         resolve_interval: float = 10.0,
         failure_cooldown: float | None = None,
+        unhealthy_after: int = 2,
         channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         self.targets = parse_targets(targets)
         self.name = name
@@ -128,11 +133,12 @@ class ReplicaPool:
         self.health_timeout = health_timeout
         self.resolve_interval = resolve_interval
         self.failure_cooldown = health_interval if failure_cooldown is None else failure_cooldown
-        self._channel_factory = channel_factory or (
-            lambda addr: grpc.aio.insecure_channel(
-                addr, options=DEFAULT_CHANNEL_OPTIONS, interceptors=client_interceptors()
-            )
-        )
+        # failed probes in a row before a healthy replica is taken out: one probe that misses its
+        # timeout on a busy host must not take away the spare a per-try timeout moves sessions to
+        self.unhealthy_after = unhealthy_after
+        self.tls = tls  # None: plaintext channels
+        self._channel_factory = channel_factory or self._open_channel
+        self._server_names: dict[str, str] = {}  # address -> the dns:/// name it was resolved from
         self._replicas: dict[str, Replica] = {}
         self._resolved: dict[Target, list[str]] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -181,6 +187,8 @@ class ReplicaPool:
         for target in self.targets:
             try:
                 self._resolved[target] = await resolve(target)
+                if target.dns:
+                    self._server_names.update(dict.fromkeys(self._resolved[target], target.host))
             except OSError as exc:  # keep the last known addresses through a DNS hiccup
                 log.warning("%s pool: cannot resolve %s: %s", self.name, target.host, exc)
                 self._resolved.setdefault(target, [])
@@ -196,6 +204,7 @@ class ReplicaPool:
         for addr in gone:
             log.info("%s pool: replica %s no longer resolves; removed", self.name, addr)
             del self._replicas[addr]
+            self._server_names.pop(addr, None)
             for session in [s for s, a in self._affinity.items() if a == addr]:
                 del self._affinity[session]
             channel = self._channels.pop(addr, None)
@@ -215,6 +224,17 @@ class ReplicaPool:
             self._channels[address] = self._channel_factory(address)
         return self._channels[address]
 
+    def _open_channel(self, address: str) -> grpc.aio.Channel:
+        """The default channel: TLS when the pool has `tls`, the replica's certificate checked
+        for the name its address was resolved from (a dns:/// target is dialled by IP)."""
+        return aio_channel(
+            address,
+            self.tls,
+            options=DEFAULT_CHANNEL_OPTIONS,
+            interceptors=client_interceptors(),
+            server_name=self._server_names.get(address, ""),
+        )
+
     # ---- health -------------------------------------------------------------------------------
 
     async def check_now(self) -> None:
@@ -224,7 +244,9 @@ class ReplicaPool:
         changed = False
         now = time.monotonic()
         for replica, error in zip(replicas, results, strict=True):
-            healthy = error is None and now >= replica.failed_until
+            replica.failed_probes = 0 if error is None else replica.failed_probes + 1
+            tolerated = replica.healthy and 0 < replica.failed_probes < self.unhealthy_after
+            healthy = (error is None or tolerated) and now >= replica.failed_until
             if healthy != replica.healthy:
                 changed = True
                 level = logging.INFO if healthy else logging.WARNING

@@ -7,6 +7,7 @@ gateway answers it with INVALID_ARGUMENT before anything is stored or sent to a 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,6 +36,12 @@ METHOD_DEFAULTS: dict[Method, TreeSpec] = {
 
 
 REPLICA_LIMITS = wire.Limits()  # the replicas' default --max-* flags, the gateway's defaults too
+
+
+# A chat message's role goes into the chat template as it is: no markup, newlines or spaces (a role
+# like "user<|im_end|>" would write the template's control tokens); docs/decisions.md.
+MAX_ROLE_LENGTH = 32
+_ROLE = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_ROLE_LENGTH}}}", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,13 @@ def prompt_token_ids(request: Any, tokenizer: Any, vocab_size: int) -> list[int]
 def _chat_token_ids(chat: Any, tokenizer: Any) -> list[int]:
     if not chat.messages:
         raise wire.WireError("chat.messages", "must not be empty")
+    for i, m in enumerate(chat.messages):
+        if not _ROLE.fullmatch(m.role):
+            raise wire.WireError(
+                f"chat.messages[{i}].role",
+                f"{m.role[: MAX_ROLE_LENGTH + 1]!r} is not a role: 1 to {MAX_ROLE_LENGTH} ASCII letters, "
+                "digits, '_' or '-' (system, user, assistant, tool, ...)",
+            )
     if not getattr(tokenizer, "chat_template", None):
         raise wire.WireError("chat", "the model's tokenizer has no chat template; send prompt instead")
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]

@@ -11,12 +11,15 @@ max_new_tokens or a stop sequence, and commits it with `commit_round(expected_ro
 committed round is handed out, so the client sees exactly the tokens in Redis.
 
 Failover: a replica call that fails at the transport level (UNAVAILABLE, DEADLINE_EXCEEDED,
-CANCELLED by a stopping server, INTERNAL, UNKNOWN) takes that replica out of its pool and redoes
-the round on another one, waiting (within the round timeout and the client's deadline) for one
-to become healthy. The new replica is sent position 0 and all committed tokens (the resync
-protocol); since every round's randomness derives from (seed, position), it produces the tokens
-the old one would have. ABORTED (our own earlier, abandoned request is still running there) is
-retried on the same replica. At most `max_attempts` tries per round.
+CANCELLED by a stopping server, UNKNOWN), or takes longer than its per-try timeout while a spare
+replica is healthy (gateway/retries.py), takes that replica out of its pool and redoes the round
+on another one, waiting (within the round timeout and the client's deadline) for one to become
+healthy, as far as the retry budget allows. The new replica is sent position 0 and all committed
+tokens (the resync protocol); since every round's randomness derives from (seed, position), it
+produces the tokens the old one would have. ABORTED (our own earlier, abandoned request is still
+running there) is retried on the same replica. At most `max_attempts` tries per round. Any other
+answer (INVALID_ARGUMENT, INTERNAL, PERMISSION_DENIED, ...) is the request's own: the client
+gets it, no replica is blamed.
 
 Leaving the `async with` in any way (finished, error, the client cancelled) releases the
 session on every replica it touched and deletes it from Redis, shielded from cancellation.
@@ -27,8 +30,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,11 +43,13 @@ from gateway.api import stats_to_proto
 from gateway.metrics import GatewayMetrics
 from gateway.pools import NoHealthyReplica, ReplicaPool
 from gateway.requests import GenerationPlan
-from gateway.session_store import SessionStore, StoreError
+from gateway.retries import RetryBudget, TryTimeouts
+from gateway.session_store import SessionExists, SessionStore, StoreError
 from gateway.text import TextStream
 from specmesh.core.adaptive import PolicyMemory
 from specmesh.core.rounds import keep_emitted
 from specmesh.core.stats import GenerationStats
+from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2_grpc
 from specmesh.rpc.round_client import (
     Placement,
@@ -57,15 +64,19 @@ from specmesh.rpc.tracing import tracer
 log = logging.getLogger("specmesh.gateway.rounds")
 _tracer = tracer("specmesh.gateway")
 
+# What a replica's transport or host does, never a request's own fault: only these move a
+# session to another replica. Our replicas answer UNKNOWN for nothing (a failing handler is
+# INTERNAL), so it comes from the transport. INTERNAL, INVALID_ARGUMENT and the rest are the
+# request's: the client gets them and no replica is blamed.
 _FAILOVER = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN,
 }
 _STUBS = {Role.DRAFTER: pb2_grpc.DrafterStub, Role.VERIFIER: pb2_grpc.VerifierStub}
 RELEASE_TIMEOUT = 2.0
+CLIENT_DEADLINE_SLACK = 0.05  # seconds: a call timing out this close to the client's deadline is its
 
 
 class GatewayError(Exception):
@@ -86,7 +97,10 @@ class GatewayEnv:
     metrics: GatewayMetrics
     round_timeout: float
     max_attempts: int
+    try_timeouts: TryTimeouts | None = None  # None: a call may take the whole round timeout
+    retries: RetryBudget = dataclasses.field(default_factory=RetryBudget)
     cleanups: set[asyncio.Task] = dataclasses.field(default_factory=set)  # outliving their request
+    deferred: set[asyncio.Task] = dataclasses.field(default_factory=set)  # releases retried later
     policies: PolicyMemory = dataclasses.field(default_factory=PolicyMemory)  # adaptive sessions' warm start
     dsi_acceptance: float = 0.7  # per-token acceptance of finished DSI sessions, decayed (the prior: 0.7)
     # DSI verifications' time over the verifier's start-up cost for their rows, decayed, with the
@@ -95,6 +109,12 @@ class GatewayEnv:
 
     def dsi_overlap_slowdown(self) -> float:
         return self.dsi_forward_scale[True] / self.dsi_forward_scale[False]
+
+    def defer(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` in the background, past its request (cancelled when the gateway closes)."""
+        task = asyncio.ensure_future(work)
+        self.deferred.add(task)
+        task.add_done_callback(self.deferred.discard)
 
     def pool(self, role: Role) -> ReplicaPool:
         pool = self.drafters if role is Role.DRAFTER else self.verifiers
@@ -125,9 +145,11 @@ class SessionRun:
         """forward_cost: the verifier's measured rows -> seconds, for an adaptive policy."""
         self.plan, self.env, self.text, self.deadline = plan, env, text, deadline
         self.id = uuid.uuid4().hex
+        self.key = secrets.token_hex(16)  # the replicas serve this session only to callers with it
+        self.metadata = wire.session_metadata(self.key)
         self.roles = (Role.DRAFTER, Role.VERIFIER) if plan.spec.method.drafts else (Role.VERIFIER,)
         policy = env.policies.new_policy(plan.spec, plan.params, forward_cost) if plan.adaptive else None
-        self.client = RoundClient(self.id, plan.params, plan.spec, policy=policy)
+        self.client = RoundClient(self.id, plan.params, plan.spec, policy=policy, key=self.key)
         self.tokens = list(plan.prompt_ids)  # committed, as in Redis
         self.round = 0
         self.stats = GenerationStats()
@@ -154,9 +176,11 @@ class SessionRun:
 
     async def __aenter__(self) -> SessionRun:
         self.env.metrics.running.inc()
+        creating = False
         try:
             await self._place()
             p = self.plan
+            creating = True
             await self.env.store.create(
                 self.id,
                 p.prompt_ids,
@@ -168,7 +192,11 @@ class SessionRun:
                 extra={"stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids)},
             )
             self.created = True
-        except BaseException:
+        except BaseException as exc:
+            # Cancelled (the client's deadline) or failed mid-create, Redis may have run the create
+            # all the same: delete the keys anyway (about 1 in 40 such requests leaked them until
+            # their TTL). Absent keys delete as nothing; SessionExists means they are another's.
+            self.created = creating and not isinstance(exc, SessionExists)
             await self.__aexit__()
             raise
         return self
@@ -187,11 +215,14 @@ class SessionRun:
         self.env.metrics.running.dec()
         if self.client.policy is not None:
             self.env.policies.remember(self.client.policy, self.plan.params)
-        releases = [
-            release_session(_STUBS[role](self.env.pool(role).channel(addr)), self.id, RELEASE_TIMEOUT)
-            for role, addr in sorted(self.touched)
-        ]
-        await asyncio.gather(*releases)
+        touched = sorted(self.touched)
+        stubs = [_STUBS[role](self.env.pool(role).channel(addr)) for role, addr in touched]
+        released = await asyncio.gather(
+            *(release_session(s, self.id, RELEASE_TIMEOUT, self.key) for s in stubs)
+        )
+        for (role, address), stub, outcome in zip(touched, stubs, released, strict=True):
+            if outcome is None:  # unreachable (paused, partitioned): it may still hold the KV
+                self.env.defer(self._release_later(role, address, stub))
         for role in self.roles:
             self.env.pool(role).release(self.id)
         if self.created:
@@ -258,6 +289,15 @@ class SessionRun:
         session = await self.env.store.load(self.id)
         if session is None:
             raise GatewayError(grpc.StatusCode.ABORTED, f"session {self.id} expired or was deleted")
+        if session.round < self.round or session.tokens[: len(self.tokens)] != self.tokens:
+            # Redis lost rounds this run committed and streamed (it came back from an older AOF,
+            # or a failover promoted a replica that lacked them): resuming from it would send the
+            # client tokens it already has. End here; the client has exactly what was committed.
+            raise GatewayError(
+                grpc.StatusCode.ABORTED,
+                f"session {self.id}: the session store lost committed rounds (Redis is at round "
+                f"{session.round}, this gateway committed {self.round})",
+            )
         new = session.tokens[len(self.tokens) :]
         self.tokens, self.round, self.stats = session.tokens, session.round, session.stats
         self.finish_reason = session.finish_reason
@@ -265,6 +305,7 @@ class SessionRun:
 
     async def _run_round(self) -> RoundResult:
         failure: ReplicaFailure | None = None
+        self.env.retries.round_started()
         for _ in range(self.env.max_attempts):
             placement = await self._place()
             try:
@@ -281,15 +322,33 @@ class SessionRun:
             f"round {self.round} failed {self.env.max_attempts} times; last error: {failure}",
         )
 
+    async def _release_later(self, role: Role, address: str, stub: Any) -> None:
+        """Release on a replica that could not be reached at the end: once it is healthy again
+        (a restarted one has forgotten the session anyway), for as long as the session's TTL."""
+        pool, deadline = self.env.pool(role), time.monotonic() + self.env.store.ttl_seconds
+        while time.monotonic() < deadline:
+            if address not in pool.addresses():
+                return  # the replica is gone
+            if (
+                pool.is_healthy(address)
+                and await release_session(stub, self.id, RELEASE_TIMEOUT, self.key) is not None
+            ):
+                return
+            await asyncio.sleep(pool.health_interval)
+
     def _remember_lengths(self, held: dict[Role, int]) -> None:
         for role, address in self.addresses.items():
             self.lengths[address] = held[role]
 
     async def _recover(self, failure: ReplicaFailure) -> None:
         """After a failed call: retry the same replica (ABORTED), fail over, or give up."""
-        await self._recover_from(failure.role, self.addresses[failure.role], failure.error)
+        address = self.addresses[failure.role]
+        await self._recover_from(failure.role, address, failure.error, failure.per_try)
 
-    async def _recover_from(self, role: Role, address: str, error: grpc.aio.AioRpcError) -> None:
+    async def _recover_from(
+        self, role: Role, address: str, error: grpc.aio.AioRpcError, per_try: bool = False
+    ) -> None:
+        """per_try: the call ran out of its per-try timeout; the replica is only slow, perhaps."""
         code = error.code()
         if code == grpc.StatusCode.ABORTED:
             await asyncio.sleep(0.05)
@@ -297,9 +356,19 @@ class SessionRun:
         if code == grpc.StatusCode.INVALID_ARGUMENT:  # a replica limit, e.g. tree_spec.depth
             details = error.details() or ""
             raise GatewayError(code, details.replace("tree_spec", "speculation", 1)) from None
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._client_deadline_reached():
+            # the client's deadline, not the replica: marking it failed ejected a lone verifier and
+            # the next clients got UNAVAILABLE (tests/test_gateway.py, tiny deadlines)
+            raise GatewayError(code, "the client's deadline has passed") from None
         if code not in _FAILOVER:
-            raise GatewayError(code, f"{role} {address}: {error.details()}") from None
-        self.env.pool(role).mark_failed(address, f"{code.name}: {error.details()}")
+            raise GatewayError(code, f"{role}: {error.details()}") from None
+        if not self.env.retries.try_spend():
+            raise GatewayError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{role} call failed ({code.name}) and the gateway's retry budget is spent",
+            ) from None
+        reason = "slower than its per-try timeout" if per_try else f"{code.name}: {error.details()}"
+        self.env.pool(role).mark_failed(address, reason)
         self.lengths.pop(address, None)  # whatever it held may be gone; a comeback starts at 0
         self.env.metrics.failovers.labels(role).inc()
         log.warning(
@@ -329,7 +398,22 @@ class SessionRun:
             drafter=stubs.get(Role.DRAFTER),
             held={role: self.lengths.get(a, 0) for role, a in self.addresses.items()},
             timeout=self._time_left(),
+            per_try=self._per_try if self.env.try_timeouts is not None else None,
+            spare=self._has_spare,
         )
+
+    def _has_spare(self, role: Role) -> bool:
+        """Whether a healthy replica other than the session's could take its call (without one, a
+        slow call is waited for: a slow replica is better than none)."""
+        return any(a != self.addresses.get(role) for a in self.env.pool(role).healthy())
+
+    def _per_try(self, role: Role, new_tokens: int, work: int) -> float:
+        """A call's per-try timeout (gateway/retries.py)."""
+        timeouts = self.env.try_timeouts
+        assert timeouts is not None
+        if role is Role.DRAFTER:
+            return timeouts.draft(new_tokens, work)
+        return timeouts.verify(new_tokens, work)
 
     async def _pick(self, role: Role) -> str:
         pool = self.env.pool(role)
@@ -341,6 +425,13 @@ class SessionRun:
                     await pool.wait_healthy(1, timeout=self._time_left())
                 except TimeoutError:
                     raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+
+    def _client_deadline_reached(self) -> bool:
+        """Whether the client's deadline is (all but) past: a call's deadline exceeded then is the
+        client's (gRPC's clock and the loop's may differ by a little), with no time to fail over."""
+        if self.deadline is None:
+            return False
+        return self.deadline - asyncio.get_running_loop().time() < CLIENT_DEADLINE_SLACK
 
     def _time_left(self) -> float:
         """Seconds a replica call (or a wait for one) may take: the round timeout, or less if the

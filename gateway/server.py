@@ -32,6 +32,7 @@ from gateway.metrics import GatewayMetrics, RequestClock
 from gateway.openai_api import create_app
 from gateway.pools import NoHealthyReplica, ReplicaPool
 from gateway.requests import REPLICA_LIMITS, DsiSettings, GenerationPlan, ModelLimits, parse_generate_request
+from gateway.retries import RetryBudget, TryTimeouts
 from gateway.rounds import GatewayEnv, GatewayError, SessionRun
 from gateway.session_store import SessionNotFound, SessionStore, StoreError, StoreUnavailable
 from gateway.text import TextStream
@@ -49,6 +50,7 @@ from specmesh.rpc.server import (
     rpc_stream,
     serve,
 )
+from specmesh.rpc.tls import ClientTls, client_tls
 from specmesh.rpc.wire import Limits
 from specmesh.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint
 
@@ -66,6 +68,7 @@ class GatewayConfig(ServerConfig):
     drafters: str
     verifiers: str
     redis_url: str
+    redis_reconnect_seconds: float
     tokenizer: str
     max_new_tokens_limit: int
     default_max_new_tokens: int
@@ -73,6 +76,9 @@ class GatewayConfig(ServerConfig):
     session_ttl: float
     round_timeout: float
     max_attempts: int
+    try_timeout_floor: float
+    try_timeout_factor: float
+    retry_budget: float
     health_interval: float
     dsi_max_parallel: int
     http_port: int
@@ -86,6 +92,17 @@ class GatewayConfig(ServerConfig):
     max_stop_sequences: int
     max_stop_length: int
     max_prompt_bytes: int
+    replica_ca: str
+    replica_cert: str
+    replica_key: str
+
+    def replica_tls(self) -> ClientTls | None:
+        """How the gateway reaches its replicas: TLS when any --replica-* flag is set."""
+        return client_tls(self.replica_ca, self.replica_cert, self.replica_key)
+
+    def check(self) -> None:
+        super().check()
+        self.replica_tls()
 
 
 _FLAGS: dict[str, tuple[type, str]] = {
@@ -94,7 +111,16 @@ _FLAGS: dict[str, tuple[type, str]] = {
         "drafter replicas: host:port and/or dns:///name:port, comma-separated (empty: method none only)",
     ),
     "verifiers": (str, "verifier replicas: host:port and/or dns:///name:port, comma-separated"),
-    "redis_url": (str, "the Redis that holds the sessions"),
+    "redis_url": (
+        str,
+        "the Redis that holds the sessions: redis://[:PASSWORD@]HOST:PORT/DB, or through Sentinel "
+        "redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER_NAME[/DB]",
+    ),
+    "redis_reconnect_seconds": (
+        float,
+        "how long a Redis operation is retried while Redis is unreachable (a restart, a failover) "
+        "before the request fails with UNAVAILABLE; 0 = at the first error",
+    ),
     "tokenizer": (str, "model source whose tokenizer to load, no weights (empty: the verifier's --model)"),
     "max_new_tokens_limit": (int, "the largest max_new_tokens a request may ask for"),
     "default_max_new_tokens": (int, "max_new_tokens of a request that leaves it unset"),
@@ -102,6 +128,19 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "session_ttl": (float, "seconds a session stays in Redis after its last write"),
     "round_timeout": (float, "seconds a replica call, or the wait for a healthy replica, may take"),
     "max_attempts": (int, "tries per round, over all replicas, before the request fails"),
+    "try_timeout_floor": (
+        float,
+        "the least seconds one Draft / Verify try gets before the round moves to a spare replica",
+    ),
+    "try_timeout_factor": (
+        float,
+        "a try gets this many times what its forwards cost on the replica (measured at start-up); "
+        "0 = no per-try timeout (every try may take the round timeout)",
+    ),
+    "retry_budget": (
+        float,
+        "replica retries in any 10 s may be this share of the rounds started in them, plus 10",
+    ),
     "health_interval": (
         float,
         "seconds between health checks of the replicas (also the cooldown after a failure)",
@@ -128,12 +167,20 @@ _FLAGS: dict[str, tuple[type, str]] = {
         "comma-separated API keys; when set, every request needs one (gRPC metadata `authorization: "
         "Bearer KEY`, HTTP header `Authorization: Bearer KEY`), else UNAUTHENTICATED / 401",
     ),
+    "replica_ca": (
+        str,
+        "PEM CA that signed the replicas' certificates: TLS to the replicas (a dns:/// target's "
+        "certificate must name its host)",
+    ),
+    "replica_cert": (str, "PEM client certificate the gateway shows the replicas (mutual TLS)"),
+    "replica_key": (str, "PEM private key of --replica-cert"),
 }
 
 DEFAULTS: dict[str, Any] = {
     "port": 50051,
     "drafters": "",
     "redis_url": "redis://127.0.0.1:6379/0",
+    "redis_reconnect_seconds": 30.0,
     "tokenizer": "",
     "max_new_tokens_limit": 1024,
     "default_max_new_tokens": 128,
@@ -141,12 +188,18 @@ DEFAULTS: dict[str, Any] = {
     "session_ttl": 600.0,
     "round_timeout": 60.0,
     "max_attempts": 5,
+    "try_timeout_floor": 2.0,
+    "try_timeout_factor": 10.0,
+    "retry_budget": 0.2,
     "health_interval": 1.0,
     "dsi_max_parallel": 4,
     "http_port": 8000,
     "served_model_name": "",
     "max_concurrent_requests": 0,
     "api_keys": "",
+    "replica_ca": "",
+    "replica_cert": "",
+    "replica_key": "",
     # the request caps: ModelLimits' defaults (the tree's are the replicas' defaults)
     **dataclasses.asdict(REPLICA_LIMITS),
     **{f: getattr(ModelLimits, f) for f in ("max_stop_sequences", "max_stop_length", "max_prompt_bytes")},
@@ -160,8 +213,11 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
             "max_new_tokens_limit", "default_max_new_tokens", "max_attempts", "dsi_max_parallel", "max_depth",
             "max_tree_nodes", "max_branching", "max_beam_width", "max_stop_length", "max_prompt_bytes",
         ),
-        positive=("session_ttl", "round_timeout", "health_interval"),
-        non_negative=("http_port", "max_concurrent_requests"),
+        positive=("session_ttl", "round_timeout", "health_interval", "try_timeout_floor"),
+        non_negative=(
+            "http_port", "max_concurrent_requests", "try_timeout_factor", "retry_budget",
+            "redis_reconnect_seconds",
+        ),
     )  # fmt: skip
 
 
@@ -182,12 +238,13 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
-        pool_options = {"health_interval": config.health_interval}
+        pool_options = {"health_interval": config.health_interval, "tls": config.replica_tls()}
         drafters = ReplicaPool(config.drafters, name="drafter", **pool_options) if config.drafters else None
         self.env = GatewayEnv(
             store=SessionStore(
                 config.redis_url,
                 ttl_seconds=config.session_ttl,
+                reconnect_timeout=config.redis_reconnect_seconds,
                 # a session uses one connection at a time; its cleanup may briefly need another
                 max_connections=2 * config.max_concurrent_requests + 8
                 if config.max_concurrent_requests
@@ -198,6 +255,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             metrics=self.metrics,
             round_timeout=config.round_timeout,
             max_attempts=config.max_attempts,
+            retries=RetryBudget(ratio=config.retry_budget),
         )
         self.model: ServedModel | None = None
         self._not_ready = "waiting for a healthy verifier to learn the model"
@@ -220,7 +278,8 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
 
     async def serve_more(self, config: ServerConfig) -> None:
         if self.config.http_port:
-            self._http = HttpServer(create_app(self), self.config.host, self.config.http_port)
+            tls = self.config.server_tls()
+            self._http = HttpServer(create_app(self), self.config.host, self.config.http_port, tls)
             await self._http.start()
 
     async def drain(self, grace_seconds: float) -> None:
@@ -232,6 +291,9 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             self._ready_task.cancel()
             await asyncio.gather(self._ready_task, return_exceptions=True)
         await asyncio.gather(*self.env.cleanups, return_exceptions=True)
+        for task in list(self.env.deferred):
+            task.cancel()
+        await asyncio.gather(*self.env.deferred, return_exceptions=True)
         for pool in self._pools():
             await pool.close()
         await self.env.store.close()
@@ -279,7 +341,11 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             max_prompt_bytes=c.max_prompt_bytes,
         )
         forward_cost = {c.rows: c.seconds for c in info.forward_cost}
-        return ServedModel(info.model_id, tokenizer, limits, forward_cost, await self._draft_cost())
+        draft_cost = await self._draft_cost()
+        if c.try_timeout_factor > 0:
+            floor, factor = c.try_timeout_floor, c.try_timeout_factor
+            self.env.try_timeouts = TryTimeouts(floor, factor, draft_cost, forward_cost)
+        return ServedModel(info.model_id, tokenizer, limits, forward_cost, draft_cost)
 
     async def _draft_cost(self) -> dict[int, float]:
         """A drafter's measured forward cost, for DSI's choice of shape; {} if none answers now."""
@@ -294,6 +360,12 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         return {c.rows: c.seconds for c in info.forward_cost}
 
     # ---- errors --------------------------------------------------------------------------------
+
+    def undecodable(self, request: Any, context: grpc.aio.ServicerContext) -> Exception:
+        """Bytes that are no GenerateRequest: the API key first, as for any other request (a caller
+        without one learns nothing of the API)."""
+        self.authorize(_authorization(context))
+        return super().undecodable(request, context)
 
     def status(self, method: str, session: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
         if isinstance(exc, GatewayError):
@@ -480,6 +552,7 @@ def _authorization(context: grpc.aio.ServicerContext) -> str | None:
 async def _serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     service = GatewayService(config)
     details = {"drafters": config.drafters, "verifiers": config.verifiers, "http_port": config.http_port}
+    details["replica_tls"] = "mutual" if config.replica_cert else bool(config.replica_tls())
     await serve(service, config, MAX_MESSAGE_BYTES, details, stop)
 
 

@@ -14,31 +14,44 @@ does not roll back a script that fails halfway) and refreshes the TTL of all fou
 commits only when the stored round equals the caller's expected round, so a late or duplicate
 verifier reply commits nothing.
 
-Errors: Redis unreachable or timing out -> StoreUnavailable (the gateway answers UNAVAILABLE);
-anything else Redis refuses -> StoreError.
+Redis restarts and failovers: every operation that finds Redis unreachable, timing out, loading
+its data (LOADING) or read-only (a demoted master) is retried with exponential backoff (50 ms
+doubling to 1 s) for up to `reconnect_timeout` seconds; only then StoreUnavailable (the gateway
+answers UNAVAILABLE). Retries are safe: reads and `assign` / `touch` / `delete` are idempotent,
+and `create` and `commit_round` carry a random id that makes a replay of the same call (its first
+try applied, the answer lost) succeed without applying twice. A refused password fails at once
+(StoreError); so does anything else Redis refuses.
+
+The URL is `redis://[[user]:password@]host:port/db` (`rediss://` for TLS), or Sentinel:
+`redis+sentinel://[[user]:password@]host:port[,host:port…]/service[/db]`, which asks the Sentinels
+for the service's master and follows a failover (`parse_sentinel_url`). Error messages and logs
+never show the password (`_safe_url`).
 """
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import json
+import logging
 import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any, TypeVar
+from urllib.parse import unquote
 
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 
 from specmesh.core.stats import GenerationStats
 
 __all__ = [
+    "SentinelUrl",
     "Session",
     "SessionExists",
     "SessionKeys",
@@ -46,9 +59,33 @@ __all__ = [
     "SessionStore",
     "StoreError",
     "StoreUnavailable",
+    "parse_sentinel_url",
 ]
 
+log = logging.getLogger("specmesh.gateway.session_store")
+T = TypeVar("T")
+
 DEFAULT_TTL_SECONDS = 600.0
+DEFAULT_RECONNECT_SECONDS = 30.0  # the gateway's --redis-reconnect-seconds
+BACKOFF_FIRST, BACKOFF_MAX = 0.05, 1.0  # seconds between retries: 50 ms, doubling, at most 1 s
+CLEANUP_RECONNECT_SECONDS = 2.0  # `delete` is cleanup (the TTL is the backstop): it waits less
+SENTINEL_PORT = 26379
+# Redis is not there right now: worth waiting for. (redis-py's AuthenticationError is a
+# ConnectionError too, but a wrong password never gets better: it is caught before these.)
+_TRANSIENT = (
+    redis.exceptions.ConnectionError,  # refused, reset, LOADING, no master known to the Sentinels
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ReadOnlyError,  # a master demoted by a failover, before clients move
+)
+
+
+def _read_only(exc: redis.exceptions.RedisError) -> bool:
+    """A write sent to a replica: directly (READONLY), or from inside a Lua script."""
+    return isinstance(exc, redis.exceptions.ReadOnlyError) or (
+        isinstance(exc, redis.exceptions.ResponseError) and "READONLY" in str(exc)
+    )
+
+
 SCHEMA_VERSION = "1"
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # no braces: they would break the hash tag
 
@@ -141,16 +178,20 @@ local function expire_all(ttl_ms)
 end
 """
 
-# ARGV: ttl_ms, n_meta_args, meta field/value pairs..., prompt tokens...
+# ARGV: ttl_ms, create_id, n_meta_args, meta field/value pairs... (with create_id), prompt tokens...
+# Returns 1 created, 2 this very create was already applied (a retry), 0 the id is taken.
 _CREATE = (
     _PRELUDE
     + """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  if redis.call('HGET', KEYS[1], 'create_id') == ARGV[2] then return 2 end
+  return 0
+end
 -- leftovers of an earlier session with this id whose keys expired one by one
 redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
-local n_meta = tonumber(ARGV[2])
-redis.call('HSET', KEYS[1], unpack(ARGV, 3, 2 + n_meta))
-if #ARGV > 2 + n_meta then push(KEYS[2], 3 + n_meta, #ARGV) end
+local n_meta = tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], unpack(ARGV, 4, 3 + n_meta))
+if #ARGV > 3 + n_meta then push(KEYS[2], 4 + n_meta, #ARGV) end
 expire_all(tonumber(ARGV[1]))
 return 1
 """
@@ -242,21 +283,79 @@ def _tokens(tokens: Sequence[int]) -> list[int]:
 
 
 def _safe_url(url: str) -> str:
-    """The URL without its password, for error messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    """The URL without its password (also a `password=` query parameter), for messages and logs."""
+    scheme, sep, rest = url.partition("://")
+    if sep:
+        netloc, slash, path = rest.partition("/")
+        userinfo, at, hosts = netloc.rpartition("@")
+        if at:
+            user, colon, _ = userinfo.partition(":")
+            netloc = f"{user}:***@{hosts}" if colon else f"***@{hosts}"
+        url = f"{scheme}://{netloc}{slash}{path}"
+    return re.sub(r"(?i)(password=)[^&#]*", r"\1***", url)
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    """`redis+sentinel://[[user]:password@]host:port[,host:port…]/service[/db]`: the Sentinels to
+    ask, the monitored service (master name), the database and the data nodes' credentials."""
+
+    sentinels: list[tuple[str, int]]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.lower().startswith("redis+sentinel://")
+
+
+def parse_sentinel_url(url: str) -> SentinelUrl:
+    """ValueError naming what is wrong. A host without a port is on 26379."""
+    if not is_sentinel_url(url):
+        raise ValueError(f"{_safe_url(url)}: not a redis+sentinel:// URL")
+    rest = url.split("://", 1)[1].split("?", 1)[0].split("#", 1)[0]
+    netloc, _, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, secret = userinfo.partition(":")
+        username, password = (unquote(user) or None), (unquote(secret) if colon else None)
+    sentinels = []
+    for item in hosts.split(","):
+        item = item.strip()
+        if item.startswith("["):  # [IPv6]:port
+            host, _, tail = item[1:].partition("]")
+            port = tail.removeprefix(":")
+        else:
+            host, _, port = item.partition(":")
+        if not host:
+            raise ValueError(f"{_safe_url(url)}: a Sentinel without a host")
+        try:
+            sentinels.append((host, int(port) if port else SENTINEL_PORT))
+        except ValueError:
+            raise ValueError(f"{_safe_url(url)}: bad port {port!r}") from None
+    service, _, db = path.strip("/").partition("/")
+    if not service:
+        raise ValueError(f"{_safe_url(url)}: no service name (the path: /mymaster[/db])")
+    if db and not db.isdigit():
+        raise ValueError(f"{_safe_url(url)}: bad database {db!r}")
+    return SentinelUrl(sentinels, unquote(service), int(db or 0), username, password)
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """The Sentinel's pool (connects to whatever the Sentinels name as master), waiting for a free
+    connection past max_connections like the plain URL's BlockingConnectionPool."""
 
 
 class SessionStore:
-    """Async session store on one Redis (redis-py `redis.asyncio`).
+    """Async session store on one Redis, or on the master a Sentinel names (redis-py `redis.asyncio`).
 
-    Timeouts are short on purpose: the gateway must answer UNAVAILABLE quickly when Redis is down,
-    not hang a client's request. One retry covers a dropped idle connection; a retried commit is
-    recognised by its commit id, so it cannot apply twice.
+    Socket timeouts are short (1 s): a Redis that does not answer is noticed quickly, and the call
+    is retried with backoff for up to `reconnect_timeout` seconds (module docstring), so a Redis
+    restart or a failover of a few seconds costs a request time, not its stream. A retried commit
+    or create is recognised by its id, so it cannot apply twice.
     """
 
     def __init__(
@@ -270,25 +369,46 @@ class SessionStore:
         retries: int = 1,
         max_connections: int = 128,
         pool_timeout: float = 30.0,
+        reconnect_timeout: float = DEFAULT_RECONNECT_SECONDS,
     ) -> None:
         """max_connections: Redis connections at most; a command past them waits for one to be
-        free, up to pool_timeout seconds (then StoreUnavailable), instead of failing at once."""
+        free, up to pool_timeout seconds (then StoreUnavailable), instead of failing at once.
+        reconnect_timeout: seconds an operation is retried while Redis is unreachable (0: fail
+        at the first error, after redis-py's own `retries` quick retries)."""
         if ttl_seconds <= 0:
             raise ValueError("ttl_seconds must be > 0")
+        if reconnect_timeout < 0:
+            raise ValueError("reconnect_timeout must be >= 0")
         self.url = url
         self.ttl_seconds = ttl_seconds
         self.prefix = prefix
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
-            timeout=pool_timeout,
-            decode_responses=True,
-            socket_timeout=socket_timeout,
-            socket_connect_timeout=connect_timeout,
-            retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries),
-            client_name="specmesh-gateway",
-        )
-        self._redis = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes it
+        self.reconnect_timeout = reconnect_timeout
+        self._down_since: float | None = None  # monotonic time of the current outage's first error
+        options: dict[str, Any] = {
+            "max_connections": max_connections,
+            "timeout": pool_timeout,
+            "decode_responses": True,
+            "socket_timeout": socket_timeout,
+            "socket_connect_timeout": connect_timeout,
+            "retry": Retry(ExponentialBackoff(cap=0.1, base=0.01), retries),
+            "client_name": "specmesh-gateway",
+        }
+        self._sentinel: Sentinel | None = None
+        if is_sentinel_url(url):
+            where = parse_sentinel_url(url)
+            timeouts = {"socket_timeout": socket_timeout, "socket_connect_timeout": connect_timeout}
+            self._sentinel = Sentinel(where.sentinels, sentinel_kwargs=timeouts)
+            self._redis = self._sentinel.master_for(
+                where.service,
+                connection_pool_class=_BlockingSentinelPool,
+                db=where.db,
+                username=where.username,
+                password=where.password,
+                **options,
+            )
+        else:
+            pool = aioredis.BlockingConnectionPool.from_url(url, **options)
+            self._redis = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes it
         self._create = self._redis.register_script(_CREATE)
         self._commit = self._redis.register_script(_COMMIT)
         self._assign = self._redis.register_script(_ASSIGN)
@@ -302,6 +422,8 @@ class SessionStore:
 
     async def close(self) -> None:
         await self._redis.aclose()
+        if self._sentinel is not None:
+            await self._sentinel.aclose()
 
     def keys(self, session_id: str) -> SessionKeys:
         return SessionKeys.of(session_id, self.prefix)
@@ -310,23 +432,66 @@ class SessionStore:
     def _ttl_ms(self) -> int:
         return max(1, int(self.ttl_seconds * 1000))
 
-    @contextlib.asynccontextmanager
-    async def _guard(self, op: str) -> AsyncIterator[None]:
-        try:
-            yield
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
-            raise StoreUnavailable(
-                f"session store unavailable: Redis at {_safe_url(self.url)} did not answer {op} "
-                f"({type(exc).__name__}: {exc})"
-            ) from exc
-        except redis.exceptions.ReadOnlyError as exc:  # a replica after a failover: cannot write
-            raise StoreUnavailable(f"session store unavailable: Redis is read-only ({exc})") from exc
-        except redis.exceptions.RedisError as exc:
-            raise StoreError(f"session store: Redis refused {op}: {exc}") from exc
+    async def _call(
+        self, op: str, call: Callable[[], Awaitable[T]], reconnect_timeout: float | None = None
+    ) -> T:
+        """`call()`, retried with backoff while Redis is unreachable (module docstring)."""
+        budget = self.reconnect_timeout if reconnect_timeout is None else reconnect_timeout
+        start = time.monotonic()
+        delay = BACKOFF_FIRST
+        while True:
+            try:
+                result = await call()
+            except redis.exceptions.AuthenticationError as exc:
+                raise StoreError(
+                    f"session store: Redis at {_safe_url(self.url)} refused the credentials ({exc}): "
+                    "check the password in the Redis URL"
+                ) from exc
+            except redis.exceptions.RedisError as exc:
+                if _read_only(exc):  # reconnect: to the new master, wherever it is now
+                    await self._redis.connection_pool.disconnect(inuse_connections=False)
+                elif not isinstance(exc, _TRANSIENT):
+                    raise StoreError(f"session store: Redis refused {op}: {exc}") from exc
+                error: Exception = exc
+            except OSError as exc:
+                error = exc
+            else:
+                self._note_up()
+                return result
+            self._note_down(error)
+            left = budget - (time.monotonic() - start)
+            if left <= 0:
+                waited = f" for {time.monotonic() - start:.1f}s" if budget else ""
+                raise StoreUnavailable(
+                    f"session store unavailable: Redis at {_safe_url(self.url)} did not answer "
+                    f"{op}{waited} ({type(error).__name__}: {error})"
+                ) from error
+            await asyncio.sleep(min(delay, left))
+            delay = min(2 * delay, BACKOFF_MAX)
+
+    def _note_down(self, exc: BaseException) -> None:
+        """One warning per outage, not one per waiting call."""
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            log.warning(
+                "Redis does not answer; retrying",
+                extra={
+                    "redis": _safe_url(self.url),
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "reconnect_seconds": self.reconnect_timeout,
+                },
+            )
+
+    def _note_up(self) -> None:
+        if self._down_since is not None:
+            down = time.monotonic() - self._down_since
+            self._down_since = None
+            log.warning(
+                "Redis answers again", extra={"redis": _safe_url(self.url), "seconds": round(down, 3)}
+            )
 
     async def ping(self) -> None:
-        async with self._guard("PING"):
-            await self._redis.ping()
+        await self._call("PING", self._redis.ping)
 
     async def create(
         self,
@@ -340,10 +505,12 @@ class SessionStore:
         max_new_tokens: int = 0,
         extra: Mapping[str, Any] | None = None,
     ) -> Session:
-        """Store a new session at round 0; SessionExists if the id is taken."""
+        """Store a new session at round 0; SessionExists if the id is taken (by another create:
+        a retry of this very call after a lost answer is recognised by its create_id)."""
         keys = self.keys(session_id)
         tokens = _tokens(prompt_tokens)
         now = time.time()
+        create_id = uuid.uuid4().hex
         meta = {
             "version": SCHEMA_VERSION,
             "round": 0,
@@ -356,12 +523,11 @@ class SessionStore:
             "extra": json.dumps(dict(extra or {})),
             "created_at": repr(now),
             "updated_at": repr(now),
+            "create_id": create_id,
         }
         meta_args = _flat(meta)
-        async with self._guard("create"):
-            created = await self._create(
-                keys=keys.all(), args=[self._ttl_ms, len(meta_args), *meta_args, *tokens]
-            )
+        args = [self._ttl_ms, create_id, len(meta_args), *meta_args, *tokens]
+        created = await self._call("create", lambda: self._create(keys=keys.all(), args=args))
         if not created:
             raise SessionExists(f"session {session_id!r} already exists")
         return Session(
@@ -383,12 +549,16 @@ class SessionStore:
     async def load(self, session_id: str) -> Session | None:
         """A consistent snapshot (one MULTI/EXEC) of the session, or None if it does not exist."""
         keys = self.keys(session_id)
-        async with self._guard("load"), self._redis.pipeline(transaction=True) as pipe:
-            pipe.hgetall(keys.meta)
-            pipe.lrange(keys.tokens, 0, -1)
-            pipe.hgetall(keys.replicas)
-            pipe.hgetall(keys.stats)
-            meta, tokens, replicas, stats = await pipe.execute()
+
+        async def snapshot() -> list[Any]:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hgetall(keys.meta)
+                pipe.lrange(keys.tokens, 0, -1)
+                pipe.hgetall(keys.replicas)
+                pipe.hgetall(keys.stats)
+                return await pipe.execute()
+
+        meta, tokens, replicas, stats = await self._call("load", snapshot)
         if not meta:
             return None
         return Session(
@@ -424,9 +594,11 @@ class SessionStore:
         Atomic (one Lua script) and conditional: applies only if the stored round equals
         `expected_round` and the session is not finished; otherwise returns False and writes
         nothing. `finish_reason` marks the session finished in the same step. Raises
-        SessionNotFound if the session expired or was deleted, StoreUnavailable if Redis is down
-        (then this call committed either everything or nothing, and a new commit for the same
-        round tells which: it returns False if the earlier one went through).
+        SessionNotFound if the session expired or was deleted, StoreUnavailable if Redis stayed
+        down past reconnect_timeout (then this call committed either everything or nothing, and a
+        new commit for the same round tells which: it returns False if the earlier one went
+        through). Within reconnect_timeout the call retries itself with the same commit id: a try
+        that was applied but whose answer was lost makes the retry return True, writing nothing.
         """
         keys = self.keys(session_id)
         if finish_reason == "":
@@ -436,15 +608,13 @@ class SessionStore:
         replicas = _flat({addr: int(n) for addr, n in (replica_lengths or {}).items()})
         ints = _flat({k: int(v) for k, v in stats_int_fields(delta).items()})
         floats = _flat({k: _float(v) for k, v in stats_float_fields(delta).items()})
-        # A fresh id per call: redis-py's own retry resends the same id and is recognised as a
-        # replay; a second call (a duplicate reply) has another id and is refused.
+        # A fresh id per call: a retry of this call (redis-py's or _call's) resends the same id and
+        # is recognised as a replay; a second call (a duplicate reply) has another id and is refused.
         commit_id = uuid.uuid4().hex
         header = [int(expected_round), commit_id, self._ttl_ms, repr(time.time()), finish_reason or ""]
         counts = [len(tokens), len(replicas), len(ints), len(floats)]
-        async with self._guard("commit_round"):
-            result = await self._commit(
-                keys=keys.all(), args=[*header, *counts, *tokens, *replicas, *ints, *floats]
-            )
+        args = [*header, *counts, *tokens, *replicas, *ints, *floats]
+        result = await self._call("commit_round", lambda: self._commit(keys=keys.all(), args=args))
         if result == -1:
             raise SessionNotFound(f"session {session_id!r} does not exist (expired or deleted)")
         return result in (1, 2)
@@ -469,26 +639,26 @@ class SessionStore:
         drops = [str(a) for a in drop_replicas]
         replicas = _flat({addr: int(n) for addr, n in (replica_lengths or {}).items()})
         args = [self._ttl_ms, len(meta_args), len(drops), len(replicas), *meta_args, *drops, *replicas]
-        async with self._guard("assign"):
-            result = await self._assign(keys=keys.all(), args=args)
+        result = await self._call("assign", lambda: self._assign(keys=keys.all(), args=args))
         if result == -1:
             raise SessionNotFound(f"session {session_id!r} does not exist (expired or deleted)")
 
     async def touch(self, session_id: str) -> bool:
         """Refresh the TTL without a commit (a long round); False if the session does not exist."""
-        async with self._guard("touch"):
-            return bool(await self._touch(keys=self.keys(session_id).all(), args=[self._ttl_ms]))
+        keys = self.keys(session_id).all()
+        return bool(await self._call("touch", lambda: self._touch(keys=keys, args=[self._ttl_ms])))
 
     async def ttl(self, session_id: str) -> float | None:
         """Seconds until the session expires, None if it does not exist."""
-        async with self._guard("ttl"):
-            ms = await self._redis.pttl(self.keys(session_id).meta)
+        ms = await self._call("ttl", lambda: self._redis.pttl(self.keys(session_id).meta))
         return None if ms < 0 else ms / 1000.0
 
     async def delete(self, session_id: str) -> bool:
-        """Remove every key of the session (one DEL, atomic); False if there was nothing."""
-        async with self._guard("delete"):
-            return bool(await self._redis.delete(*self.keys(session_id).all()))
+        """Remove every key of the session (one DEL, atomic); False if there was nothing. It is
+        cleanup, so it waits for Redis at most CLEANUP_RECONNECT_SECONDS: the TTL is the backstop."""
+        keys = self.keys(session_id).all()
+        budget = min(self.reconnect_timeout, CLEANUP_RECONNECT_SECONDS)
+        return bool(await self._call("delete", lambda: self._redis.delete(*keys), budget))
 
 
 # ---- GenerationStats as a Redis hash -----------------------------------------------------------

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
+import shutil
 import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from specmesh.core.methods import METHODS, Method
+
+if TYPE_CHECKING:
+    from specmesh.rpc.tls import ClientTls
+    from specmesh.stack.supervisor import StackPlan
 
 
 def _models_pull(args: argparse.Namespace) -> int:
@@ -104,6 +110,19 @@ def _bench_dsi_stack(args: argparse.Namespace) -> int:
     write(rows, cfg, args.json, args.markdown)
     print(markdown(rows, cfg))
     return 0
+
+
+def _bench_chaos(args: argparse.Namespace) -> int:
+    from specmesh.bench.chaos import ChaosConfig, bench_chaos, write
+
+    cfg = ChaosConfig(
+        streams=args.streams, seconds=args.seconds, max_new_tokens=args.max_new_tokens,
+        pause_seconds=args.pause_seconds, seed=args.seed, log=args.log,
+    )  # fmt: skip
+    result = bench_chaos(cfg)
+    write(result, args.json)
+    print(json.dumps(result, indent=2))
+    return 0 if result["ok"] else 1
 
 
 def _bench_http(args: argparse.Namespace) -> int:
@@ -206,17 +225,25 @@ def generate_request(prompt: str, args: argparse.Namespace) -> Any:
     return request
 
 
-def stream_completion(address: str, request: Any, out: TextIO, timeout: float | None = None) -> Any:
-    """Stream one completion from the gateway at `address` to `out`; -> the last chunk (finish
-    reason and stats). Raises grpc.RpcError."""
-    import grpc
-
+def stream_completion(
+    address: str,
+    request: Any,
+    out: TextIO,
+    timeout: float | None = None,
+    tls: ClientTls | None = None,
+    api_key: str = "",
+) -> Any:
+    """Stream one completion from the gateway at `address` (over TLS with `tls`, with `api_key`
+    if not empty) to `out`; -> the last chunk (finish reason and stats). Raises grpc.RpcError."""
     from specmesh.rpc.proto import load
+    from specmesh.rpc.tls import sync_channel
 
     _, gateway_grpc = load("gateway")
     last = None
-    with grpc.insecure_channel(address) as channel:
-        for chunk in gateway_grpc.GatewayStub(channel).GenerateStream(request, timeout=timeout):
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+    with sync_channel(address, tls) as channel:
+        stub = gateway_grpc.GatewayStub(channel)
+        for chunk in stub.GenerateStream(request, timeout=timeout, metadata=metadata):
             out.write(chunk.text)
             out.flush()
             last = chunk
@@ -233,12 +260,15 @@ def print_stats(last: Any, out: TextIO) -> None:
     out.flush()
 
 
-def _complete(address: str, prompt: str, args: argparse.Namespace) -> int:
+def _complete(
+    address: str, prompt: str, args: argparse.Namespace, tls: ClientTls | None = None, api_key: str = ""
+) -> int:
     """What `specmesh generate` and the demo of `specmesh up` do: stream, then the stats."""
     import grpc
 
+    request = generate_request(prompt, args)
     try:
-        last = stream_completion(address, generate_request(prompt, args), sys.stdout, args.timeout)
+        last = stream_completion(address, request, sys.stdout, args.timeout, tls, api_key)
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
         return 1
@@ -247,14 +277,20 @@ def _complete(address: str, prompt: str, args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    return _complete(args.address, args.prompt, args)
+    from specmesh.rpc.tls import ClientTls, TlsError, client_tls
+
+    try:
+        tls = client_tls(args.ca, args.cert, args.key) or (ClientTls() if args.tls else None)
+    except TlsError as exc:
+        raise SystemExit(f"specmesh generate: {exc}") from None
+    return _complete(args.address, args.prompt, args, tls, args.api_key)
 
 
 def _up(args: argparse.Namespace) -> int:
     """The whole stack as supervised subprocesses; one demo completion once it is ready."""
     from specmesh.runtime import model_store
     from specmesh.runtime.models import resolve_backend
-    from specmesh.stack.supervisor import StackPlan, plan_stack, run_stack
+    from specmesh.stack.supervisor import plan_stack, run_stack
 
     # Provision the default pair once, here, with progress bars (not in every service at once):
     # the GGUF files for llama.cpp, converted folders for torch.
@@ -266,18 +302,15 @@ def _up(args: argparse.Namespace) -> int:
             model_store.pull_model(spec, progress=True)
     demo_status: list[int] = []
 
+    api_key = next((k.strip() for k in args.api_keys.split(",") if k.strip()), "")
+
     def serving(plan: StackPlan) -> None:
-        print(f"--- serving gRPC on {plan.gateway}", flush=True)
-        if plan.http:
-            print(f"--- serving the OpenAI-compatible API on http://{plan.http}/v1", flush=True)
-        for name, address in plan.metrics.items():
-            print(f"--- metrics of {name}: http://{address}/metrics", flush=True)
-        print("--- Ctrl-C stops everything", flush=True)
+        _print_serving(plan, with_key=bool(api_key))
 
     def demo(plan: StackPlan) -> None:
         print(f"--- demo completion through the gateway at {plan.gateway}:", flush=True)
         print(args.demo_prompt, end="", flush=True)
-        demo_status.append(_complete(plan.gateway, args.demo_prompt, args))
+        demo_status.append(_complete(plan.gateway, args.demo_prompt, args, _user_tls(plan), api_key))
         if args.exit_after_demo:
             os.kill(os.getpid(), signal.SIGTERM)  # the supervisor's own clean shutdown
         else:
@@ -292,6 +325,7 @@ def _up(args: argparse.Namespace) -> int:
 
     draft_dtype = args.draft_dtype or _default_draft_dtype(args)
     drafter_args = ["--dtype", draft_dtype] if draft_dtype else []
+    certs, throwaway = _up_certs(args)
     plan = plan_stack(
         args.draft,
         args.target,
@@ -305,11 +339,80 @@ def _up(args: argparse.Namespace) -> int:
         drafter_args=[*drafter_args, *shlex.split(args.drafter_flags)],
         verifier_args=shlex.split(args.verifier_flags),
         gateway_args=shlex.split(args.gateway_flags),
+        # in the environment, not on the command line that `ps` and the supervisor's log show
+        gateway_env={"SPECMESH_API_KEYS": args.api_keys} if args.api_keys else None,
+        certs=certs,
     )
-    status = run_stack(plan, on_ready=on_ready)
+    try:
+        status = run_stack(plan, on_ready=on_ready)
+    finally:
+        if throwaway:
+            shutil.rmtree(certs.dir, ignore_errors=True)
     if status == 0 and args.exit_after_demo:
         return demo_status[0] if demo_status else 1  # stopped before the demo could finish
     return status
+
+
+def _up_certs(args: argparse.Namespace) -> tuple[Any, bool]:
+    """`specmesh up --tls`: the certificates (in --tls-dir, else in a temporary folder that is
+    removed when the stack stops) and whether they are throwaway; (None, False) without --tls."""
+    import tempfile
+
+    from specmesh.stack.certs import write_certs
+
+    if not args.tls:
+        return None, False
+    directory = args.tls_dir or tempfile.mkdtemp(prefix="specmesh-tls-")
+    certs = write_certs(directory)
+    print(f"--- TLS on every hop; CA {certs.ca} (throwaway: its key was never written)", flush=True)
+    print(f"--- your client certificate: {certs.client_cert}, key {certs.client_key}", flush=True)
+    return certs, not args.tls_dir
+
+
+def _user_tls(plan: StackPlan) -> ClientTls | None:
+    """The credentials of `specmesh up`'s own client: the CA, and the user's certificate."""
+    from specmesh.rpc.tls import ClientTls
+
+    if plan.certs is None:
+        return None
+    return ClientTls(str(plan.certs.ca), str(plan.certs.client_cert), str(plan.certs.client_key))
+
+
+def _print_serving(plan: StackPlan, with_key: bool) -> None:
+    """Where everything is, and how to call it (grpcurl with the .proto files: no reflection)."""
+    from specmesh.rpc.proto import PROTO_ROOT
+
+    say = functools.partial(print, flush=True)
+    say(f"--- serving gRPC{' with TLS' if plan.certs else ''} on {plan.gateway}")
+    if plan.http:
+        say(f"--- serving the OpenAI-compatible API on {plan.scheme}://{plan.http}/v1")
+    for name, address in plan.metrics.items():
+        say(f"--- metrics of {name}: {plan.scheme}://{address}/metrics")
+    security = ["-cacert", str(plan.certs.ca)] if plan.certs else ["-plaintext"]
+    if with_key:
+        security += ["-H", "authorization: Bearer $SPECMESH_API_KEY"]
+    body = '{"prompt": "def fib(n):", "max_new_tokens": 32}'
+    grpcurl = ["grpcurl", *security, "-import-path", str(PROTO_ROOT), "-proto", "specmesh/v1/gateway.proto"]
+    grpcurl += ["-d", body, plan.gateway, "specmesh.v1.Gateway/Generate"]
+    say(f"--- try: {' '.join(_shell_quote(a) for a in grpcurl)}")
+    generate = f"specmesh generate 'def fib(n):' --address {plan.gateway}"
+    generate += f" --ca {shlex.quote(str(plan.certs.ca))}" if plan.certs else ""
+    say(f"--- or:  {generate}{'  (its key from $SPECMESH_API_KEY)' if with_key else ''}")
+    say("--- Ctrl-C stops everything")
+
+
+def _shell_quote(arg: str) -> str:
+    """shlex.quote, except that $SPECMESH_API_KEY stays a variable for the user's shell."""
+    return f'"{arg}"' if "$SPECMESH_API_KEY" in arg else shlex.quote(arg)
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from specmesh.stack.certs import write_certs
+
+    certs = write_certs(args.out, args.host, force=args.force, days=args.days)
+    for path in certs.all():
+        print(path)
+    return 0
 
 
 def _default_draft_dtype(args: argparse.Namespace) -> str | None:
@@ -358,6 +461,22 @@ def _add_request_flags(parser: argparse.ArgumentParser, max_new_tokens: int | No
     )
     parser.add_argument("--parallel", type=int, default=None, help="DSI: verifications in flight at once")
     parser.add_argument("--timeout", type=float, default=None, help="seconds (the request's deadline)")
+
+
+def _add_client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tls", action="store_true", help="TLS, the gateway's certificate checked by the system's CAs"
+    )
+    parser.add_argument("--ca", default="", help="TLS: the PEM CA that signed the gateway's certificate")
+    parser.add_argument(
+        "--cert", default="", help="TLS: your PEM client certificate (a gateway with --tls-client-ca)"
+    )
+    parser.add_argument("--key", default="", help="TLS: the PEM private key of --cert")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECMESH_API_KEY", ""),
+        help="sent as `authorization: Bearer KEY` (a gateway with --api-keys) [SPECMESH_API_KEY]",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -442,6 +561,21 @@ def build_parser() -> argparse.ArgumentParser:
     dsi_stack.add_argument("--markdown", help="write the table here")
     dsi_stack.set_defaults(func=_bench_dsi_stack)
 
+    chaos = bench.add_parser(
+        "chaos",
+        help="seeded streams through a tiny-model stack while a drafter is killed, a drafter paused, "
+        "the verifier and Redis restarted; every request against an undisturbed rerun (exit 1 unless "
+        "all equal, none failed, drafter stalls <= 2 per-try timeouts)",
+    )
+    chaos.add_argument("--streams", type=int, default=16)
+    chaos.add_argument("--seconds", type=float, default=120.0, help="how long the streams run")
+    chaos.add_argument("--max-new-tokens", type=int, default=48)
+    chaos.add_argument("--pause-seconds", type=float, default=10.0, help="how long a drafter is paused")
+    chaos.add_argument("--seed", type=int, default=0)
+    chaos.add_argument("--log", help="the stack's output (default: a temporary file)")
+    chaos.add_argument("--json", help="also write the result here")
+    chaos.set_defaults(func=_bench_chaos)
+
     gw = bench.add_parser("gateway", help="tokens/s through a running gateway (start it with specmesh up)")
     gw.add_argument("--address", default="127.0.0.1:50051")
     gw.add_argument("--prompts", type=int, default=3)
@@ -514,6 +648,18 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"more flags for every {role}, e.g. '--forward-latency-ms 30' (python -m {role}"
             f"{'_service' if role != 'gateway' else ''} --help)",
         )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="TLS on every hop with throwaway certificates (mutual TLS to the replicas); "
+        "default: plaintext on loopback",
+    )
+    up.add_argument("--tls-dir", default="", help="--tls: keep the certificates here (default: a temp dir)")
+    up.add_argument(
+        "--api-keys",
+        default=os.environ.get("SPECMESH_API_KEYS", ""),
+        help="the gateway's API keys, comma-separated (the demo uses the first) [SPECMESH_API_KEYS]",
+    )
     up.add_argument("--no-demo", action="store_true", help="serve without running the demo completion")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     up.add_argument("--demo-prompt", default=DEMO_PROMPT)
@@ -521,9 +667,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_request_flags(up, max_new_tokens=64)
     up.set_defaults(func=_up)
 
+    certs = sub.add_parser(
+        "certs", help="throwaway TLS certificates: a CA, the servers', the gateway's and a client's"
+    )
+    certs.add_argument("--out", required=True, help="folder to write them to")
+    certs.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="one more name (or IP) the server certificate is valid for, besides localhost, 127.0.0.1 "
+        "and ::1: every dns:/// host of --drafters / --verifiers, the gateway's name (repeatable)",
+    )
+    certs.add_argument("--days", type=int, default=365, help="validity")
+    certs.add_argument("--force", action="store_true", help="replace a complete set that is already there")
+    certs.set_defaults(func=_certs)
+
     generate = sub.add_parser("generate", help="stream a completion from a gateway, then its stats")
     generate.add_argument("prompt")
     generate.add_argument("--address", default="127.0.0.1:50051", help="the gateway, HOST:PORT")
+    _add_client_flags(generate)
     _add_request_flags(generate, max_new_tokens=None)
     generate.set_defaults(func=_generate)
     return parser

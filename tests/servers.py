@@ -149,6 +149,11 @@ def redis_client(url: str) -> Iterator[redis.Redis]:
         client.close()
 
 
+def session_keys(client: redis.Redis) -> list[str]:
+    """The sessions' keys in Redis, by SCAN (the stack's Redis has KEYS disabled)."""
+    return sorted(client.scan_iter("specmesh:*"))
+
+
 def grpcurl(*args: str) -> subprocess.CompletedProcess:
     binary = shutil.which("grpcurl") or shutil.which("grpcurl", path=str(Path(sys.executable).parent))
     if binary is None:

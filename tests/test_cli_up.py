@@ -5,6 +5,7 @@ and everything stops cleanly."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -20,6 +21,8 @@ def test_up_streams_a_demo_completion_then_exits_cleanly(models) -> None:
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=240)
     out = done.stdout
     assert done.returncode == 0, out[-4000:] + done.stderr[-2000:]
+    # the private Redis's password is in no log line: no URL with it, no --requirepass argument
+    assert not re.search(r"requirepass|redis://:", out + done.stderr)
     for child in ("redis", "drafter-0", "verifier-0", "gateway"):
         assert f"{child:<10} | ready after" in out, child
         assert f"{child:<10} | stopped (status " in out, child  # stopped by the supervisor, in order

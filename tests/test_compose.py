@@ -8,6 +8,7 @@ also accept the file (`config` needs no engine).
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ from tests.entrypoints import parse_command
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
-OUR_SERVICES = ("models", "drafter", "verifier", "verifier-cpu", "gateway")
+OUR_SERVICES = ("models", "certs", "drafter", "verifier", "verifier-cpu", "gateway")
 MODEL_SERVICES = ("drafter", "verifier", "verifier-cpu")
 
 
@@ -66,10 +67,29 @@ def test_drafters_scale_and_the_gateway_finds_them_by_dns(services):
     assert flag(command, "--drafters") == f"dns:///drafter:{flag(drafter['command'], '--port')}"
     verifier_port = flag(services["verifier"]["command"], "--port")
     assert flag(command, "--verifiers") == f"dns:///verifier:{verifier_port}"
-    assert flag(command, "--redis-url") == "redis://redis:6379/0"
+    assert "--redis-url" not in command  # in the environment: it carries the password
+    assert services["gateway"]["environment"]["SPECMESH_REDIS_URL"].endswith("@redis:6379/0")
     assert flag(command, "--port") == "50051" and "50051:50051" in gateway["ports"]
     for name in (*MODEL_SERVICES, "gateway"):
         assert flag(services[name]["command"], "--host") == "0.0.0.0", name
+
+
+def test_redis_persists_requires_a_password_and_disables_config_debug_keys(compose, services):
+    """AOF (everysec) on a volume, so a restarted Redis keeps the sessions; the password from
+    SPECMESH_REDIS_PASSWORD, also in the gateway's URL and for the healthcheck's redis-cli."""
+    redis, gateway = services["redis"], services["gateway"]
+    command = redis["command"]
+    assert command[0] == "redis-server"
+    assert flag(command, "--appendonly") == "yes" and flag(command, "--appendfsync") == "everysec"
+    assert flag(command, "--dir") == "/data" and "redis-data:/data" in redis["volumes"]
+    assert "redis-data" in compose["volumes"]
+    password = flag(command, "--requirepass")
+    assert password.startswith("${SPECMESH_REDIS_PASSWORD:?")  # required: compose refuses to start without it
+    renamed = {command[i + 1]: command[i + 2] for i, arg in enumerate(command) if arg == "--rename-command"}
+    assert renamed == {"CONFIG": "", "DEBUG": "", "KEYS": ""}
+    assert redis["environment"]["REDISCLI_AUTH"].startswith("${SPECMESH_REDIS_PASSWORD:?")
+    url = gateway["environment"]["SPECMESH_REDIS_URL"]
+    assert url.startswith("redis://:${SPECMESH_REDIS_PASSWORD:?") and url.endswith("}@redis:6379/0")
 
 
 def test_gpu_reservation_and_cpu_profile(services):
@@ -91,7 +111,37 @@ def test_dependencies(services):
     assert gateway["redis"]["condition"] == "service_healthy"
     assert gateway["drafter"]["condition"] == "service_healthy"
     for name in (*MODEL_SERVICES, "gateway"):
-        assert services[name]["depends_on"]["models"]["condition"] == "service_completed_successfully"
+        for job in ("models", "certs"):
+            assert services[name]["depends_on"][job]["condition"] == "service_completed_successfully"
+
+
+def test_tls_on_every_hop(services):
+    """Every server listens with TLS only, with the files the `certs` job writes into the shared
+    volume; the replicas require a client certificate of its CA, which the gateway shows; the
+    server certificate names every dns:/// host the gateway dials; healthchecks speak TLS."""
+    from gateway.pools import parse_targets
+    from specmesh.rpc.tls import ClientTls, ServerTls
+    from specmesh.stack.certs import cert_files
+
+    job = parse_command("certs", services["certs"]["command"])
+    files = cert_files(job.out)
+    assert f"certs:{job.out}" in services["certs"]["volumes"]
+    ca, cert, key = str(files.ca), str(files.server_cert), str(files.server_key)
+    configs = {}
+    for name in (*MODEL_SERVICES, "gateway"):
+        service = services[name]
+        assert f"certs:{job.out}:ro" in service["volumes"], name
+        configs[name] = config = parse_command(name, service["command"], service["environment"])
+        client_ca = ca if name in MODEL_SERVICES else ""  # the gateway's clients use API keys
+        assert config.server_tls() == ServerTls(cert, key, client_ca), name
+        probe = service["healthcheck"]["test"][5:]
+        assert flag(probe, "--ca") == ca, name
+        if name in MODEL_SERVICES:  # mutual TLS: the replica's own certificate
+            assert (flag(probe, "--cert"), flag(probe, "--key")) == (cert, key), name
+    gateway = configs["gateway"]
+    assert gateway.replica_tls() == ClientTls(ca, str(files.gateway_cert), str(files.gateway_key))
+    for target in parse_targets(f"{gateway.drafters},{gateway.verifiers}"):
+        assert target.host in job.host, f"the server certificate does not name {target.host}"
 
 
 def test_model_cache_volume(compose, services):
@@ -152,6 +202,7 @@ def test_compose_cli_accepts_the_file(profile):
     result = subprocess.run(
         [*cli, "-f", str(COMPOSE), "--profile", profile, "config", "-q"],
         cwd=ROOT,
+        env={**os.environ, "SPECMESH_REDIS_PASSWORD": "0123abcd"},  # required by the file
         capture_output=True,
         text=True,
         timeout=120,

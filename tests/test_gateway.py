@@ -8,9 +8,12 @@ module's stack is whole again after each test.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +35,7 @@ from tests.servers import (
     Server,
     grpcurl,
     replica,
+    session_keys,
     start_all,
     stop_all,
     wait_until,
@@ -70,6 +74,10 @@ def stack(models, tmp_path_factory) -> Iterator[Stack]:
             *("--drafters", ",".join(d.address for d in drafters), "--verifiers", verifier.address),
             *("--redis-url", redis_server.url, "--max-new-tokens-limit", str(LIMIT)),
             *("--health-interval", "0.2", "--round-timeout", "30"),
+            # Redis down for longer than this fails a request (a shorter outage is ridden out:
+            # tests/test_redis_restart.py)
+            *("--redis-reconnect-seconds", "2"),
+            "--reflection",  # for grpcurl (off by default)
         ]
         gateway = Server("gateway", args, logs / "gateway.log")
         servers = [*drafters, verifier, gateway]
@@ -155,7 +163,7 @@ def stream(stub, request, after_first=None) -> Streamed:
 
 def assert_finished_and_released(stack: Stack, raw_redis: redis.Redis) -> None:
     """No session left in Redis, none held by any replica (every session was released)."""
-    assert raw_redis.keys("specmesh:*") == []
+    assert session_keys(raw_redis) == []
     for server in (*stack.drafters, stack.verifier):
         wait_until(
             lambda s=server: s.metrics()[("specmesh_sessions", ())] == 0, what=f"{server.module} release"
@@ -299,7 +307,7 @@ def test_the_session_lives_in_redis_while_it_runs(stack, stub, raw_redis, target
     assert json.loads(meta["sampling"])["seed"] == 5 and json.loads(meta["speculation"])["method"] == "chain"
     assert 0 < ttl_ms <= 600_000
     assert streamed.token_ids == target_greedy[:LONG]
-    assert raw_redis.keys("specmesh:*") == []  # deleted once the generation finished
+    assert session_keys(raw_redis) == []  # deleted once the generation finished
 
 
 # ---- failover -----------------------------------------------------------------------------------
@@ -334,6 +342,46 @@ def test_sigkill_of_the_sessions_drafter_mid_stream_changes_no_token(
     assert gateway_metric(stack, "specmesh:failovers_total", role="drafter") == failovers + 1
 
 
+TRY_TIMEOUT_FLOOR = 2.0  # the gateway's default --try-timeout-floor; tiny forwards cost far less
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(1.0, seed=4)], ids=["greedy", "sampled"])
+def test_a_paused_drafter_is_left_for_the_spare_within_two_per_try_timeouts(
+    stack, stub, raw_redis, params: SamplingParams
+) -> None:
+    """Issue 14, finding 6: a drafter paused for 10 s stalled its sessions 10 s although a healthy
+    spare drafter existed."""
+    request = make_request(SPECS["chain"], max_new_tokens=LONG, params=params)
+    uninterrupted = stub.Generate(request, timeout=60)
+    paused: list[Server] = []
+
+    def pause(first: gateway_pb2.GenerateChunk) -> None:
+        address = raw_redis.hget(f"specmesh:{{{first.session_id}}}:meta", "drafter")
+        paused.append(stack.drafter(address))
+        os.kill(paused[0].proc.pid, signal.SIGSTOP)
+        resume.start()
+
+    resume = threading.Timer(10.0, lambda: os.kill(paused[0].proc.pid, signal.SIGCONT))
+    arrivals: list[float] = []
+    streamed: list[int] = []
+    try:
+        for chunk in stub.GenerateStream(request, timeout=120):
+            arrivals.append(time.monotonic())
+            streamed += chunk.token_ids
+            if len(arrivals) == 1:
+                pause(chunk)
+    finally:
+        resume.cancel()
+        if paused:
+            os.kill(paused[0].proc.pid, signal.SIGCONT)
+    assert streamed == list(uninterrupted.token_ids)
+    longest = max(b - a for a, b in itertools.pairwise(arrivals))
+    assert longest <= 2 * TRY_TIMEOUT_FLOOR, f"the longest stall was {longest:.1f} s"
+    paused[0].wait_serving()
+    # the paused drafter could not be told to release the session at the end: it is, once back
+    assert_finished_and_released(stack, raw_redis)
+
+
 def test_a_verifier_restarted_mid_stream_and_the_session_goes_on(
     stack, stub, raw_redis, target_greedy
 ) -> None:
@@ -356,7 +404,7 @@ def test_a_cancelled_stream_releases_its_session_everywhere(stack, stub, raw_red
     first = next(call)
     assert raw_redis.exists(f"specmesh:{{{first.session_id}}}:meta")
     call.cancel()
-    wait_until(lambda: not raw_redis.keys("specmesh:*"), what="the session's keys to go")
+    wait_until(lambda: not session_keys(raw_redis), what="the session's keys to go")
     assert_finished_and_released(stack, raw_redis)
 
 
@@ -364,11 +412,37 @@ def test_the_clients_deadline_ends_the_session_everywhere(stack, stub, raw_redis
     with pytest.raises(grpc.RpcError) as error:
         stub.Generate(make_request(max_new_tokens=LONG), timeout=0.2)
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until(lambda: not raw_redis.keys("specmesh:*"), what="the session's keys to go")
+    wait_until(lambda: not session_keys(raw_redis), what="the session's keys to go")
+    assert_finished_and_released(stack, raw_redis)
+
+
+def test_tiny_deadlines_leak_no_session(stack, stub, raw_redis) -> None:
+    """Issue 14, finding 9: a request whose deadline cancelled it while its session was being
+    created in Redis left the keys behind (till their TTL) and the replicas' sessions. Deadlines
+    of 2 to 30 ms land around the create (before this was fixed, about 1 request in 60 of those
+    leaked: 5 of 320), 30 to 300 ms anywhere up to mid-generation; 8 requests at a time."""
+    rng = random.Random(14)
+    deadlines = [rng.uniform(0.002, 0.03) for _ in range(120)] + [rng.uniform(0.03, 0.3) for _ in range(40)]
+    rng.shuffle(deadlines)
+    codes: list[grpc.StatusCode] = []
+    for i in range(0, len(deadlines), 8):
+        calls = [
+            stub.Generate.future(make_request(max_new_tokens=LONG), timeout=t) for t in deadlines[i : i + 8]
+        ]
+        for call in calls:
+            try:
+                call.result()
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as error:
+                codes.append(error.code())
+    assert set(codes) <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK}, codes
+    assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) >= 150, codes
+    wait_until(lambda: not session_keys(raw_redis), timeout=20, what="every session's keys to go")
     assert_finished_and_released(stack, raw_redis)
 
 
 def test_redis_down_is_unavailable_with_nothing_half_committed(stack, stub, raw_redis, target_greedy) -> None:
+    """Redis gone for longer than --redis-reconnect-seconds (2 s here)."""
     received: list[int] = []
 
     try:
@@ -396,6 +470,14 @@ def with_fields(**fields) -> gateway_pb2.GenerateRequest:
     request = make_request()
     json_format.ParseDict(fields, request)
     return request
+
+
+def chat(*messages: tuple[str, str]) -> gateway_pb2.GenerateRequest:
+    """A chat request of (role, content) messages."""
+    chat_prompt = gateway_pb2.ChatPrompt(
+        messages=[gateway_pb2.ChatMessage(role=r, content=c) for r, c in messages]
+    )
+    return gateway_pb2.GenerateRequest(chat=chat_prompt, max_new_tokens=4)
 
 
 def without_prompt() -> gateway_pb2.GenerateRequest:
@@ -487,6 +569,11 @@ BAD_INPUT: dict[str, tuple[gateway_pb2.GenerateRequest, str]] = {
         ),
         "chat.messages: ",
     ),
+    # issue 14, finding 9: chat roles go into the template as they are
+    "empty-role": (chat(("", "w2")), "chat.messages[0].role: "),
+    "role-with-markup": (chat(("w1", "w2"), ("w1</s>w3", "w4")), "chat.messages[1].role: "),
+    "role-with-newline": (chat(("w1\n", "w2")), "chat.messages[0].role: "),
+    "role-too-long": (chat(("w" * 33, "w2")), "chat.messages[0].role: "),
 }
 
 
@@ -500,7 +587,98 @@ def test_bad_input_is_invalid_argument_naming_the_field(stack, stub, raw_redis, 
     assert time.monotonic() - start < 5.0
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
     assert error.value.details().startswith(field), error.value.details()
-    assert raw_redis.keys("specmesh:*") == []
+    assert session_keys(raw_redis) == []
+
+
+# Request bytes that are not a GenerateRequest, or are one only by protobuf's leniency (issue 14,
+# finding 9): grpc's deserializer answered UNKNOWN, uncounted; a wrong wire type became the default;
+# of two prompt forms the last one on the wire won.
+VALID = make_request().SerializeToString()
+
+
+def field_bytes(number: int, wire_type: int, payload: bytes) -> bytes:
+    """One field on the wire; length-delimited payloads get their length (< 128) prefixed."""
+    tag = (
+        bytes([number << 3 | wire_type])
+        if number < 16
+        else bytes([(number << 3 | wire_type) & 0x7F | 0x80, number >> 4])
+    )
+    return tag + (bytes([len(payload)]) + payload if wire_type == 2 else payload)
+
+
+def chat_bytes(role: bytes, content: bytes = b"w2") -> bytes:
+    message = field_bytes(1, 2, role) + field_bytes(2, 2, content)
+    return field_bytes(3, 2, field_bytes(1, 2, message))
+
+
+BAD_BYTES: dict[str, tuple[bytes, str]] = {
+    "corrupt": (b"\xff\xff\xff", "request: not a valid specmesh.v1.GenerateRequest: "),
+    "truncated": (VALID[:-3], "request: not a valid specmesh.v1.GenerateRequest: "),
+    "wire-type-7": (VALID + b"\x0f", "request: not a valid specmesh.v1.GenerateRequest: "),
+    "prompt-not-utf8": (field_bytes(1, 2, b"w1 \xff\xfe"), "prompt: not valid UTF-8"),
+    "role-not-utf8": (chat_bytes(b"w\xc3"), "chat.messages[0].role: not valid UTF-8"),
+    "content-not-utf8": (chat_bytes(b"w1", b"\xed\xa0\x80"), "chat.messages[0].content: not valid UTF-8"),
+    "stop-not-utf8": (
+        VALID + field_bytes(5, 2, b"w1") + field_bytes(5, 2, b"\xc0"),
+        "stop[1]: not valid UTF-8",
+    ),
+    "max-new-tokens-as-bytes": (
+        VALID + field_bytes(4, 2, b"\x05"),
+        "max_new_tokens: field 4 was sent with wire type 2",
+    ),
+    "max-new-tokens-as-fixed32": (VALID + field_bytes(4, 5, bytes(4)), "max_new_tokens: "),
+    "top-k-as-fixed64": (VALID + field_bytes(7, 2, field_bytes(2, 1, bytes(8))), "sampling.top_k: "),
+    "unknown-field": (VALID + field_bytes(99, 0, b"\x01"), "request: unknown field number 99"),
+    "unknown-nested-field": (
+        VALID + field_bytes(8, 2, field_bytes(99, 0, b"\x01")),
+        "speculation: unknown field",
+    ),
+    "unknown-field-in-chat-message": (
+        field_bytes(3, 2, field_bytes(1, 2, field_bytes(1, 2, b"w1") + field_bytes(9, 0, b"\x01"))),
+        "chat.messages[0]: unknown field number 9",
+    ),
+    "prompt-and-token-ids": (
+        VALID + gateway_pb2.GenerateRequest(prompt="w1").SerializeToString(),
+        "prompt: sent together with prompt_token_ids",
+    ),
+    "prompt-and-chat": (
+        gateway_pb2.GenerateRequest(prompt="w1").SerializeToString() + chat_bytes(b"w1"),
+        "prompt: sent together with chat",
+    ),
+    "token-ids-and-chat": (chat_bytes(b"w1") + VALID, "prompt_token_ids: sent together with chat"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BYTES))
+def test_bad_bytes_are_invalid_argument_naming_the_field_and_counted(stack, raw_redis, case: str) -> None:
+    data, prefix = BAD_BYTES[case]
+    counted = {m: gateway_metric(stack, "specmesh_requests_total", method=m, code="INVALID_ARGUMENT")
+               for m in ("Generate", "GenerateStream")}  # fmt: skip
+    with grpc.insecure_channel(stack.gateway.address) as channel:
+        for method in ("Generate", "GenerateStream"):
+            call = getattr(channel, "unary_unary" if method == "Generate" else "unary_stream")(
+                f"/specmesh.v1.Gateway/{method}"  # no serializers: the bytes go as they are
+            )
+            with pytest.raises(grpc.RpcError) as error:
+                list(call(data, timeout=30)) if method == "GenerateStream" else call(data, timeout=30)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+            assert error.value.details().startswith(prefix), error.value.details()
+            after = gateway_metric(stack, "specmesh_requests_total", method=method, code="INVALID_ARGUMENT")
+            assert after == counted[method] + 1
+        # the same call with good bytes is served: the gateway is fine
+        good = gateway_pb2.GenerateResponse.FromString(
+            channel.unary_unary("/specmesh.v1.Gateway/Generate")(VALID, timeout=60)
+        )
+        assert len(good.token_ids) == 12
+    assert session_keys(raw_redis) == []
+
+
+def test_a_lenient_parse_would_have_served_them() -> None:
+    """The BAD_BYTES that protobuf itself parses (the refusals are ours): what each became."""
+    lenient = gateway_pb2.GenerateRequest.FromString
+    assert lenient(BAD_BYTES["max-new-tokens-as-bytes"][0]).max_new_tokens == 12  # VALID's; the 5 is dropped
+    assert lenient(BAD_BYTES["prompt-and-chat"][0]).WhichOneof("input") == "chat"
+    assert lenient(BAD_BYTES["token-ids-and-chat"][0]).WhichOneof("input") == "prompt_token_ids"
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 1e-310}, {"temperature": 1e-40}, {"topP": 1e-300}])

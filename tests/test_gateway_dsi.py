@@ -20,7 +20,16 @@ import redis
 from specmesh.core.sampling import SamplingParams
 from specmesh.runtime.models import load_model
 from specmesh.stack.redis_server import RedisServer
-from tests.servers import Server, gateway_stub, redis_client, replica, start_all, stop_all, wait_until
+from tests.servers import (
+    Server,
+    gateway_stub,
+    redis_client,
+    replica,
+    session_keys,
+    start_all,
+    stop_all,
+    wait_until,
+)
 from tests.test_engine import PROMPT, hf_greedy
 from tests.test_gateway import LONG, gateway_grpc, gateway_pb2, stream
 
@@ -112,7 +121,7 @@ def dsi_request(
 
 
 def assert_released(stack: DsiStack, raw_redis: redis.Redis) -> None:
-    assert raw_redis.keys("specmesh:*") == []
+    assert session_keys(raw_redis) == []
     for server in (stack.drafter, *stack.verifiers):
         idle = lambda s=server: s.metrics()[("specmesh_sessions", ())] == 0  # noqa: E731
         wait_until(idle, what=f"{server.module} release")
@@ -181,7 +190,7 @@ def test_bad_dsi_requests_are_refused_naming_the_field(stub, dsi_stack, raw_redi
         stub.Generate(dsi_request(10, parallel, **extra), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith(field)
-    assert raw_redis.keys("specmesh:*") == []
+    assert session_keys(raw_redis) == []
 
 
 def test_parallel_without_dsi_is_refused(stub) -> None:
@@ -199,7 +208,7 @@ def test_a_cancelled_dsi_stream_releases_its_session_on_every_replica(stub, dsi_
     first = next(call)
     assert raw_redis.exists(f"specmesh:{{{first.session_id}}}:meta")
     call.cancel()
-    wait_until(lambda: not raw_redis.keys("specmesh:*"), what="the session's keys to go")
+    wait_until(lambda: not session_keys(raw_redis), what="the session's keys to go")
     assert_released(dsi_stack, raw_redis)
 
 
@@ -207,7 +216,7 @@ def test_the_clients_deadline_ends_a_dsi_session_everywhere(stub, dsi_stack, raw
     with pytest.raises(grpc.RpcError) as error:
         stub.Generate(dsi_request(LONG, VERIFIERS), timeout=0.3)
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until(lambda: not raw_redis.keys("specmesh:*"), what="the session's keys to go")
+    wait_until(lambda: not session_keys(raw_redis), what="the session's keys to go")
     assert_released(dsi_stack, raw_redis)
 
 
@@ -230,4 +239,4 @@ def test_a_verifier_killed_with_dsi_verifications_in_flight_changes_no_token(
         victim.proc.wait()
         victim.start()
         victim.wait_serving()
-    assert raw_redis.keys("specmesh:*") == []
+    assert session_keys(raw_redis) == []

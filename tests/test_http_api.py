@@ -7,6 +7,7 @@ is a translation of it, so text, tokens, usage and errors must agree.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -23,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specmesh.rpc.proto import load
 from specmesh.stack.ports import free_port
 from specmesh.stack.redis_server import RedisServer
-from tests.servers import Server, replica, start_all, stop_all, wait_until
+from tests.servers import Server, replica, session_keys, start_all, stop_all, wait_until
 from tests.test_engine import PROMPT
 
 pytestmark = pytest.mark.xdist_group("http")
@@ -95,7 +96,7 @@ def grpc_request(
 
 
 def assert_no_sessions(stack: Stack, raw_redis: redis.Redis) -> None:
-    wait_until(lambda: not raw_redis.keys("specmesh:*"), what="the sessions' keys to go")
+    wait_until(lambda: not session_keys(raw_redis), what="the sessions' keys to go")
     for server in stack.replicas:
         wait_until(
             lambda s=server: s.metrics()[("specmesh_sessions", ())] == 0, what=f"{server.module} release"
@@ -278,7 +279,7 @@ def test_bad_parameters_are_400_naming_the_parameter(stack, raw_redis, case: str
     assert error["param"] == param, error
     assert error["message"].startswith(f"{param}:") or param == "model", error
     assert set(error) == {"message", "type", "param", "code"}
-    assert not raw_redis.keys("specmesh:*")
+    assert not session_keys(raw_redis)
 
 
 def test_the_openai_client_raises_its_typed_errors(client) -> None:
@@ -406,6 +407,47 @@ def test_past_the_concurrency_limit_a_request_is_refused_at_once_with_429(guarde
     assert time.monotonic() - start < 2.0
     running.close()
     assert first.choices[0].text
+
+
+def test_sixty_four_at_once_with_room_for_eight_serves_eight_and_refuses_the_rest_up_front(
+    stack, tmp_path_factory, raw_redis
+) -> None:
+    """Issue 14, finding 4: past 100 streams the Redis pool raised mid-stream; 256 unary calls got 77
+    UNAVAILABLE. With --max-concurrent-requests 8, 64 simultaneous streams: 8 complete, 56 are
+    refused before their first chunk with RESOURCE_EXHAUSTED, none fails mid-stream."""
+    replicas = stack.replicas
+    args = ["--drafters", replicas[0].address, "--verifiers", replicas[1].address]
+    args += ["--redis-url", stack.redis.url, "--max-concurrent-requests", "8"]
+    server = gateway_server(args, tmp_path_factory.mktemp("capped") / "gateway.log", free_port())
+    start_all(server)
+    request = grpc_request(prompt=WORDS, max_tokens=LIMIT, temperature=0.0)
+
+    async def one(stub) -> tuple[str, int, float]:
+        """-> (final code, chunks received, seconds until the answer or the first chunk)"""
+        chunks, start, first = 0, time.monotonic(), None
+        try:
+            async for _ in stub.GenerateStream(request, timeout=120):
+                chunks += 1
+                first = first or time.monotonic() - start
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name, chunks, first or time.monotonic() - start
+        return "OK", chunks, first or 0.0
+
+    async def all_at_once() -> list[tuple[str, int, float]]:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = gateway_grpc.GatewayStub(channel)
+            return await asyncio.gather(*(one(stub) for _ in range(64)))
+
+    try:
+        results = asyncio.run(all_at_once())
+    finally:
+        stop_all(server)
+    served = [r for r in results if r[0] == "OK"]
+    refused = [r for r in results if r[0] == "RESOURCE_EXHAUSTED"]
+    assert (len(served), len(refused)) == (8, 56), sorted({r[0] for r in results})
+    assert all(chunks == 0 and seconds < 2.0 for _, chunks, seconds in refused)  # up front, at once
+    assert all(chunks > 0 for _, chunks, _ in served)
+    assert not list(raw_redis.scan_iter("specmesh:*"))
 
 
 def test_not_ready_is_503(stack, tmp_path_factory) -> None:

@@ -15,13 +15,16 @@ point of this repo whose flags parse with the service's own parser (tests/entryp
 whose SPECMESH_* variables name real flags; probes and Services reach ports the service listens
 on; the drain budget covers --grace-seconds; the gateway's dns:/// targets name the headless
 Services of the drafters and verifiers on their listening ports; the HPA scales the drafters;
-security settings, resources and the model cache; the GPU overlay's verifier.
+security settings, resources and the model cache; TLS on every server from the Secret
+specmesh-tls (mutual to the replicas, the gateway's client certificate, probes that speak TLS); the
+GPU overlay's verifier.
 """
 
 from __future__ import annotations
 
 import copy
 import re
+import shlex
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -53,6 +56,7 @@ MERGE_KEYS = {
     "ports": "containerPort",
 }
 MODEL_CACHE = "/models"
+TLS_SECRET = "specmesh-tls"  # docs/kubernetes.md: made with `specmesh certs`
 MIN_STARTUP_SECONDS = 300  # loading a model (and measuring its forward cost) on a slow node
 
 
@@ -334,14 +338,99 @@ def test_probes_reach_declared_ports(stack):
     for where, obj, container, config in _our_containers(objects):
         if obj["kind"] == "Job" or container not in _main(obj):
             continue
-        assert container["readinessProbe"]["grpc"]["port"] == config.port, f"{name}: {where}"
-        assert "livenessProbe" in container, f"{name}: {where}"
+        where = f"{name}: {where}"
+        assert _health_probe_port(where, container["readinessProbe"], config) == config.port, where
+        assert "livenessProbe" in container, where
         if not _runs(container, "gateway"):  # the gateway listens at once (NOT_SERVING till ready)
             startup = container["startupProbe"]
-            assert startup["grpc"]["port"] == config.port, f"{name}: {where}"
+            assert _health_probe_port(where, startup, config) == config.port, where
             budget = startup["periodSeconds"] * startup["failureThreshold"]
-            assert budget >= MIN_STARTUP_SECONDS, f"{name}: {where}: {budget} s to load the model"
-            assert container["livenessProbe"]["grpc"]["port"] == config.port, f"{name}: {where}"
+            assert budget >= MIN_STARTUP_SECONDS, f"{where}: {budget} s to load the model"
+            assert _health_probe_port(where, container["livenessProbe"], config) == config.port, where
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1] if name in argv else ""
+
+
+def _health_probe_port(where: str, probe: dict, config: Any) -> int:
+    """The port a probe asks grpc.health.v1 on: kubelet's own gRPC probe on a plaintext server,
+    else (kubelet's cannot speak TLS) `python -m specmesh.rpc.health 127.0.0.1:PORT` in the pod,
+    with the CA, and for mutual TLS a client certificate."""
+    tls = config.server_tls()
+    if "grpc" in probe:
+        assert tls is None, f"{where}: kubelet's gRPC probe cannot reach a TLS server"
+        return probe["grpc"]["port"]
+    argv = probe["exec"]["command"]
+    assert argv[:3] == ["python", "-m", "specmesh.rpc.health"], f"{where}: {argv}"
+    parse_command(where, argv)  # its flags exist
+    host, _, port = argv[3].rpartition(":")
+    assert host == "127.0.0.1", f"{where}: {argv[3]}"
+    if tls is not None:
+        assert _flag(argv, "--ca"), f"{where}: a TLS server, probed without --ca"
+        if tls.client_ca:
+            assert _flag(argv, "--cert") and _flag(argv, "--key"), f"{where}: mutual TLS needs --cert/--key"
+    return int(port)
+
+
+def _secret_files(obj: dict, container: dict, secret: str) -> dict[str, str]:
+    """Path in the container -> key of `secret`, for every item of it the container mounts."""
+    volumes = {v["name"]: v for v in _pod_template(obj)["spec"]["volumes"]}
+    files = {}
+    for mount in container.get("volumeMounts", []):
+        volume = volumes[mount["name"]].get("secret", {})
+        if volume.get("secretName") == secret:
+            assert mount.get("readOnly") is True, mount
+            files.update({f"{mount['mountPath']}/{i['path']}": i["key"] for i in volume["items"]})
+    return files
+
+
+def test_every_server_speaks_tls_with_files_of_the_tls_secret(stack):
+    """Every server listens with TLS only; the replicas require client certificates (mutual TLS)
+    and the gateway shows one to them; every file these flags and the probes name is an item of the
+    Secret specmesh-tls mounted read-only in the pod, named as `specmesh certs` names its files."""
+    from specmesh.stack.certs import cert_files
+
+    name, objects = stack
+    written = {p.name for p in cert_files(".").all()}
+    servers = 0
+    for where, obj, container, config in _our_containers(objects):
+        if not hasattr(config, "port"):
+            continue  # `specmesh models pull`
+        servers += 1
+        where = f"{name}: {where}"
+        files = _secret_files(obj, container, TLS_SECRET)
+        assert set(files.values()) <= written, f"{where}: {set(files.values()) - written}"
+        tls = config.server_tls()
+        assert tls is not None, f"{where}: plaintext"
+        used = [tls.cert, tls.key]
+        if _runs(container, "gateway"):
+            replicas = config.replica_tls()
+            assert replicas is not None and replicas.ca and replicas.cert, f"{where}: no client certificate"
+            used += [replicas.ca, replicas.cert, replicas.key]
+        else:
+            assert tls.client_ca, f"{where}: accepts clients without a certificate"
+            used.append(tls.client_ca)
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            argv = container.get(kind, {}).get("exec", {}).get("command", [])
+            used += [_flag(argv, f) for f in ("--ca", "--cert", "--key") if _flag(argv, f)]
+        missing = [path for path in used if path not in files]
+        assert not missing, f"{where}: not files of Secret {TLS_SECRET}: {missing}"
+    assert servers == 3, f"{name}: {servers} servers"
+
+
+def test_the_documented_certificates_name_the_replicas_services(stack):
+    """docs/kubernetes.md's `specmesh certs` command: the server certificate names every dns:///
+    host the gateway dials (it checks each replica's certificate for that name, not the pod IP)."""
+    from gateway.pools import parse_targets
+
+    name, objects = stack
+    config = _parsed(f"{name}: gateway", _container_running(_workload_running(objects, "gateway"), "gateway"))
+    lines = (ROOT / "docs" / "kubernetes.md").read_text().splitlines()
+    (command,) = [line.strip() for line in lines if line.strip().startswith("specmesh certs ")]
+    certs = parse_command("docs/kubernetes.md", shlex.split(command))
+    for target in parse_targets(f"{config.drafters},{config.verifiers}"):
+        assert target.host in certs.host, f"{name}: the certificate would not name {target.host}"
 
 
 def test_metrics_are_scraped_where_they_are_served(stack):
@@ -351,6 +440,8 @@ def test_metrics_are_scraped_where_they_are_served(stack):
             continue
         annotations = _pod_template(obj)["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true", f"{name}: {where}"
+        scheme = "https" if config.server_tls() else "http"  # /metrics is HTTPS on a TLS server
+        assert annotations.get("prometheus.io/scheme", "http") == scheme, f"{name}: {where}"
         port = int(annotations["prometheus.io/port"])
         # the replicas' --metrics-port, the gateway's --http-port (which serves /metrics)
         served = config.http_port if _runs(container, "gateway") else config.metrics_port
@@ -511,6 +602,40 @@ def test_gpu_overlay_puts_only_the_verifier_on_a_gpu():
     assert workload["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0, "a surge would need a spare GPU"
     same = [o for o in gpu if o is not workload]
     assert same == [o for o in base if _key(o) != _key(workload)], "the overlay changes only the verifier"
+
+
+def _secret_env(container: dict, name: str) -> tuple[str, str]:
+    """(Secret, key) the container's variable `name` comes from (required, not optional)."""
+    (entry,) = [e for e in container.get("env", []) if e["name"] == name]
+    ref = entry["valueFrom"]["secretKeyRef"]
+    assert not ref.get("optional", False), f"{name}: an optional Secret would run Redis without a password"
+    return ref["name"], ref["key"]
+
+
+def test_redis_persists_requires_the_secrets_password_and_disables_config_debug_keys(stack):
+    """AOF (everysec) on the volume; --requirepass from the Secret (through $(REDISCLI_AUTH),
+    which the probes' redis-cli also reads); CONFIG / DEBUG / KEYS gone; the gateway's URL carries
+    the same Secret's password (in its environment, not its arguments)."""
+    name, objects = stack
+    (redis,) = [
+        o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "specmesh-redis"
+    ]
+    (container,) = _main(redis)
+    command = [*container["command"], *container.get("args", [])]
+    flags = {command[i]: command[i + 1] for i in range(1, len(command) - 1) if command[i].startswith("--")}
+    assert (flags["--appendonly"], flags["--appendfsync"], flags["--dir"]) == ("yes", "everysec", "/data")
+    assert any(m["mountPath"] == "/data" for m in container["volumeMounts"])
+    assert flags["--requirepass"] == "$(REDISCLI_AUTH)"
+    secret = _secret_env(container, "REDISCLI_AUTH")
+    renamed = {command[i + 1]: command[i + 2] for i, arg in enumerate(command) if arg == "--rename-command"}
+    assert renamed == {"CONFIG": "", "DEBUG": "", "KEYS": ""}, f"{name}: {renamed}"
+    gateway = _container_running(_workload_running(objects, "gateway"), "gateway")
+    assert "--redis-url" not in gateway.get("args", []) + gateway["command"]
+    assert _secret_env(gateway, "REDIS_PASSWORD") == secret
+    url = _env(gateway)["SPECMESH_REDIS_URL"]
+    assert url == "redis://:$(REDIS_PASSWORD)@specmesh-redis:6379/0", url
+    names = [e["name"] for e in gateway["env"]]  # Kubernetes expands $(VAR) only from earlier entries
+    assert names.index("REDIS_PASSWORD") < names.index("SPECMESH_REDIS_URL")
 
 
 # ---- a real kustomize, where one is installed --------------------------------------------------

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -53,9 +54,10 @@ class Stack:
 
 
 def make_stack(models: dict[str, Path], logs: Path, verifier_flags: Sequence[str] = ()) -> Stack:
+    flags = [*LIMIT_FLAGS, "--reflection"]  # for grpcurl (off by default)
     return Stack(
-        replica("drafter_service", models["draft"], logs / "drafter.log", LIMIT_FLAGS),
-        replica("verifier_service", models["target"], logs / "verifier.log", [*LIMIT_FLAGS, *verifier_flags]),
+        replica("drafter_service", models["draft"], logs / "drafter.log", flags),
+        replica("verifier_service", models["target"], logs / "verifier.log", [*flags, *verifier_flags]),
     )
 
 
@@ -385,6 +387,14 @@ def first_distribution(probs: bytes | None = None, drop_last: bool = False) -> C
     return mutate
 
 
+def token_outside_support(r) -> None:
+    """Make the first drafted token one its (sparse, top-k) draft row gives p = 0."""
+    support = set(np.frombuffer(r.tree.draft_probs[0].token_ids, "<i4").tolist())
+    r.tree.tokens[0] = min(set(range(VOCAB)) - support)
+
+
+TINY_CONTEXT = 256  # the tiny models' max_position_embeddings
+
 # id -> (rpc, mutation of a valid request, what the INVALID_ARGUMENT message starts with)
 BAD_INPUT: dict[str, tuple[str, Callable, str]] = {
     "draft-empty-new-tokens": ("Draft", clear("new_token_ids"), "new_token_ids: "),
@@ -427,6 +437,25 @@ BAD_INPUT: dict[str, tuple[str, Callable, str]] = {
     "top-p-zero": ("Draft", put("sampling.top_p", 0.0), "sampling.top_p: "),
     "top-p-above-one": ("Verify", put("sampling.top_p", 1.5), "sampling.top_p: "),
     "top-k-negative": ("Draft", put("sampling.top_k", -1), "sampling.top_k: "),
+    # issue 14, finding 5: draft rows that are not distributions, a token the draft could not draw
+    "tree-row-all-zero": ("Verify", first_distribution(bytes(4 * VOCAB)), "tree.draft_probs[0]: sums to 0"),
+    "tree-row-sums-to-1e30": (
+        "Verify",
+        first_distribution(np.full(VOCAB, 1e30 / VOCAB, "<f4").tobytes()),
+        "tree.draft_probs[0]: sums to 1e+30",
+    ),
+    "tree-token-with-p-zero": ("Verify", token_outside_support, "tree.tokens[0]: "),
+    # issue 14, finding 3: a session longer than the model's context
+    "draft-beyond-context": (
+        "Draft",
+        lambda r: r.new_token_ids.extend([1] * TINY_CONTEXT),
+        "new_token_ids: position + new tokens",
+    ),
+    "verify-beyond-context": (
+        "Verify",
+        lambda r: r.new_token_ids.extend([1] * 15_000),
+        "new_token_ids: position + new tokens",
+    ),
 }
 
 
@@ -518,6 +547,56 @@ def test_an_oversized_message_is_refused_by_grpc_and_other_sessions_are_unaffect
         assert "larger than max" in error.details()
     assert resyncs == 0
     assert result.token_ids == good_reference.token_ids
+
+
+def test_a_session_serves_only_the_caller_with_its_key_and_errors_do_not_tell_its_length(
+    stack, donor_tree
+) -> None:
+    """Issue 14, finding 5: a Verify for another caller's session id changed that session's output
+    (182 of 205 attempts), and error details told its length."""
+    owner, thief = wire.session_metadata("owner-key"), wire.session_metadata("thief-key")
+    sid = "owned-session"
+
+    async def run() -> dict[str, object]:
+        async with Stubs(stack) as stubs:
+            out: dict[str, object] = {}
+            first = await stubs.verifier.Verify(base_verify(sid, donor_tree), metadata=owner)
+            await stubs.drafter.Draft(base_draft(sid), metadata=owner)
+            for name, metadata in (("thief", thief), ("keyless", ())):
+                for kind, call, request in (
+                    ("verify", stubs.verifier.Verify, base_verify(sid, donor_tree)),
+                    ("draft", stubs.drafter.Draft, base_draft(sid)),
+                ):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await call(request, metadata=metadata)
+                    out[f"{name}-{kind}"] = err.value
+            request = pb2.ReleaseRequest(session_id=sid)
+            out["thief-release"] = (await stubs.verifier.Release(request, metadata=thief)).released
+            ahead = wire.verify_request(sid, 200, [1], GREEDY, None)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stubs.verifier.Verify(ahead, metadata=owner)
+            out["resync"] = err.value
+            # the owner's session is intact: it continues where it was (no resync asked)
+            held = len(PROMPT) + len(first.accepted_token_ids)
+            params = SamplingParams(1.0, top_k=5, seed=1)
+            step = wire.verify_request(sid, held, [first.next_token], params, None)
+            await stubs.verifier.Verify(step, metadata=owner)
+            out["owner-release"] = (await stubs.verifier.Release(request, metadata=owner)).released
+            await stubs.drafter.Release(request, metadata=owner)
+            return out
+
+    out = asyncio.run(run())
+    for name in ("thief-verify", "thief-draft", "keyless-verify", "keyless-draft"):
+        error = out[name]
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED, (name, error.details())
+        assert error.details().startswith("session_id: ") and not any(c.isdigit() for c in error.details())
+    assert out["thief-release"] is False and out["owner-release"] is True
+    resync = out["resync"]
+    assert resync.code() == grpc.StatusCode.FAILED_PRECONDITION and needs_resync(resync)
+    assert resync.details() == (  # and not how many tokens the replica holds
+        f"position: 200 is past what this replica holds of session {sid!r}; "
+        "resend all its committed tokens with position 0"
+    )
 
 
 # ---- wire encoding -----------------------------------------------------------------------------

@@ -1,24 +1,32 @@
-"""gateway.session_store against a real redis-server (specmesh.stack.redis_server), no fakes."""
+"""gateway.session_store against a real redis-server (specmesh.stack.redis_server), no fakes: the
+hardened server of `specmesh up` (password, AOF, CONFIG / DEBUG / KEYS disabled), restarted, and
+a master / replica / Sentinel trio that fails over."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import redis
 
 from gateway.session_store import (
+    SentinelUrl,
     SessionExists,
     SessionNotFound,
     SessionStore,
     StoreError,
     StoreUnavailable,
+    _safe_url,
+    parse_sentinel_url,
 )
 from specmesh.core.stats import GenerationStats
 from specmesh.stack.ports import free_port
-from specmesh.stack.redis_server import RedisServer
+from specmesh.stack.redis_server import RedisServer, find_redis_server, redis_ping
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +243,7 @@ def test_a_script_that_cannot_finish_writes_nothing(server, raw):
 
 def test_redis_down_is_store_unavailable_quickly():
     async def scenario():
-        async with SessionStore(f"redis://:secret@127.0.0.1:{free_port()}/0") as store:
+        async with SessionStore(f"redis://:secret@127.0.0.1:{free_port()}/0", reconnect_timeout=0) as store:
             for call in (
                 store.ping(),
                 store.create(sid(), [1]),
@@ -254,7 +262,7 @@ def test_redis_down_is_store_unavailable_quickly():
 
 def test_redis_stopping_mid_session_commits_nothing_half():
     async def scenario(srv: RedisServer):
-        async with SessionStore(srv.url, socket_timeout=0.3) as store:
+        async with SessionStore(srv.url, socket_timeout=0.3, reconnect_timeout=0) as store:
             s = sid()
             await store.create(s, [1, 2])
             assert await store.commit_round(s, 0, [3], round_stats(0))
@@ -305,3 +313,240 @@ def test_the_default_pool_serves_more_than_a_hundred_concurrent_commands(server)
             assert all(s is None for s in await asyncio.gather(*(store.load(sid()) for _ in range(300))))
 
     run(main())
+
+
+# ---- Redis restarts, lost answers, the hardened server ----------------------------------------------
+
+
+def test_an_operation_during_a_redis_restart_waits_and_finds_the_data_intact():
+    """Issue 14: Redis killed (SIGKILL, as a crash) and started again ~2 s later on the same port
+    with the same AOF directory. Operations issued while it is down wait for it and succeed; what
+    was committed before is all there."""
+
+    async def scenario(srv: RedisServer):
+        async with SessionStore(srv.url, reconnect_timeout=20) as store:
+            s = sid()
+            await store.create(s, [1, 2], drafter="d:1", verifier="v:1", sampling={"seed": 7})
+            assert await store.commit_round(s, 0, [3, 4], round_stats(1), {"d:1": 4, "v:1": 4})
+            assert await store.commit_round(s, 1, [5], round_stats(0), {"d:1": 5, "v:1": 5})
+            srv.kill()
+            restart = threading.Timer(2.0, srv.start)
+            restart.start()
+            start = time.monotonic()
+            other = sid()
+            committed, created, loaded = await asyncio.gather(
+                store.commit_round(s, 2, [6, 7, 8], round_stats(2)),
+                store.create(other, [9]),
+                store.load(s),
+            )
+            waited = time.monotonic() - start
+            restart.join()
+            assert waited >= 1.9, waited  # they really waited for the restart
+            assert committed and created.tokens == [9]
+            assert loaded.tokens in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7, 8])  # before or after the commit
+            session = await store.load(s)
+            assert session.tokens == [1, 2, 3, 4, 5, 6, 7, 8] and session.round == 3
+            assert session.stats.rounds == 3 and session.stats.accepted_tokens == 3
+            assert session.replica_lengths == {"d:1": 5, "v:1": 5} and session.sampling == {"seed": 7}
+            assert 590 < await store.ttl(s) <= 600  # the TTL survived the restart too
+            assert (await store.load(other)).tokens == [9]
+
+    with RedisServer() as srv:  # its own server: this test kills it
+        run(scenario(srv))
+
+
+def test_redis_down_longer_than_the_reconnect_timeout_is_store_unavailable():
+    async def scenario():
+        url = f"redis://:secret@127.0.0.1:{free_port()}/0"
+        async with SessionStore(url, reconnect_timeout=1.0) as store:
+            start = time.monotonic()
+            with pytest.raises(StoreUnavailable, match=r"did not answer commit_round for \d+\.\ds") as info:
+                await store.commit_round(sid(), 0, [1])
+            assert 1.0 <= time.monotonic() - start < 3.0
+            assert "secret" not in str(info.value)
+            start = time.monotonic()
+            with pytest.raises(StoreUnavailable):  # cleanup waits less: the TTL is the backstop
+                await store.delete(sid())
+            assert time.monotonic() - start < 3.0
+
+    run(scenario())
+
+
+# A Lua script that keeps Redis busy for ARGV[1] microseconds: commands sent meanwhile wait in their
+# sockets and run afterwards, even from a client that gave up on them (a lost answer).
+_BUSY = """
+local t0 = redis.call('TIME')
+repeat local t = redis.call('TIME') until (t[1] - t0[1]) * 1000000 + (t[2] - t0[2]) > tonumber(ARGV[1])
+return 1
+"""
+
+
+def test_a_create_or_commit_whose_answer_was_lost_is_applied_once(server, raw):
+    """The first try reaches Redis and runs, but its answer comes after the client's timeout; the
+    retry finds its own create / commit applied (same id) and succeeds without applying it again,
+    while a real duplicate create is still refused."""
+
+    def evalsha_calls() -> int:
+        return raw.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+
+    async def while_busy(call):
+        before = evalsha_calls()
+        busy = asyncio.create_task(asyncio.to_thread(raw.eval, _BUSY, 0, 800_000))
+        await asyncio.sleep(0.1)  # the busy script runs: our command waits in its socket
+        result = await call
+        await busy
+        return result, evalsha_calls() - before
+
+    async def scenario():
+        async with SessionStore(server.url, socket_timeout=0.2, reconnect_timeout=10) as store:
+            warm = sid()  # load the scripts first: NOSCRIPT must not count as a try
+            await store.create(warm, [1])
+            await store.commit_round(warm, 0, [2])
+            s = sid()
+            created, tries = await while_busy(store.create(s, [1, 2]))
+            assert created.tokens == [1, 2] and tries >= 2, tries  # >= 2 tries ran in Redis
+            committed, tries = await while_busy(store.commit_round(s, 0, [3, 4], round_stats(1)))
+            assert committed and tries >= 2, tries
+            session = await store.load(s)
+            assert session.tokens == [1, 2, 3, 4] and session.round == 1 and session.stats.rounds == 1
+            with pytest.raises(SessionExists):  # another create of the same id: refused
+                await store.create(s, [1, 2])
+
+    run(scenario())
+
+
+def test_the_stack_redis_refuses_strangers_and_config_debug_keys(server, raw):
+    """specmesh.stack.redis_server's server, which `specmesh up` and the tests run: a password, the
+    dangerous commands gone, AOF on, and the password on no command line."""
+    anonymous = redis.Redis(host=server.host, port=server.port, retry=None)  # no client-side retries
+    with pytest.raises(redis.AuthenticationError):
+        anonymous.ping()
+    anonymous.close()
+    assert not redis_ping(server.host, server.port) and redis_ping(
+        server.host, server.port, password=server.password
+    )
+    for command in (("KEYS", "*"), ("CONFIG", "GET", "requirepass"), ("DEBUG", "SLEEP", "0")):
+        with pytest.raises(redis.ResponseError, match="unknown command"):
+            raw.execute_command(*command)
+    assert list(raw.scan_iter("no-such-prefix:*")) == []  # SCAN is how keys are listed
+    persistence = raw.info("persistence")
+    assert persistence["aof_enabled"] == 1 and persistence["rdb_changes_since_last_save"] >= 0
+    config = server.data_dir / "redis.conf"
+    assert config.stat().st_mode & 0o077 == 0  # the password is in a file only its owner reads
+    assert "appendfsync everysec" in config.read_text()
+    cmdline = Path(f"/proc/{server.process.pid}/cmdline")
+    if cmdline.exists():
+        assert server.password not in cmdline.read_text()
+
+    async def wrong_password():
+        url = server.url.replace(server.password, "not-the-password")
+        async with SessionStore(url, reconnect_timeout=10) as store:
+            start = time.monotonic()
+            with pytest.raises(StoreError, match="refused the credentials") as info:
+                await store.load(sid())
+            assert time.monotonic() - start < 1.0  # never retried: waiting does not fix a password
+            assert not isinstance(info.value, StoreUnavailable) and "not-the-password" not in str(info.value)
+
+    run(wrong_password())
+
+
+def test_sentinel_urls_and_password_free_messages():
+    assert parse_sentinel_url("redis+sentinel://:p%40ss@h1:26380,[::1],h3/mymaster/2") == SentinelUrl(
+        [("h1", 26380), ("::1", 26379), ("h3", 26379)], "mymaster", 2, None, "p@ss"
+    )
+    assert parse_sentinel_url("redis+sentinel://s1/m") == SentinelUrl([("s1", 26379)], "m")
+    for bad in (
+        "redis+sentinel://h1:1/",
+        "redis+sentinel://h1:x/m",
+        "redis+sentinel://h1/m/x",
+        "redis://h/0",
+    ):
+        with pytest.raises(ValueError):
+            parse_sentinel_url(bad)
+    assert _safe_url("redis+sentinel://u:pw@h1:1,h2:2/m/0") == "redis+sentinel://u:***@h1:1,h2:2/m/0"
+    assert _safe_url("redis://:pw@h:1/0") == "redis://:***@h:1/0"
+    assert _safe_url("redis://pw@h:1/0") == "redis://***@h:1/0"
+    assert _safe_url("redis://h:1/0?password=pw&db=1") == "redis://h:1/0?password=***&db=1"
+
+
+class Sentinel:
+    """`redis-server sentinel.conf --sentinel`, watching one master (quorum 1, down after 1 s)."""
+
+    def __init__(self, workdir: Path, master: RedisServer, renamed_config: str) -> None:
+        self.port = free_port()
+        workdir.mkdir()
+        self.config = workdir / "sentinel.conf"
+        self.config.write_text(  # Sentinel rewrites this file: its own copy, writable
+            f"port {self.port}\nbind 127.0.0.1\ndir {workdir}\n"
+            f"sentinel monitor specmesh 127.0.0.1 {master.port} 1\n"
+            f"sentinel auth-pass specmesh {master.password}\n"
+            "sentinel down-after-milliseconds specmesh 1000\n"
+            "sentinel failover-timeout specmesh 10000\n"
+            f"sentinel rename-command specmesh CONFIG {renamed_config}\n"
+        )
+        self.log = open(workdir / "sentinel.log", "ab")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [find_redis_server(), str(self.config), "--sentinel"], stdout=self.log, stderr=subprocess.STDOUT
+        )
+        wait_for(lambda: redis_ping("127.0.0.1", self.port), 10, "the Sentinel")
+        self.client = redis.Redis(port=self.port, decode_responses=True)
+
+    def stop(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.log.close()
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_sentinel_url_follows_a_failover(tmp_path):
+    """One master, one replica, one Sentinel, real processes. The store reaches the master through
+    the Sentinel; the master is killed; a commit issued then waits through the failover (~3 s) and
+    lands on the promoted replica, after everything committed before (replicated, WAIT)."""
+    renamed = f"CONFIG-{uuid.uuid4().hex}"  # a failover sends CONFIG REWRITE: renamed, not disabled
+    hardened = {"disabled_commands": ("DEBUG", "KEYS"), "renamed_commands": {"CONFIG": renamed}}
+    master = RedisServer(**hardened).start()
+    replica = RedisServer(
+        password=master.password, extra_config=[f"replicaof 127.0.0.1 {master.port}"], **hardened
+    )
+    sentinel = None
+    try:
+        replica.start()
+        with redis.Redis.from_url(replica.url, decode_responses=True) as r:
+            wait_for(lambda: r.info("replication")["master_link_status"] == "up", 10, "the replica to sync")
+        sentinel = Sentinel(tmp_path / "sentinel", master, renamed)
+        known = lambda: any(r["port"] == replica.port for r in sentinel.client.sentinel_slaves("specmesh"))  # noqa: E731
+        wait_for(known, 15, "the Sentinel to see the replica")
+        url = f"redis+sentinel://:{master.password}@127.0.0.1:{sentinel.port}/specmesh/0"
+
+        async def scenario():
+            async with SessionStore(url, reconnect_timeout=25) as store:
+                s = sid()
+                await store.create(s, [1, 2])
+                assert await store.commit_round(s, 0, [3], round_stats(0))
+                with redis.Redis.from_url(master.url) as m:
+                    assert m.wait(1, 5000) == 1  # the replica has it all (replication is asynchronous)
+                master.kill()
+                start = time.monotonic()
+                assert await store.commit_round(s, 1, [4, 5], round_stats(1))
+                failover = time.monotonic() - start
+                session = await store.load(s)
+                assert session.tokens == [1, 2, 3, 4, 5] and session.round == 2 and session.stats.rounds == 2
+                return failover
+
+        failover = run(scenario())
+        _, port = sentinel.client.sentinel_get_master_addr_by_name("specmesh")
+        assert int(port) == replica.port and failover > 0.5, failover
+        with redis.Redis.from_url(replica.url, decode_responses=True) as r:
+            assert r.info("replication")["role"] == "master"
+    finally:
+        if sentinel is not None:
+            sentinel.stop()
+        replica.stop()
+        master.stop()

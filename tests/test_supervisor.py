@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -338,7 +339,18 @@ def test_plan_stack_command_lines():
     assert names == ["redis", "drafter-0", "drafter-1", "verifier-0", "gateway"]
     assert [s.stage for s in plan.specs] == [0, 1, 1, 1, 2]
     redis, d0, _, v0, gw = plan.specs
-    assert os.path.basename(redis.argv[0]) == "redis-server" and "--save" in redis.argv
+    # the private Redis runs from a config file (password, AOF, CONFIG / DEBUG / KEYS off) in a
+    # directory that outlives its restarts; the password is in no argv, only in the gateway's env
+    password = urlsplit(plan.redis_url).password
+    assert os.path.basename(redis.argv[0]) == "redis-server" and len(redis.argv) == 2
+    config = Path(redis.argv[1])
+    assert config.parent == Path(plan.redis_dir) and config.stat().st_mode & 0o077 == 0
+    text = config.read_text()
+    assert f"requirepass {password}\n" in text and "appendonly yes\nappendfsync everysec\n" in text
+    assert 'rename-command CONFIG ""' in text and 'rename-command KEYS ""' in text
+    assert f'dir "{plan.redis_dir}"' in text and len(password) >= 32
+    assert all(password not in " ".join(spec.argv) for spec in plan.specs)
+    assert gw.env == {"SPECMESH_REDIS_URL": plan.redis_url}
     assert d0.argv[:5] == ["py", "-m", "drafter_service", "--model", "draft-dir"]
     assert v0.argv[:5] == ["py", "-m", "verifier_service", "--model", "target-dir"]
     assert d0.argv[-2:] == ["--dtype", "bf16"]
@@ -355,14 +367,15 @@ def test_plan_stack_command_lines():
         ",".join(plan.drafters),
         "--verifiers",
         plan.verifiers[0],
-        "--redis-url",
-        plan.redis_url,
     ]
     assert len(set(plan.drafters + plan.verifiers)) == 3
     assert plan.http == "127.0.0.1:8000" and plan.metrics["gateway"] == plan.http
     for spec in (d0, v0):  # every replica serves /metrics on its own port
         port = spec.argv[spec.argv.index("--metrics-port") + 1]
         assert plan.metrics[spec.name] == f"127.0.0.1:{port}"
-    external = plan_stack("d", "t", drafters=1, redis_url="redis://cache:6379/0", python="py")
+    plan.cleanup()
+    assert not Path(plan.redis_dir).exists()
+    external = plan_stack("d", "t", drafters=1, redis_url="redis://:pw@cache:6379/0", python="py")
     assert [s.name for s in external.specs] == ["drafter-0", "verifier-0", "gateway"]
-    assert external.specs[-1].argv[-1] == "redis://cache:6379/0"
+    assert external.specs[-1].env == {"SPECMESH_REDIS_URL": "redis://:pw@cache:6379/0"}
+    assert external.redis_dir == "" and "--redis-url" not in external.specs[-1].argv

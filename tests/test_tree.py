@@ -97,8 +97,23 @@ def test_tree_accessors() -> None:
         (dict(prob_rows=torch.tensor([0, -1, -1, -1])), "prob_rows"),
         (dict(draft_probs=torch.full((2,), 0.2)), "draft_probs"),
         (dict(parents=torch.tensor([-1, -1])), "parents"),
+        # issue 14, finding 5: rows that are not distributions
+        (dict(draft_probs=torch.zeros(2, 5)), r"draft_probs\[0\]: sums to 0,"),
+        (dict(draft_probs=torch.full((2, 5), 2e29)), r"draft_probs\[0\]: sums to 1e\+30"),
+        (dict(draft_probs=torch.tensor([[0.2] * 5, [0.5, -0.1, 0.2, 0.2, 0.2]])), "finite and >= 0"),
+        (dict(draft_probs=torch.tensor([[0.2] * 5, [float("nan")] * 5])), "finite and >= 0"),
     ],
 )
 def test_validate_names_the_bad_field(overrides: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         make_tree(**overrides).validate()
+
+
+def test_a_drafted_token_must_be_possible_under_its_row() -> None:
+    make_tree().check_drawable()
+    rows = torch.tensor([[0.25, 0.25, 0.0, 0.25, 0.25], [0.2] * 5])  # token 2 (node 1) has p = 0
+    with pytest.raises(ValueError, match=r"tokens\[1\]: token 2 has probability 0"):
+        make_tree(draft_probs=rows).check_drawable()
+    rows = torch.tensor([[0.2] * 5, [0.25, 0.25, 0.25, 0.0, 0.25]])  # token 3 (node 2, child of 0)
+    with pytest.raises(ValueError, match=r"tokens\[2\]: token 3"):
+        make_tree(draft_probs=rows).check_drawable()

@@ -47,7 +47,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         self, request: pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> pb2.VerifyResponse:
         v = wire.parse_verify_request(request, self.vocab_size, self.limits)
-        resume = self.begin(v.session_id, v.position)
+        resume = self.begin(v, context)
         tree = v.tree
         nodes, parents = (tree.tokens.tolist(), tree.parents.tolist()) if tree is not None else ([], [])
         work = self.batcher.enqueue(

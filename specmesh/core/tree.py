@@ -12,6 +12,9 @@ from enum import StrEnum
 
 import torch
 
+# |sum - 1| allowed for a draft row: fp32 rounding over a vocabulary of ~10^5 stays far below it
+DISTRIBUTION_TOLERANCE = 1e-3
+
 
 class SamplingMode(StrEnum):
     """How the siblings of a tree were sampled; it decides the verification rule."""
@@ -96,6 +99,31 @@ class DraftTree:
         has_children[self.parents + 1] = True
         if bool((self.prob_rows[has_children] < 0).any()):
             raise ValueError("prob_rows: every node with children needs its draft distribution")
+        self._validate_distributions()
+
+    def _validate_distributions(self) -> None:
+        """Every row a distribution. The acceptance rules divide by and subtract these rows: a row
+        that is not one would bias the output without any error."""
+        rows = self.draft_probs
+        if not bool(torch.isfinite(rows).all()) or bool((rows < 0).any()):
+            raise ValueError("draft_probs: probabilities must be finite and >= 0")
+        sums = rows.sum(dim=-1, dtype=torch.float64)
+        bad = ((sums - 1.0).abs() > DISTRIBUTION_TOLERANCE).nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(f"draft_probs[{i}]: sums to {float(sums[i]):.6g}, not 1")
+
+    def check_drawable(self) -> None:
+        """Every drafted token has p > 0 under the row it was sampled from (ValueError naming the
+        first that has not). Only sampled verification needs it: at temperature 0 the siblings
+        are the draft's top-k by logit and the rows are not used."""
+        drawn_from = self.prob_rows[self.parents + 1]
+        p = self.draft_probs[drawn_from, self.tokens]
+        zero = (p <= 0).nonzero().flatten()
+        if zero.numel():
+            i = int(zero[0])
+            token = int(self.tokens[i])
+            raise ValueError(f"tokens[{i}]: token {token} has probability 0 under its draft row")
 
 
 def tree_depths(parents: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""grpc.health.v1 probe: `python -m specmesh.rpc.health HOST:PORT [--service S] [--timeout T]`.
+"""grpc.health.v1 probe: `python -m specmesh.rpc.health HOST:PORT [--service S] [--timeout T]`,
+over TLS with `--ca CA` (and `--cert C --key K` for a server that requires mutual TLS).
 
 Exit status 0 when the server answers SERVING, 1 otherwise (the reason goes to stderr). Used by
 the docker compose healthchecks (the image has no grpc_health_probe binary) and by the
@@ -13,10 +14,16 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specmesh.rpc.tls import ClientTls, TlsError, client_tls, sync_channel
 
-def check(address: str, service: str = "", timeout: float = 2.0) -> str | None:
+
+def check(address: str, service: str = "", timeout: float = 2.0, tls: ClientTls | None = None) -> str | None:
     """None if `address` answers SERVING for `service` ("" = the whole server), else why not."""
-    with grpc.insecure_channel(address) as channel:
+    try:
+        channel = sync_channel(address, tls)
+    except TlsError as exc:
+        return str(exc)
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
@@ -33,8 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("address", help="HOST:PORT of a gRPC server")
     parser.add_argument("--service", default="", help="service name to ask about ('' = the server)")
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds")
+    parser.add_argument("--ca", default="", help="PEM CA of the server's certificate: TLS")
+    parser.add_argument("--cert", default="", help="PEM client certificate, for mutual TLS")
+    parser.add_argument("--key", default="", help="PEM private key of --cert")
     args = parser.parse_args(argv)
-    problem = check(args.address, args.service, args.timeout)
+    try:
+        tls = client_tls(args.ca, args.cert, args.key)
+    except TlsError as exc:
+        parser.error(str(exc))
+    problem = check(args.address, args.service, args.timeout, tls)
     if problem is not None:
         print(f"{args.address} not serving: {problem}", file=sys.stderr)
         return 1

@@ -15,6 +15,7 @@ session's full token list with position 0, once per call. Other errors are raise
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 import uuid
@@ -35,6 +36,7 @@ from specmesh.core.tree import tree_depths
 from specmesh.core.verification import Verdict
 from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2, pb2_grpc
+from specmesh.rpc.tls import ClientTls, aio_channel
 
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -42,9 +44,9 @@ CHANNEL_OPTIONS = (
 )
 
 
-def open_channel(address: str) -> grpc.aio.Channel:
-    """An insecure channel sized for trees with dense distributions over large vocabularies."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def open_channel(address: str, tls: ClientTls | None = None) -> grpc.aio.Channel:
+    """A channel sized for trees with dense distributions over large vocabularies; TLS with `tls`."""
+    return aio_channel(address, tls, options=CHANNEL_OPTIONS)
 
 
 def needs_resync(error: grpc.aio.AioRpcError) -> bool:
@@ -64,12 +66,17 @@ class Placement:
     """Where one round runs: the replicas, what each holds, and how long a call may take.
 
     held: committed tokens the caller believes each replica holds (0 or missing: nothing, it gets
-    everything with position 0). drafter None: method "none" only."""
+    everything with position 0). drafter None: method "none" only. timeout: what the round may
+    take in all. per_try(role, new tokens, levels drafted or nodes verified): how long a call
+    runs before the caller is asked, spare(role), whether to give it up for a spare replica
+    (asked again after every such period; None: a call may take the whole timeout)."""
 
     verifier: pb2_grpc.VerifierStub
     drafter: pb2_grpc.DrafterStub | None = None
     held: Mapping[Role, int] = field(default_factory=dict)
     timeout: float | None = 60.0
+    per_try: Callable[[Role, int, int], float] | None = None
+    spare: Callable[[Role], bool] = lambda role: False
 
 
 @dataclass(frozen=True)
@@ -87,13 +94,17 @@ class RoundResult:
 
 class ReplicaFailure(Exception):
     """A Draft or Verify call failed for another reason than a resync; `role` says which replica,
-    `held` what each replica holds as far as the round got (a Draft may have succeeded)."""
+    `held` what each replica holds as far as the round got (a Draft may have succeeded),
+    `per_try` whether it ran out of its per-try timeout (not of the whole round's)."""
 
-    def __init__(self, role: Role, error: grpc.aio.AioRpcError, held: Mapping[Role, int]) -> None:
+    def __init__(
+        self, role: Role, error: grpc.aio.AioRpcError, held: Mapping[Role, int], per_try: bool = False
+    ) -> None:
         super().__init__(f"{role}: {error.code().name}: {error.details()}")
         self.role = role
         self.error = error
         self.held = dict(held)
+        self.per_try = per_try
 
 
 class RoundClient:
@@ -108,10 +119,13 @@ class RoundClient:
         spec: TreeSpec,
         *,
         policy: AdaptivePolicy | None = None,
+        key: str = "",
     ) -> None:
         """params: with the session's seed fixed. policy: adaptive speculation; `spec` is then only
-        its family and first depth."""
+        its family and first depth. key: the session's secret, sent with every call (replicas
+        serve the session only to callers that send it)."""
         self.id, self.params, self.spec, self.policy = session_id, params, spec, policy
+        self.metadata = wire.session_metadata(key)
 
     async def round(self, tokens: Sequence[int], placement: Placement) -> RoundResult:
         """Draft and verify after the committed `tokens`; commits nothing on the caller's side.
@@ -120,16 +134,17 @@ class RoundClient:
         batched forward time), total_seconds the round's wall time; the rest is network."""
         start = time.perf_counter()
         spec = self.policy.next_spec() if self.policy else self.spec
-        call = _Calls(placement, len(tokens))
+        call = _Calls(placement, len(tokens), self.metadata)
         drafted = None
         if spec.method.drafts:
             if placement.drafter is None:
                 raise ValueError(f"method {spec.method!r} needs a drafter")
             make_draft = functools.partial(self._draft_request, tokens, spec)
-            drafted = await call(Role.DRAFTER, placement.drafter.Draft, make_draft)
+            drafted = await call(Role.DRAFTER, placement.drafter.Draft, make_draft, spec.depth)
         tree = drafted.tree if drafted is not None else None
         make_verify = functools.partial(self._verify_request, tokens, tree)
-        verified = await call(Role.VERIFIER, placement.verifier.Verify, make_verify)
+        nodes = len(tree.tokens) if tree is not None else 0
+        verified = await call(Role.VERIFIER, placement.verifier.Verify, make_verify, nodes)
         verdict = wire.verdict_from_proto(verified)
         call.held[Role.VERIFIER] += len(verdict.accepted_tokens)  # it committed the accepted path itself
         stats = GenerationStats.for_round(
@@ -159,14 +174,17 @@ class RoundClient:
 class _Calls:
     """The replica calls of one round, tracking what each replica holds."""
 
-    def __init__(self, placement: Placement, committed: int) -> None:
+    def __init__(self, placement: Placement, committed: int, metadata: tuple) -> None:
         self.held = {role: placement.held.get(role, 0) for role in Role}
-        self.timeout, self.committed, self.resyncs = placement.timeout, committed, 0
+        self.timeout, self.per_try, self.spare = placement.timeout, placement.per_try, placement.spare
+        self.committed, self.resyncs = committed, 0
+        self.metadata = metadata
 
     async def __call__(
-        self, role: Role, method: Callable[..., Awaitable[Any]], make: Callable[[int], Any]
+        self, role: Role, method: Callable[..., Awaitable[Any]], make: Callable[[int], Any], work: int
     ) -> Any:
         """method(make(position)); on a resync answer, once more with position 0 (all tokens).
+        work: the tree levels a Draft builds / the nodes a Verify checks (for the per-try timeout).
 
         With nothing new for the replica (a round retried after its Verify failed), restart the
         session there: new_token_ids may not be empty, they produce the root distribution."""
@@ -174,26 +192,59 @@ class _Calls:
         position = held if held < self.committed else 0
         try:
             try:
-                response = await method(make(position), timeout=self.timeout)
+                response = await self._try(role, method, make(position), position, work)
             except grpc.aio.AioRpcError as error:
                 if position == 0 or not needs_resync(error):
                     raise
                 self.resyncs += 1
-                response = await method(make(0), timeout=self.timeout)
+                response = await self._try(role, method, make(0), 0, work)
+        except _GivenUp as given_up:
+            raise ReplicaFailure(role, given_up.error, self.held, per_try=True) from None
         except grpc.aio.AioRpcError as error:
             raise ReplicaFailure(role, error, self.held) from error
         self.held[role] = self.committed
         return response
 
+    async def _try(
+        self, role: Role, method: Callable[..., Any], request: Any, position: int, work: int
+    ) -> Any:
+        """One call, with the round's timeout; every per-try period it runs past, the caller is
+        asked whether a spare replica could take it (then it is cancelled: _GivenUp)."""
+        call = method(request, timeout=self.timeout, metadata=self.metadata)
+        if self.per_try is None:
+            return await call
+        period = self.per_try(role, self.committed - position, work)
+        task = asyncio.ensure_future(call)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=period)
+            if done:
+                return task.result()
+            if self.spare(role):
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise _GivenUp(period)
+
+
+class _GivenUp(Exception):
+    """A call that ran past its per-try timeout while a spare replica was there."""
+
+    def __init__(self, period: float) -> None:
+        super().__init__(f"no answer within the per-try timeout of {period:.2f} s")
+        self.error = grpc.aio.AioRpcError(
+            grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), details=str(self)
+        )
+
 
 async def release_session(
-    stub: pb2_grpc.DrafterStub | pb2_grpc.VerifierStub, session_id: str, timeout: float | None
-) -> bool:
-    """Release on one replica; False if it did not hold the session or could not be reached."""
+    stub: pb2_grpc.DrafterStub | pb2_grpc.VerifierStub, session_id: str, timeout: float | None, key: str = ""
+) -> bool | None:
+    """Release on one replica; False if it did not hold the session, None if it could not be
+    reached (it may still hold the session)."""
+    request = pb2.ReleaseRequest(session_id=session_id)
     try:
-        reply = await stub.Release(pb2.ReleaseRequest(session_id=session_id), timeout=timeout)
+        reply = await stub.Release(request, timeout=timeout, metadata=wire.session_metadata(key))
     except grpc.aio.AioRpcError:
-        return False
+        return None
     return reply.released
 
 

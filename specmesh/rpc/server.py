@@ -2,14 +2,17 @@
 
 Every server: flags with SPECMESH_* environment defaults (`parse_flags`; the flags every server
 has are `ServerConfig`'s), JSON logs, Prometheus metrics (`RpcMetrics`), the error mapping and
-request logging of `RpcService` (`rpc`), grpc.health.v1, reflection, OpenTelemetry tracing
+request logging of `RpcService` (`rpc`), grpc.health.v1, reflection (--reflection), TLS and mutual
+TLS (--tls-cert, --tls-key, --tls-client-ca; specmesh.rpc.tls), OpenTelemetry tracing
 (specmesh.rpc.tracing) and a graceful SIGTERM (`serve`). Nothing here knows a model: the model
 services' machinery is specmesh.services.
 
 Errors: WireError -> INVALID_ARGUMENT (the message names the field); a service maps its own
 exceptions by overriding `RpcService.status`; anything else -> INTERNAL with a short message and an
 error id, the traceback only in the log. Oversized requests never reach a handler: gRPC answers
-RESOURCE_EXHAUSTED.
+RESOURCE_EXHAUSTED. Request bytes that are not the method's message (corrupt, invalid UTF-8, an
+unknown field or a wrong wire type, two members of a oneof: specmesh.rpc.decoding) -> INVALID_ARGUMENT
+naming the field, counted and logged like any other answer.
 """
 
 from __future__ import annotations
@@ -33,13 +36,15 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 import grpc
+from google.protobuf import message_factory
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from specmesh.rpc import wire
+from specmesh.rpc import decoding, wire
 from specmesh.rpc.metrics import RpcMetrics
 from specmesh.rpc.proto import pb2, pb2_grpc
+from specmesh.rpc.tls import ServerTls, TlsError, server_tls
 from specmesh.rpc.tracing import configure_tracing, server_interceptors
 
 log = logging.getLogger("specmesh.rpc.server")
@@ -57,6 +62,17 @@ class ServerConfig:
     metrics_port: int
     grace_seconds: float
     log_level: str
+    tls_cert: str
+    tls_key: str
+    tls_client_ca: str
+    reflection: bool
+
+    def server_tls(self) -> ServerTls | None:
+        return server_tls(self.tls_cert, self.tls_key, self.tls_client_ca)
+
+    def check(self) -> None:
+        """Settings that only work together; raises TlsError (parse_flags exits with it)."""
+        self.server_tls()
 
 
 SERVER_FLAGS: dict[str, tuple[type, str]] = {
@@ -65,13 +81,25 @@ SERVER_FLAGS: dict[str, tuple[type, str]] = {
     "metrics_port": (int, "Prometheus /metrics port (0 = off)"),
     "grace_seconds": (float, "on SIGTERM / SIGINT, how long in-flight requests may still finish"),
     "log_level": (str, "debug, info, warning or error"),
+    "tls_cert": (str, "PEM certificate: when set (with --tls-key) the server listens with TLS only"),
+    "tls_key": (str, "PEM private key of --tls-cert"),
+    "tls_client_ca": (
+        str,
+        "PEM CA: when set, mutual TLS: every client must show a certificate this CA signed",
+    ),
+    "reflection": (bool, "serve gRPC server reflection (grpcurl without .proto files)"),
 }
 SERVER_DEFAULTS: dict[str, Any] = {
     "host": "127.0.0.1",
     "metrics_port": 0,
     "grace_seconds": 10.0,
     "log_level": "info",
+    "tls_cert": "",
+    "tls_key": "",
+    "tls_client_ca": "",
+    "reflection": False,
 }
+_TRUE = ("1", "true", "yes", "on")
 
 
 def flag_parser(
@@ -90,6 +118,11 @@ def flag_parser(
         kind, text = help_texts[f.name]
         env = f"SPECMESH_{f.name.upper()}"
         default = os.environ.get(env, defaults.get(f.name))
+        if kind is bool:  # --foo / --no-foo; $SPECMESH_FOO is 1, true, yes or on to turn it on
+            on = default.lower() in _TRUE if isinstance(default, str) else bool(default)
+            flag, action = f"--{f.name.replace('_', '-')}", argparse.BooleanOptionalAction
+            parser.add_argument(flag, action=action, default=on, help=f"{text} [{env}]")
+            continue
         parser.add_argument(
             f"--{f.name.replace('_', '-')}",
             type=kind,
@@ -114,6 +147,10 @@ def parse_flags(
     """`cls(**flags)`, with the named fields checked (>= 1, > 0, >= 0); a bad value exits with usage."""
     parser = flag_parser(prog, cls, help_texts, defaults)
     config = cls(**vars(parser.parse_args(argv)))
+    try:
+        config.check()
+    except TlsError as exc:
+        parser.error(str(exc))
     checks = [(at_least_one, lambda v: v >= 1, ">= 1"), (positive, lambda v: v > 0, "> 0")]
     checks.append((non_negative, lambda v: v >= 0, ">= 0"))
     for names, ok, bound in checks:
@@ -170,7 +207,28 @@ class RpcService:
         return self.pb2_module.DESCRIPTOR.services_by_name[self.service_name].full_name
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        getattr(self.grpc_module, f"add_{self.service_name}Servicer_to_server")(self, server)
+        """The generated registration, with each method's request_deserializer replaced by
+        specmesh.rpc.decoding's: strict, and never raising (bad bytes reach the handler as an
+        Undecodable, answered INVALID_ARGUMENT by `rpc` / `rpc_stream` and counted)."""
+        registrar = _Registrar()
+        getattr(self.grpc_module, f"add_{self.service_name}Servicer_to_server")(self, registrar)
+        methods = self.pb2_module.DESCRIPTOR.services_by_name[self.service_name].methods_by_name
+        for service, handlers in registrar.services.items():
+            strict = {
+                name: handler._replace(
+                    request_deserializer=decoding.decoder(
+                        message_factory.GetMessageClass(methods[name].input_type)
+                    )
+                )
+                for name, handler in handlers.items()
+            }
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, strict),))
+            server.add_registered_method_handlers(service, strict)
+
+    def undecodable(self, request: decoding.Undecodable, context: grpc.aio.ServicerContext) -> Exception:
+        """What answers request bytes that could not be decoded (a service that checks the caller
+        first, like the gateway's API keys, overrides this)."""
+        return request.error
 
     async def started(self, health_servicer: health.aio.HealthServicer) -> None:
         """The server is listening; say SERVING (a service that is not ready yet overrides this)."""
@@ -230,6 +288,8 @@ def rpc(fn: Handler) -> Handler:
     @functools.wraps(fn)
     async def handler(self: RpcService, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async with _answering(self, fn.__name__, request, context):
+            if isinstance(request, decoding.Undecodable):
+                raise self.undecodable(request, context)
             return await fn(self, request, context)
 
     return handler
@@ -246,12 +306,28 @@ def rpc_stream(fn: StreamHandler) -> StreamHandler:
     async def handler(
         self: RpcService, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
+        if isinstance(request, decoding.Undecodable):
+            async with _answering(self, fn.__name__, request, context):
+                raise self.undecodable(request, context)
         items = fn(self, request, context)
         async with _answering(self, fn.__name__, request, context), contextlib.aclosing(items):
             async for item in items:
                 yield item
 
     return handler
+
+
+class _Registrar:
+    """Stands in for the server in a generated add_*Servicer_to_server: keeps its handlers."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        """The same handlers come again through add_registered_method_handlers."""
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.services[service] = dict(handlers)
 
 
 def _status(method: str, session: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
@@ -278,9 +354,10 @@ async def serve(
     details: Mapping[str, Any],
     stop: asyncio.Event | None = None,
 ) -> None:
-    """Serve `service` with health, reflection and tracing until SIGTERM / SIGINT (or `stop` is
-    set, for a server run inside a test), then stop gracefully: health NOT_SERVING, new RPCs
-    refused, in-flight ones get config.grace_seconds."""
+    """Serve `service` with health, tracing (and reflection with --reflection) until SIGTERM /
+    SIGINT (or `stop` is set, for a server run inside a test), then stop gracefully: health
+    NOT_SERVING, new RPCs refused, in-flight ones get config.grace_seconds. With --tls-cert the
+    port speaks TLS only (and /metrics is HTTPS)."""
     configure_tracing(service.service_name.lower())
     server = grpc.aio.server(
         options=[
@@ -292,11 +369,13 @@ async def serve(
     service.add_to_server(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (service.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    http = _start_metrics(config, service.metrics)
-    port = _listen(server, f"{config.host}:{config.port}")
+    if config.reflection:  # off by default: it hands the whole API to anyone who can connect
+        reflection.enable_server_reflection(
+            (service.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+    tls = config.server_tls()
+    http = _start_metrics(config, service.metrics, tls)
+    port = _listen(server, f"{config.host}:{config.port}", tls)
     await service.serve_more(config)
     await server.start()
     await service.started(health_servicer)
@@ -311,6 +390,8 @@ async def serve(
             "host": config.host,
             "port": port,
             "metrics_port": config.metrics_port,
+            "tls": "mutual" if tls and tls.client_ca else bool(tls),
+            "reflection": config.reflection,
             **details,
             "pid": os.getpid(),
         },
@@ -325,17 +406,24 @@ async def serve(
     log.info("stopped", extra={"threads": threading.active_count()})
 
 
-def _start_metrics(config: ServerConfig, metrics: RpcMetrics) -> Any:
+def _start_metrics(config: ServerConfig, metrics: RpcMetrics, tls: ServerTls | None) -> Any:
+    """/metrics over HTTPS with the server's certificate when it has one; no client certificate
+    is asked for (a scraper rarely has one, and the counters are not the data path)."""
     if not config.metrics_port:
         return None
+    certs = {"certfile": tls.cert, "keyfile": tls.key} if tls else {}
     try:
-        return start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+        return start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry, **certs)
     except OSError as exc:
         raise SystemExit(f"cannot serve metrics on {config.host}:{config.metrics_port}: {exc}") from None
 
 
-def _listen(server: grpc.aio.Server, address: str) -> int:
+def _listen(server: grpc.aio.Server, address: str, tls: ServerTls | None) -> int:
     try:
-        return server.add_insecure_port(address)
+        if tls is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, tls.credentials())
+    except TlsError as exc:
+        raise SystemExit(str(exc)) from None
     except RuntimeError as exc:
         raise SystemExit(f"cannot listen on {address}: {exc}") from None

@@ -29,6 +29,19 @@ from specmesh.rpc.proto import pb2
 MAX_SESSION_ID_BYTES = 256
 # Trailing metadata of a FAILED_PRECONDITION answer: resend all committed tokens with position 0.
 RESYNC_KEY = "specmesh-resync"
+# Request metadata: the caller's secret for one session; a replica serves the session only to it.
+SESSION_KEY = "specmesh-session-key"
+
+
+def session_metadata(key: str) -> tuple[tuple[str, str], ...]:
+    """The metadata that carries a session key (none for the empty key)."""
+    return ((SESSION_KEY, key),) if key else ()
+
+
+def session_key(metadata: Any) -> str:
+    """The session key in a call's metadata, "" if there is none."""
+    return next((value for name, value in metadata or () if name == SESSION_KEY), "")
+
 
 _MODE_TO_PROTO = {
     SamplingMode.IID: pb2.SAMPLING_MODE_IID,
@@ -59,7 +72,7 @@ class Limits:
 def core_error(prefix: str, exc: ValueError) -> WireError:
     """Core validators name the offending field first ("top_p must be in ..."): add the path."""
     text = str(exc)
-    name = re.match(r"[a-z_]+", text)
+    name = re.match(r"[a-z_]+(\[\d+\])?", text)
     if name is None:
         return WireError(prefix, text)
     return WireError(f"{prefix}.{name.group()}", text.removeprefix(f"{name.group()}: "))
@@ -316,7 +329,14 @@ def parse_draft_request(req: pb2.DraftRequest, vocab_size: int, limits: Limits) 
 
 
 def parse_verify_request(req: pb2.VerifyRequest, vocab_size: int, limits: Limits) -> VerifyInput:
-    return VerifyInput(**_round_fields(req, vocab_size), tree=tree_from_proto(req.tree, vocab_size, limits))
+    fields = _round_fields(req, vocab_size)
+    tree = tree_from_proto(req.tree, vocab_size, limits)
+    if tree is not None and not fields["params"].greedy:
+        try:
+            tree.check_drawable()
+        except ValueError as exc:
+            raise core_error("tree", exc) from None
+    return VerifyInput(**fields, tree=tree)
 
 
 def _round_message(session_id: str, position: int, new_tokens: list[int], params: SamplingParams) -> dict:

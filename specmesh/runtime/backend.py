@@ -53,6 +53,7 @@ class ModelBackend(Protocol):
     vocab_size: int
     device: torch.device
     max_cache_tokens: int | None
+    max_context: int | None  # the longest session the model takes (its trained positions); None: unknown
 
     def committed_tokens(self, session_id: str) -> list[int] | None: ...
 

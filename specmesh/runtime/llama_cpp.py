@@ -172,6 +172,7 @@ class LlamaCppRunner(SessionTable[_Session]):
         self._memory = lib.llama_get_memory(self._ctx)
         self.vocab_size = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
         self.n_ctx = lib.llama_n_ctx(self._ctx)
+        self.max_context = min(self.n_ctx, lib.llama_model_n_ctx_train(self._model))
         self.n_batch = n_batch
         self.n_seq_max = n_seq_max
         self.device = torch.device("cpu")

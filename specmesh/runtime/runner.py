@@ -147,6 +147,7 @@ class ModelRunner(SessionTable[_Session]):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.vocab_size = model.get_output_embeddings().out_features  # also for int8 (quantized) heads
         self.max_cache_tokens = max_cache_tokens
+        self.max_context = getattr(cfg, "max_position_embeddings", None)
         super().__init__()
         self.stats.update(
             over_budget=0,  # forwards that exceeded the budget even after evicting everything idle

@@ -12,7 +12,17 @@ the caller's position (or none) answers FAILED_PRECONDITION with trailing metada
 request whose work fails after it may have changed the session makes the replica forget the
 session, so the caller's next request resyncs instead of building on half a step.
 
-Errors, beyond specmesh.rpc.server's: resync -> FAILED_PRECONDITION; busy -> ABORTED.
+Ownership: a caller may send a session key (metadata `specmesh-session-key`, the gateway sends a
+random one per session); the session's first request records its hash, and every later request
+and Release must carry the same key, else PERMISSION_DENIED (Release: `released` false), without
+a word about the session. A session started without a key stays open to key-less callers (tests,
+benchmarks); on a mesh, mTLS keeps other callers out.
+
+Context: a request whose session would hold more committed tokens than the model's context
+(max_position_embeddings, llama.cpp's training context) is refused before any forward.
+
+Errors, beyond specmesh.rpc.server's: resync -> FAILED_PRECONDITION; busy -> ABORTED; another
+caller's session -> PERMISSION_DENIED.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import hashlib
 import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +60,14 @@ class ResyncError(Exception):
 
 class SessionBusyError(Exception):
     """The session already has a request in flight on this replica."""
+
+
+class NotOwnerError(Exception):
+    """The caller's session key is not the one the session was created with."""
+
+
+class ContextError(wire.WireError):
+    """The session would outgrow the model's context."""
 
 
 class RequestCancelled(Exception):
@@ -202,6 +221,8 @@ class ModelService(RpcService):
         )
         self.slots = SessionSlots(self.forget)
         self._releasing: collections.Counter[str] = collections.Counter()  # releases not yet run
+        self._owners: dict[str, bytes] = {}  # session -> hash of the key it was created with
+        self.max_context = self.runner.max_context  # None: the model does not say
         self.forward_cost: dict[int, float] = {}  # rows -> seconds, measured by `start`
 
     async def start(self) -> None:
@@ -220,19 +241,38 @@ class ModelService(RpcService):
             return grpc.StatusCode.FAILED_PRECONDITION, details, ((wire.RESYNC_KEY, "1"),)
         if isinstance(exc, SessionBusyError):
             return grpc.StatusCode.ABORTED, str(exc), ()
+        if isinstance(exc, NotOwnerError):
+            return grpc.StatusCode.PERMISSION_DENIED, str(exc), ()
         return super().status(method, session, exc)
 
     # ---- sessions ------------------------------------------------------------------------------
 
-    def begin(self, session_id: str, position: int) -> Resume:
-        """Reserve the session for one request and check the caller's position: how the request
-        starts (`Resume`)."""
+    def begin(self, r: wire.RoundInput, context: grpc.aio.ServicerContext) -> Resume:
+        """Check the caller's key and the context, reserve the session for one request and check
+        the caller's position: how the request starts (`Resume`)."""
+        session_id, position = r.session_id, r.position
+        owner = self._owner(session_id, context)
+        if self.max_context is not None and r.committed_length > self.max_context:
+            raise ContextError(
+                "new_token_ids",
+                f"position + new tokens = {r.committed_length}, above the model's context of "
+                f"{self.max_context} tokens",
+            )
         self.slots.acquire(session_id)
         try:
-            return self._check_position(session_id, position)
+            resume = self._check_position(session_id, position)
         except BaseException:
             self.slots.free(session_id)
             raise
+        self._owners[session_id] = owner
+        return resume
+
+    def _owner(self, session_id: str, context: grpc.aio.ServicerContext) -> bytes:
+        """The hash of the caller's session key; NotOwnerError if the session has another."""
+        owner = hashlib.sha256(wire.session_key(context.invocation_metadata()).encode()).digest()
+        if self._owners.get(session_id, owner) != owner:
+            raise NotOwnerError("session_id: this caller's session key does not open that session")
+        return owner
 
     def _check_position(self, session_id: str, position: int) -> Resume:
         # Reading the runner from the loop is safe: this session has no work in flight.
@@ -246,8 +286,8 @@ class ModelService(RpcService):
             )
         if position > len(held):
             raise ResyncError(
-                f"position: {position}, but this replica holds {len(held)} committed tokens of session "
-                f"{session_id!r}; resend all of them with position 0"
+                f"position: {position} is past what this replica holds of session {session_id!r}; "
+                "resend all its committed tokens with position 0"
             )
         return Resume.CONTINUE if position == len(held) else Resume.ROLLBACK
 
@@ -284,7 +324,8 @@ class ModelService(RpcService):
         job.add_done_callback(lambda _: self.loop.call_soon_threadsafe(self._released, session_id))
 
     def forget_local(self, session_id: str) -> None:
-        """Drop what the service itself keeps about the session (override)."""
+        """Drop what the service itself keeps about the session (extend, calling super)."""
+        self._owners.pop(session_id, None)
 
     def _release(self, session_id: str) -> None:
         self.runner.release(session_id)
@@ -302,6 +343,10 @@ class ModelService(RpcService):
         self, request: pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb2.ReleaseResponse:
         session_id = wire.session_id_from_proto(request.session_id)
+        try:
+            self._owner(session_id, context)
+        except NotOwnerError:
+            return pb2.ReleaseResponse(released=False)
         held = session_id not in self._releasing and self.runner.committed_tokens(session_id) is not None
         self.slots.release(session_id)
         return pb2.ReleaseResponse(released=held)

@@ -25,16 +25,27 @@ import contextlib
 import ctypes
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from specmesh.rpc.tls import ClientTls
+from specmesh.stack.certs import CertFiles
 from specmesh.stack.ports import free_port
-from specmesh.stack.redis_server import find_redis_server, redis_command, redis_ping
+from specmesh.stack.redis_server import (
+    find_redis_server,
+    new_password,
+    redis_command,
+    redis_config,
+    redis_ping,
+    write_redis_config,
+)
 
 __all__ = [
     "ChildFailed",
@@ -73,8 +84,8 @@ def tcp_ready(host: str, port: int) -> ReadyCheck:
     return check
 
 
-def grpc_ready(address: str, service: str = "") -> ReadyCheck:
-    """The port accepts and the grpc.health.v1 service answers SERVING."""
+def grpc_ready(address: str, service: str = "", tls: ClientTls | None = None) -> ReadyCheck:
+    """The port accepts and the grpc.health.v1 service answers SERVING (asked over TLS with `tls`)."""
     host, _, port = address.rpartition(":")
 
     async def check() -> bool:
@@ -82,14 +93,14 @@ def grpc_ready(address: str, service: str = "") -> ReadyCheck:
 
         if not await asyncio.to_thread(_tcp_accepts, host.strip("[]"), int(port)):
             return False
-        return await asyncio.to_thread(health_check, address, service, 1.0) is None
+        return await asyncio.to_thread(health_check, address, service, 1.0, tls) is None
 
     return check
 
 
-def redis_ready(host: str, port: int) -> ReadyCheck:
+def redis_ready(host: str, port: int, password: str | None = None) -> ReadyCheck:
     async def check() -> bool:
-        return await asyncio.to_thread(redis_ping, host, port)
+        return await asyncio.to_thread(redis_ping, host, port, 0.5, password)
 
     return check
 
@@ -375,6 +386,18 @@ class StackPlan:
     redis_url: str
     http: str = ""  # the gateway's OpenAI-compatible HTTP API, host:port ("" = off)
     metrics: dict[str, str] = field(default_factory=dict)  # child name -> its /metrics host:port
+    certs: CertFiles | None = None  # TLS on every hop (None: plaintext on loopback)
+    redis_dir: str = ""  # the private Redis's config and AOF, for the stack's lifetime ("" = none)
+
+    @property
+    def scheme(self) -> str:
+        """Of the HTTP API and /metrics."""
+        return "https" if self.certs else "http"
+
+    def cleanup(self) -> None:
+        """Remove the private Redis's directory (after the stack stopped)."""
+        if self.redis_dir:
+            shutil.rmtree(self.redis_dir, ignore_errors=True)
 
 
 def plan_stack(
@@ -394,20 +417,34 @@ def plan_stack(
     drafter_args: Sequence[str] = (),
     verifier_args: Sequence[str] = (),
     gateway_args: Sequence[str] = (),
+    gateway_env: Mapping[str, str] | None = None,
+    certs: CertFiles | None = None,
 ) -> StackPlan:
     """The command lines of the whole stack on loopback: redis (unless redis_url is given),
     `drafters` drafters, `verifiers` verifiers, and the gateway on `port` (gRPC) and `http_port`
-    (its HTTP API and /metrics; 0 = off). Each replica serves /metrics on a free port."""
+    (its HTTP API and /metrics; 0 = off). Each replica serves /metrics on a free port. With
+    `certs` every server listens with TLS, the replicas require the gateway's client certificate
+    (mutual TLS), and readiness is asked with the user's client certificate."""
     if drafters < 0 or verifiers < 1:
         raise ValueError("need drafters >= 0 and verifiers >= 1")
     specs: list[ChildSpec] = []
+    redis_dir = ""
     if redis_url is None:
-        redis_port = free_port(host)
-        redis_url = f"redis://{host}:{redis_port}/0"
-        argv = redis_command(find_redis_server(), redis_port, host)
-        specs.append(ChildSpec("redis", argv, redis_ready(host, redis_port), stage=0, ready_timeout=30.0))
+        # Hardened and persistent (specmesh/stack/redis_server.py): a random password, AOF in a
+        # directory that outlives a restart of redis by the supervisor (same argv, same file).
+        # The password is only in that file (0600) and in the gateway's environment, never in an
+        # argv (which the supervisor logs, and `ps` shows).
+        redis_port, password = free_port(host), new_password()
+        redis_dir = tempfile.mkdtemp(prefix="specmesh-redis-")  # 0700
+        redis_url = f"redis://:{password}@{host}:{redis_port}/0"
+        text = redis_config(redis_port, host, data_dir=redis_dir, password=password)
+        config = write_redis_config(os.path.join(redis_dir, "redis.conf"), text)
+        argv = redis_command(find_redis_server(), redis_port, host, config_file=config)
+        ready = redis_ready(host, redis_port, password)
+        specs.append(ChildSpec("redis", argv, ready, stage=0, ready_timeout=30.0))
     model_flags = ["--dtype", dtype] if dtype else []
     model_flags += ["--backend", backend] if backend else []
+    tls_flags, replica_tls_flags, gateway_tls_flags, probe_tls = _tls_plan(certs)
 
     metrics: dict[str, str] = {}
 
@@ -415,9 +452,9 @@ def plan_stack(
         address, name, metrics_port = f"{host}:{free_port(host)}", f"{kind}-{index}", free_port(host)
         argv = [python, "-m", f"{kind}_service", "--model", model, "--host", host]
         argv += ["--port", address.rpartition(":")[2], "--metrics-port", str(metrics_port)]
-        argv += [*model_flags, *extra]
+        argv += [*model_flags, *tls_flags, *replica_tls_flags, *extra]
         metrics[name] = f"{host}:{metrics_port}"
-        ready = grpc_ready(address)
+        ready = grpc_ready(address, tls=probe_tls)
         return ChildSpec(name, argv, ready, stage=1, ready_timeout=ready_timeout), address
 
     drafter_addrs, verifier_addrs = [], []
@@ -436,9 +473,27 @@ def plan_stack(
         metrics["gateway"] = http
     if drafter_addrs:
         argv += ["--drafters", ",".join(drafter_addrs)]
-    argv += ["--verifiers", ",".join(verifier_addrs), "--redis-url", redis_url, *gateway_args]
-    specs.append(ChildSpec("gateway", argv, grpc_ready(gateway), stage=2, ready_timeout=120.0))
-    return StackPlan(specs, gateway, drafter_addrs, verifier_addrs, redis_url, http, metrics)
+    argv += ["--verifiers", ",".join(verifier_addrs)]
+    argv += [*tls_flags, *gateway_tls_flags, *gateway_args]
+    ready = grpc_ready(gateway, tls=probe_tls)
+    env = {**(gateway_env or {}), "SPECMESH_REDIS_URL": redis_url}  # --redis-url: may hold a password
+    specs.append(ChildSpec("gateway", argv, ready, stage=2, env=env, ready_timeout=120.0))
+    plan = StackPlan(specs, gateway, drafter_addrs, verifier_addrs, redis_url, http, metrics, certs)
+    plan.redis_dir = redis_dir
+    return plan
+
+
+def _tls_plan(certs: CertFiles | None) -> tuple[list[str], list[str], list[str], ClientTls | None]:
+    """The flags of every server, of the replicas alone and of the gateway alone, and the
+    supervisor's own client credentials (for the readiness checks)."""
+    if certs is None:
+        return [], [], [], None
+    every = ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key)]
+    replica = ["--tls-client-ca", str(certs.ca)]
+    gateway = ["--replica-ca", str(certs.ca), "--replica-cert", str(certs.gateway_cert)]
+    gateway += ["--replica-key", str(certs.gateway_key)]
+    probe = ClientTls(str(certs.ca), str(certs.client_cert), str(certs.client_key))
+    return every, replica, gateway, probe
 
 
 def run_stack(
@@ -447,4 +502,7 @@ def run_stack(
     """Run a planned stack in the foreground until SIGINT / SIGTERM; the exit status for
     `specmesh up`. `on_ready` is called once every child is ready (e.g. to print the address)."""
     announce = (lambda: on_ready(plan)) if on_ready is not None else None
-    return asyncio.run(Supervisor(plan.specs, grace=grace, on_ready=announce).run())
+    try:
+        return asyncio.run(Supervisor(plan.specs, grace=grace, on_ready=announce).run())
+    finally:
+        plan.cleanup()

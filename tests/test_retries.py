@@ -1,0 +1,44 @@
+"""Per-try timeouts and the retry budget (gateway/retries.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gateway.retries import RetryBudget, TryTimeouts, forward_seconds
+
+COST = {1: 0.010, 2: 0.012, 4: 0.016, 8: 0.024, 16: 0.040}  # rows -> seconds, as Info reports it
+
+
+@pytest.mark.parametrize(
+    ("rows", "seconds"),
+    [(1, 0.010), (3, 0.014), (16, 0.040), (160, 0.400), (0, 0.010)],
+)
+def test_forward_seconds_interpolates_and_extrapolates_by_rows(rows: int, seconds: float) -> None:
+    assert forward_seconds(COST, rows) == pytest.approx(seconds)
+    assert forward_seconds({}, rows) == 0.0
+
+
+def test_a_try_gets_a_multiple_of_its_forwards_but_never_less_than_the_floor() -> None:
+    timeouts = TryTimeouts(floor=0.5, factor=10.0, draft_cost=COST, verify_cost=COST)
+    assert timeouts.verify(1, 3) == 0.5  # 10 x 16 ms is under the floor
+    assert timeouts.verify(150, 10) == pytest.approx(10 * 0.400)  # a resync's prefill earns more
+    assert timeouts.draft(1, 4) == 0.5
+    assert timeouts.draft(400, 4) == pytest.approx(10 * (0.040 * 400 / 16 + 3 * 0.010))
+    assert TryTimeouts(floor=2.0, factor=10.0).verify(1000, 64) == 2.0  # nothing measured: the floor
+
+
+def test_the_retry_budget_allows_a_share_of_recent_rounds_plus_a_minimum() -> None:
+    budget = RetryBudget(ratio=0.2, minimum=3, window=60.0)
+    assert [budget.try_spend() for _ in range(4)] == [True, True, True, False]
+    for _ in range(10):
+        budget.round_started()
+    assert [budget.try_spend() for _ in range(3)] == [True, True, False]  # 3 + 0.2 x 10 = 5 in all
+
+
+def test_the_retry_budget_forgets_what_left_its_window() -> None:
+    budget = RetryBudget(ratio=0.0, minimum=1, window=0.05)
+    assert budget.try_spend() and not budget.try_spend()
+    time.sleep(0.06)
+    assert budget.try_spend()
