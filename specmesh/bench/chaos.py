@@ -15,7 +15,8 @@ reproducible) while the faults fire at fixed fractions of the run:
     0.75  SIGTERM Redis               (restarted from its append-only file; the gateway reconnects)
 
 Each fault waits until the stack is whole again after the one before (a killed child restarted
-and ready), so the pause always finds a spare drafter.
+and ready, and a few seconds for the gateway's health checks to see it), so the pause always
+finds a spare drafter.
 
 Afterwards every request is sent again on the quiet stack and the tokens compared. A stall is the
 longest wait for a stream's next chunk (or its first); stalls are reported per fault, as the fault
@@ -52,6 +53,9 @@ SHAPES: tuple[dict[str, Any], ...] = (
     {"method": "none"},
 )
 QUIET = "quiet"  # the fault label of the time before the first fault
+# after a child is back, before the next fault: the gateway's health checks (every second) must
+# have seen it, or the drafter pause could find the restarted drafter not yet a spare
+SETTLE_SECONDS = 3.0
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,7 @@ async def _inject(
         else:
             await _restarted(sup, specs[fault.child], pid)
         recovered[fault.name] = round(time.monotonic() - began, 2)
+        await asyncio.sleep(SETTLE_SECONDS)
 
 
 async def _restarted(sup: Supervisor, spec: ChildSpec, old_pid: int, timeout: float = 180.0) -> None:
