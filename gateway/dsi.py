@@ -223,7 +223,7 @@ class DsiRun(SessionRun):
         )
         stub = _STUBS[Role.DRAFTER](self.env.pool(Role.DRAFTER).channel(address))
         call = _Call(Role.DRAFTER, address, context, self.state.version)
-        self._start(stub.Draft(request, timeout=self._time_left(), metadata=self.metadata), call)
+        self._start(stub.Draft(request, timeout=self._time_left(), metadata=self.client.metadata), call)
 
     def _verify(self, block: Block, address: str) -> None:
         prefix = self.state.prefix(block)
@@ -233,7 +233,7 @@ class DsiRun(SessionRun):
         self.touched.add((Role.VERIFIER, address))
         rows = len(prefix) - position + len(block.tokens)
         call = _Call(Role.VERIFIER, address, prefix, self.state.version, block, rows)
-        self._start(stub.Verify(request, timeout=self._time_left(), metadata=self.metadata), call)
+        self._start(stub.Verify(request, timeout=self._time_left(), metadata=self.client.metadata), call)
         self.max_in_flight = max(self.max_in_flight, self._in_flight(Role.VERIFIER))
 
     def _start(self, call: Any, what: _Call) -> None:

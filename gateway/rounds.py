@@ -49,7 +49,6 @@ from gateway.text import TextStream
 from specmesh.core.adaptive import PolicyMemory
 from specmesh.core.rounds import keep_emitted
 from specmesh.core.stats import GenerationStats
-from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2_grpc
 from specmesh.rpc.round_client import (
     Placement,
@@ -76,7 +75,9 @@ _FAILOVER = {
 }
 _STUBS = {Role.DRAFTER: pb2_grpc.DrafterStub, Role.VERIFIER: pb2_grpc.VerifierStub}
 RELEASE_TIMEOUT = 2.0
-CLIENT_DEADLINE_SLACK = 0.05  # seconds: a call timing out this close to the client's deadline is its
+# seconds: a call that times out this close to the client's deadline ran out of the client's time,
+# not of the replica's: no replica is blamed
+CLIENT_DEADLINE_SLACK = 0.05
 
 
 class GatewayError(Exception):
@@ -146,7 +147,6 @@ class SessionRun:
         self.plan, self.env, self.text, self.deadline = plan, env, text, deadline
         self.id = uuid.uuid4().hex
         self.key = secrets.token_hex(16)  # the replicas serve this session only to callers with it
-        self.metadata = wire.session_metadata(self.key)
         self.roles = (Role.DRAFTER, Role.VERIFIER) if plan.spec.method.drafts else (Role.VERIFIER,)
         policy = env.policies.new_policy(plan.spec, plan.params, forward_cost) if plan.adaptive else None
         self.client = RoundClient(self.id, plan.params, plan.spec, policy=policy, key=self.key)

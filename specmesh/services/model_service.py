@@ -66,10 +66,6 @@ class NotOwnerError(Exception):
     """The caller's session key is not the one the session was created with."""
 
 
-class ContextError(wire.WireError):
-    """The session would outgrow the model's context."""
-
-
 class RequestCancelled(Exception):
     """The caller went away while a tree was being built."""
 
@@ -222,7 +218,6 @@ class ModelService(RpcService):
         self.slots = SessionSlots(self.forget)
         self._releasing: collections.Counter[str] = collections.Counter()  # releases not yet run
         self._owners: dict[str, bytes] = {}  # session -> hash of the key it was created with
-        self.max_context = self.runner.max_context  # None: the model does not say
         self.forward_cost: dict[int, float] = {}  # rows -> seconds, measured by `start`
 
     async def start(self) -> None:
@@ -252,11 +247,12 @@ class ModelService(RpcService):
         the caller's position: how the request starts (`Resume`)."""
         session_id, position = r.session_id, r.position
         owner = self._owner(session_id, context)
-        if self.max_context is not None and r.committed_length > self.max_context:
-            raise ContextError(
+        context_length = self.runner.max_context  # None: the model does not say
+        if context_length is not None and r.committed_length > context_length:
+            raise wire.WireError(
                 "new_token_ids",
                 f"position + new tokens = {r.committed_length}, above the model's context of "
-                f"{self.max_context} tokens",
+                f"{context_length} tokens",
             )
         self.slots.acquire(session_id)
         try:
