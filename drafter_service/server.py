@@ -99,7 +99,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
             cancelled.set()
             job.cancel()
 
-        return await self.settle(draft.session_id, asyncio.wrap_future(job), withdraw)
+        return await self.settle(draft.session_id, resume, context, asyncio.wrap_future(job), withdraw)
 
     def _draft(self, d: wire.DraftInput, resume: Resume, cancelled: threading.Event) -> pb2.DraftResponse:
         """In a builder thread: compact, build the tree level by level, encode it."""

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +27,17 @@ from specmesh.core.stats import GenerationResult
 from specmesh.core.tree import DraftTree, SamplingMode
 from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2, pb2_grpc
-from specmesh.rpc.round_client import RemoteSession, generate_remote, needs_resync, open_channel
+from specmesh.rpc.round_client import (
+    Placement,
+    RemoteSession,
+    RoundClient,
+    generate_remote,
+    needs_resync,
+    open_channel,
+)
 from specmesh.runtime.models import load_model
 from specmesh.stack.ports import free_port
-from tests.servers import Server, grpcurl, replica, start_all, stop_all
+from tests.servers import Server, grpcurl, replica, start_all, stop_all, wait_until
 from tests.test_engine import PROMPT, SPECS, VOCAB
 
 # one worker runs this module, so pytest -n 2 starts its servers once (--dist loadgroup)
@@ -279,6 +288,75 @@ def test_a_killed_and_restarted_replica_is_recovered_by_resync(restart_stack, re
     result, resyncs = kill_restart_and_finish(restart_stack, victim, RESTART_REQUEST)
     assert resyncs == 1
     assert result.token_ids == reference(RESTART_REQUEST).token_ids
+
+
+@pytest.fixture(scope="module")
+def slow(models, tmp_path_factory) -> Iterator[Stack]:
+    """Replicas whose every forward takes 800 ms: a call can be cancelled while its forward runs."""
+    logs, flags = tmp_path_factory.mktemp("slow"), ["--forward-latency-ms", "800"]
+    s = Stack(
+        replica("drafter_service", models["draft"], logs / "drafter.log", flags),
+        replica("verifier_service", models["target"], logs / "verifier.log", flags),
+    )
+    with running(s):
+        yield s
+
+
+def requests_counted(server: Server, method: str, code: str) -> float:
+    return server.metrics().get(("specmesh_requests_total", (("code", code), ("method", method))), 0.0)
+
+
+@pytest.mark.parametrize("kind", ["drafter", "verifier"])
+def test_a_release_that_overtook_a_cancelled_start_leaves_no_session(slow, kind: str) -> None:
+    """A caller cancels a call that starts a session, then releases it; the Release can reach the
+    replica before the call has begun (it finds nothing), and the call's forward then creates the
+    session. CI saw such a verifier session leak once in 160 tiny-deadline gateway requests. Here
+    the order is forced: Release first, then the start, cancelled while its (slowed) forward runs."""
+    server: Server = getattr(slow, kind)
+    session = f"overtaken-{kind}"
+    if kind == "drafter":  # one level: the builder has no next level at which to notice the cancel
+        request = wire.draft_request(session, 0, PROMPT, GREEDY, dataclasses.replace(SPECS["chain"], depth=1))
+    else:
+        request = wire.verify_request(session, 0, PROMPT, GREEDY, None)
+
+    async def run() -> bool:
+        async with open_channel(server.address) as channel:
+            stub = pb2_grpc.DrafterStub(channel) if kind == "drafter" else pb2_grpc.VerifierStub(channel)
+            released = (await stub.Release(pb2.ReleaseRequest(session_id=session))).released
+            task = asyncio.ensure_future((stub.Draft if kind == "drafter" else stub.Verify)(request))
+            await asyncio.sleep(0.3)  # inside the 800 ms forward: too late to withdraw the step
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return released
+
+    forwards = server.metrics().get(("specmesh_forward_seconds_count", ()), 0.0)
+    assert asyncio.run(run()) is False
+    wait_until(
+        lambda: server.metrics()[("specmesh_forward_seconds_count", ())] > forwards, what="the forward"
+    )
+    time.sleep(1.0)  # the forward and its commit end; before the fix the session stayed for good
+    assert server.metrics()[("specmesh_sessions", ())] == 0
+
+
+def test_a_cancelled_round_cancels_its_replica_call(slow) -> None:
+    """With per-try timeouts (as the gateway runs rounds), cancelling the round cancelled only the
+    wait: the Verify ran on and answered OK to nobody, possibly after the session's Release."""
+    client = RoundClient("cancelled-round", GREEDY, SPECS["none"])
+    before = {code: requests_counted(slow.verifier, "Verify", code) for code in ("OK", "CANCELLED")}
+
+    async def run() -> None:
+        async with open_channel(slow.verifier.address) as channel:
+            placement = Placement(pb2_grpc.VerifierStub(channel), per_try=lambda *_: 0.1)
+            task = asyncio.ensure_future(client.round(PROMPT, placement))
+            await asyncio.sleep(0.3)  # the Verify's forward runs
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.sleep(1.0)  # past the forward's end
+
+    asyncio.run(run())
+    assert requests_counted(slow.verifier, "Verify", "CANCELLED") == before["CANCELLED"] + 1
+    assert requests_counted(slow.verifier, "Verify", "OK") == before["OK"]
+    assert slow.verifier.metrics()[("specmesh_sessions", ())] == 0
 
 
 async def refused_after_sigterm(stub: pb2_grpc.VerifierStub) -> grpc.aio.AioRpcError:

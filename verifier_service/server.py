@@ -55,7 +55,8 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             before=self.reset(v.session_id, resume, v.position),
             finish=functools.partial(self._decide, v),
         )
-        verdict, batch = await self.settle(v.session_id, work, functools.partial(self.batcher.withdraw, work))
+        withdraw = functools.partial(self.batcher.withdraw, work)
+        verdict, batch = await self.settle(v.session_id, resume, context, work, withdraw)
         self._record(tree, verdict)
         return wire.verdict_to_proto(
             verdict,

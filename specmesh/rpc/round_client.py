@@ -215,14 +215,19 @@ class _Calls:
             return await call
         period = self.per_try(role, self.committed - position, work)
         task = asyncio.ensure_future(call)
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=period)
-            if done:
-                return task.result()
-            if self.spare(role):
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise _GivenUp(period)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=period)
+                if done:
+                    return task.result()
+                if self.spare(role):
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    raise _GivenUp(period)
+        finally:
+            # Cancelled ourselves (the client left): cancel the call too. Left running, it could
+            # reach the replica after the session's Release and make the session there anew.
+            task.cancel()
 
 
 class _GivenUp(Exception):

@@ -363,6 +363,9 @@ async def serve(
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # gRPC shares a port among processes by default: a second replica started on a taken
+            # port would silently get half the first one's connections. Fail to start instead.
+            ("grpc.so_reuseport", 0),
         ],
         interceptors=server_interceptors(),
     )

@@ -295,22 +295,35 @@ class ModelService(RpcService):
             return functools.partial(self.runner.truncate, session_id, position)
         return None
 
-    async def settle(self, session_id: str, work: asyncio.Future, withdraw: Callable[[], None]) -> Any:
+    async def settle(
+        self,
+        session_id: str,
+        resume: Resume,
+        context: grpc.aio.ServicerContext,
+        work: asyncio.Future,
+        withdraw: Callable[[], None],
+    ) -> Any:
         """Await the session's work. The session stays reserved until the work has really ended
-        (a dispatched forward or a running tree builder still changes it after the caller left);
-        work that fails makes the replica forget the session, so the caller resyncs."""
-        work.add_done_callback(functools.partial(self._settled, session_id))
+        (a dispatched forward or a running tree builder still changes it after the caller left).
+        Then the replica forgets the session if the work failed (the caller resyncs), or if this
+        request (re)started the session and its caller went away: the caller's Release may have
+        arrived before this request began, found nothing to release, and will not come again."""
+        abandoned = False
+
+        def settled(work: asyncio.Future) -> None:
+            failed = not work.cancelled() and work.exception() is not None
+            if failed or (resume is Resume.RESTART and (abandoned or context.cancelled())):
+                self.forget(session_id)
+            self.slots.free(session_id)
+
+        work.add_done_callback(settled)
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
+            abandoned = True
             if not work.done():
                 withdraw()
             raise
-
-    def _settled(self, session_id: str, work: asyncio.Future) -> None:
-        if not work.cancelled() and work.exception() is not None:
-            self.forget(session_id)
-        self.slots.free(session_id)
 
     def forget(self, session_id: str) -> None:
         """Drop the session here; until the model thread has released it, it counts as unknown."""
