@@ -2,8 +2,9 @@
 
 A pool is built from a target list, `host:port,host:port` and/or `dns:///name:port` (a name that
 resolves to several addresses, e.g. a docker compose service scaled to N replicas; re-resolved
-every `resolve_interval`). A background task checks every replica with the standard
-grpc.health.v1 service; `pick(session_id)` keeps a session on its replica while that replica is
+every `resolve_interval`). A background task probes every replica each `health_interval` with the
+standard grpc.health.v1 service (each answer counts as it comes; a replica whose probe is still
+in flight is skipped); `pick(session_id)` keeps a session on its replica while that replica is
 healthy (its KV cache is there), otherwise moves it to the least loaded healthy one. A caller whose
 RPC failed calls `mark_failed(addr)`: the replica stays out for `failure_cooldown` seconds even if
 its health service still says SERVING, so a flapping replica is not picked again at once.
@@ -145,6 +146,7 @@ class ReplicaPool:
         self._affinity: OrderedDict[str, str] = OrderedDict()
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
+        self._probing: dict[str, asyncio.Task[None]] = {}  # address -> its probe in flight
         self._last_resolve = 0.0
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -157,10 +159,11 @@ class ReplicaPool:
         return self
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        tasks = [t for t in (self._task, *self._probing.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task, self._probing = None, {}
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
 
@@ -176,7 +179,7 @@ class ReplicaPool:
             try:
                 if time.monotonic() - self._last_resolve >= self.resolve_interval:
                     await self._resolve_all()
-                await self.check_now()
+                self._probe_all()  # not awaited: a hung replica's probe must not delay the others'
             except Exception:  # a bug must not stop health checking for good
                 log.exception("%s pool: health round failed", self.name)
 
@@ -238,21 +241,40 @@ class ReplicaPool:
     # ---- health -------------------------------------------------------------------------------
 
     async def check_now(self) -> None:
-        """Probe every replica once, concurrently."""
-        replicas = list(self._replicas.values())
-        results = await asyncio.gather(*(self._probe(r.address) for r in replicas))
-        changed = False
-        now = time.monotonic()
-        for replica, error in zip(replicas, results, strict=True):
-            replica.failed_probes = 0 if error is None else replica.failed_probes + 1
-            tolerated = replica.healthy and 0 < replica.failed_probes < self.unhealthy_after
-            healthy = (error is None or tolerated) and now >= replica.failed_until
-            if healthy != replica.healthy:
-                changed = True
-                level = logging.INFO if healthy else logging.WARNING
-                log.log(level, "%s pool: %s is %s", self.name, replica.address, error or "healthy")
-            replica.healthy = healthy
-            replica.last_error = error or ("cooling down after a failure" if not healthy else "")
+        """Probe every replica once, concurrently, and wait for the answers."""
+        await asyncio.gather(*self._probe_all())
+
+    def _probe_all(self) -> list[asyncio.Task[None]]:
+        """A probe for every replica that has none in flight. Each answer counts as soon as it is
+        in: a paused replica's probe runs to its timeout, and a round that waited for it held back
+        a restarted spare's recovery (the gateway then found no spare for a slow call)."""
+        tasks = []
+        for replica in self._replicas.values():
+            task = self._probing.get(replica.address)
+            if task is None:
+                task = asyncio.create_task(self._check(replica), name=f"{self.name}-probe")
+                self._probing[replica.address] = task
+                task.add_done_callback(lambda _, address=replica.address: self._probing.pop(address, None))
+            tasks.append(task)
+        return tasks
+
+    async def _check(self, replica: Replica) -> None:
+        try:
+            error = await self._probe(replica.address)
+        except Exception:  # a bug must not stop health checking, nor vanish in an unawaited task
+            log.exception("%s pool: probe of %s failed", self.name, replica.address)
+            return
+        if self._replicas.get(replica.address) is not replica:
+            return  # removed meanwhile
+        replica.failed_probes = 0 if error is None else replica.failed_probes + 1
+        tolerated = replica.healthy and 0 < replica.failed_probes < self.unhealthy_after
+        healthy = (error is None or tolerated) and time.monotonic() >= replica.failed_until
+        changed = healthy != replica.healthy
+        if changed:
+            level = logging.INFO if healthy else logging.WARNING
+            log.log(level, "%s pool: %s is %s", self.name, replica.address, error or "healthy")
+        replica.healthy = healthy
+        replica.last_error = error or ("cooling down after a failure" if not healthy else "")
         if changed:
             await self._notify()
 

@@ -134,6 +134,38 @@ def test_not_serving_and_no_healthy_replica():
     asyncio.run(scenario())
 
 
+class HungHealth(health.aio.HealthServicer):
+    """A replica that accepts connections but answers nothing (SIGSTOPped, in effect)."""
+
+    async def Check(self, request, context):
+        await asyncio.Event().wait()
+
+
+def test_a_hung_replicas_probe_does_not_hold_back_the_others():
+    """A paused drafter's probe runs to its timeout; a probe round that waited for it held back a
+    restarted spare's recovery, and the gateway found no spare for a slow call (CI saw 4.02 s
+    stalls against a 4 s limit in tests/test_gateway.py)."""
+
+    async def scenario():
+        a, b = await servers(2)
+        async with ReplicaPool(
+            [a.address, b.address], name="drafter", **{**FAST, "health_timeout": 3.0}
+        ) as pool:
+            await b.servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await until(lambda: pool.healthy() == [a.address])
+            hung = HealthServer(port=a.port)
+            hung.servicer = HungHealth()
+            await a.stop()
+            await hung.start()  # a's probes now hang for the 3 s timeout
+            await asyncio.sleep(0.2)  # a probe of a is in flight
+            await b.servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            await until(lambda: b.address in pool.healthy(), timeout=1.0)
+            await hung.stop()
+        await b.stop()
+
+    asyncio.run(scenario())
+
+
 def test_service_specific_health():
     async def scenario():
         (a,) = await servers(1)

@@ -677,6 +677,31 @@ def test_a_session_serves_only_the_caller_with_its_key_and_errors_do_not_tell_it
     )
 
 
+def test_a_call_that_arrives_after_its_sessions_release_is_refused(stack) -> None:
+    """The gateway's Release can overtake a call it sent just before (gRPC does not order two
+    calls, and the call's cancel may come later still). The late call would make the session anew
+    and nobody would release it: CI saw a verifier keep one. A Release with a session key closes
+    the id for that key on the replica; another key's session of the same id is another session."""
+    owner, other = wire.session_metadata("k-owner"), wire.session_metadata("k-other")
+    request = wire.verify_request("late", 0, PROMPT, GREEDY, None)
+
+    async def run() -> tuple[bool, grpc.aio.AioRpcError, bool]:
+        async with Stubs(stack) as stubs:
+            release = pb2.ReleaseRequest(session_id="late")
+            released = (await stubs.verifier.Release(release, metadata=owner)).released
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await stubs.verifier.Verify(request, metadata=owner)
+            await stubs.verifier.Verify(request, metadata=other)  # someone else's session "late"
+            released_other = (await stubs.verifier.Release(release, metadata=other)).released
+            return released, late.value, released_other
+
+    released, late, released_other = asyncio.run(run())
+    assert released is False and released_other is True
+    assert late.code() == grpc.StatusCode.FAILED_PRECONDITION and not needs_resync(late)
+    assert late.details() == "session_id: session 'late' was released on this replica"
+    wait_until(lambda: stack.verifier.metrics()[("specmesh_sessions", ())] == 0, what="no session held")
+
+
 # ---- wire encoding -----------------------------------------------------------------------------
 
 

@@ -32,6 +32,7 @@ import collections
 import functools
 import hashlib
 import logging
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,6 +65,15 @@ class SessionBusyError(Exception):
 
 class NotOwnerError(Exception):
     """The caller's session key is not the one the session was created with."""
+
+
+class ReleasedError(Exception):
+    """A request for a session its caller has released here: sent before the Release, it arrived
+    after it (gRPC does not order two calls), and would make the session anew."""
+
+
+RELEASED_SECONDS = 300.0  # how long a released session stays closed: past any stale call's deadline
+RELEASED_MAX = 100_000  # sessions remembered as released at most (about 10 MB)
 
 
 class RequestCancelled(Exception):
@@ -218,6 +228,8 @@ class ModelService(RpcService):
         self.slots = SessionSlots(self.forget)
         self._releasing: collections.Counter[str] = collections.Counter()  # releases not yet run
         self._owners: dict[str, bytes] = {}  # session -> hash of the key it was created with
+        # session -> (its key's hash, until when): sessions released by a caller with a key
+        self._closed: collections.OrderedDict[str, tuple[bytes, float]] = collections.OrderedDict()
         self.forward_cost: dict[int, float] = {}  # rows -> seconds, measured by `start`
 
     async def start(self) -> None:
@@ -238,6 +250,8 @@ class ModelService(RpcService):
             return grpc.StatusCode.ABORTED, str(exc), ()
         if isinstance(exc, NotOwnerError):
             return grpc.StatusCode.PERMISSION_DENIED, str(exc), ()
+        if isinstance(exc, ReleasedError):
+            return grpc.StatusCode.FAILED_PRECONDITION, str(exc), ()  # no resync: the session is over
         return super().status(method, session, exc)
 
     # ---- sessions ------------------------------------------------------------------------------
@@ -247,6 +261,8 @@ class ModelService(RpcService):
         the caller's position: how the request starts (`Resume`)."""
         session_id, position = r.session_id, r.position
         owner = self._owner(session_id, context)
+        if self._was_released(session_id, owner):
+            raise ReleasedError(f"session_id: session {session_id!r} was released on this replica")
         context_length = self.runner.max_context  # None: the model does not say
         if context_length is not None and r.committed_length > context_length:
             raise wire.WireError(
@@ -269,6 +285,22 @@ class ModelService(RpcService):
         if self._owners.get(session_id, owner) != owner:
             raise NotOwnerError("session_id: this caller's session key does not open that session")
         return owner
+
+    def _close(self, session_id: str, owner: bytes) -> None:
+        """Remember that the caller with this key released the session. Keyed callers (the
+        gateway) never use a session id again after its Release; key-less ones (tests,
+        benchmarks) may, and stay exposed to a stale call that arrives after their Release."""
+        now = time.monotonic()
+        self._closed[session_id] = (owner, now + RELEASED_SECONDS)
+        self._closed.move_to_end(session_id)
+        while self._closed and (
+            len(self._closed) > RELEASED_MAX or next(iter(self._closed.values()))[1] < now
+        ):
+            self._closed.popitem(last=False)
+
+    def _was_released(self, session_id: str, owner: bytes) -> bool:
+        closed = self._closed.get(session_id)
+        return closed is not None and closed[0] == owner and closed[1] >= time.monotonic()
 
     def _check_position(self, session_id: str, position: int) -> Resume:
         # Reading the runner from the loop is safe: this session has no work in flight.
@@ -353,9 +385,11 @@ class ModelService(RpcService):
     ) -> pb2.ReleaseResponse:
         session_id = wire.session_id_from_proto(request.session_id)
         try:
-            self._owner(session_id, context)
+            owner = self._owner(session_id, context)
         except NotOwnerError:
             return pb2.ReleaseResponse(released=False)
+        if wire.session_key(context.invocation_metadata()):
+            self._close(session_id, owner)
         held = session_id not in self._releasing and self.runner.committed_tokens(session_id) is not None
         self.slots.release(session_id)
         return pb2.ReleaseResponse(released=held)
