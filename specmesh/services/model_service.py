@@ -67,13 +67,13 @@ class NotOwnerError(Exception):
     """The caller's session key is not the one the session was created with."""
 
 
-class ReleasedError(Exception):
-    """A request for a session its caller has released here: sent before the Release, it arrived
-    after it (gRPC does not order two calls), and would make the session anew."""
+class SessionClosedError(Exception):
+    """A request for a session its caller has released here with its key: sent before the
+    Release, it arrived after it (gRPC does not order two calls), and would make the session anew."""
 
 
-RELEASED_SECONDS = 300.0  # how long a released session stays closed: past any stale call's deadline
-RELEASED_MAX = 100_000  # sessions remembered as released at most (about 10 MB)
+CLOSED_SECONDS = 300.0  # how long a released keyed session stays closed: past any late call's deadline
+CLOSED_MAX = 100_000  # closed sessions remembered at most (about 10 MB)
 
 
 class RequestCancelled(Exception):
@@ -228,7 +228,7 @@ class ModelService(RpcService):
         self.slots = SessionSlots(self.forget)
         self._releasing: collections.Counter[str] = collections.Counter()  # releases not yet run
         self._owners: dict[str, bytes] = {}  # session -> hash of the key it was created with
-        # session -> (its key's hash, until when): sessions released by a caller with a key
+        # session -> (its key's hash, until when): released with that key, closed to it
         self._closed: collections.OrderedDict[str, tuple[bytes, float]] = collections.OrderedDict()
         self.forward_cost: dict[int, float] = {}  # rows -> seconds, measured by `start`
 
@@ -250,7 +250,7 @@ class ModelService(RpcService):
             return grpc.StatusCode.ABORTED, str(exc), ()
         if isinstance(exc, NotOwnerError):
             return grpc.StatusCode.PERMISSION_DENIED, str(exc), ()
-        if isinstance(exc, ReleasedError):
+        if isinstance(exc, SessionClosedError):
             return grpc.StatusCode.FAILED_PRECONDITION, str(exc), ()  # no resync: the session is over
         return super().status(method, session, exc)
 
@@ -261,8 +261,8 @@ class ModelService(RpcService):
         the caller's position: how the request starts (`Resume`)."""
         session_id, position = r.session_id, r.position
         owner = self._owner(session_id, context)
-        if self._was_released(session_id, owner):
-            raise ReleasedError(f"session_id: session {session_id!r} was released on this replica")
+        if self._is_closed(session_id, owner):
+            raise SessionClosedError(f"session_id: session {session_id!r} was released on this replica")
         context_length = self.runner.max_context  # None: the model does not say
         if context_length is not None and r.committed_length > context_length:
             raise wire.WireError(
@@ -291,14 +291,12 @@ class ModelService(RpcService):
         gateway) never use a session id again after its Release; key-less ones (tests,
         benchmarks) may, and stay exposed to a stale call that arrives after their Release."""
         now = time.monotonic()
-        self._closed[session_id] = (owner, now + RELEASED_SECONDS)
+        self._closed[session_id] = (owner, now + CLOSED_SECONDS)
         self._closed.move_to_end(session_id)
-        while self._closed and (
-            len(self._closed) > RELEASED_MAX or next(iter(self._closed.values()))[1] < now
-        ):
+        while self._closed and (len(self._closed) > CLOSED_MAX or next(iter(self._closed.values()))[1] < now):
             self._closed.popitem(last=False)
 
-    def _was_released(self, session_id: str, owner: bytes) -> bool:
+    def _is_closed(self, session_id: str, owner: bytes) -> bool:
         closed = self._closed.get(session_id)
         return closed is not None and closed[0] == owner and closed[1] >= time.monotonic()
 
