@@ -10,6 +10,13 @@ after --max-wait-ms), so sessions that arrive together draft in lockstep, one fo
 The drafter is never told the verdict: the next Draft's new tokens say what was committed, and
 the pending nodes on that path are kept (specmesh.runtime.rounds, the same rule the in-process
 engine follows). The compaction runs on the model thread right before the root forward.
+
+Pipelined rounds (specmesh.core.ahead): a Draft with `guess_next` also runs its tree's likely leaf
+and answers the path plus the draft's guess of the next token; the caller then sends those tokens
+as a `speculative` Draft beside its Verify. A later Draft of the session cancels a speculative one
+at its next level forward (instead of ABORTED); what it had fed stays committed here, and a Draft
+whose position is below what the drafter holds keeps the longest common prefix of the two and
+feeds only the rest.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
+from specmesh.core.ahead import likely_path
 from specmesh.core.drafting import Path
 from specmesh.core.rounds import draft_round
 from specmesh.core.tree import DraftTree
@@ -66,6 +74,8 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         super().__init__(config, model, metrics)
         self._builders = ThreadPoolExecutor(config.max_batch_size, thread_name_prefix="draft")
         self._pending: dict[str, dict[Path, int]] = {}  # session -> its pending tree: path -> node
+        # session -> its speculative Draft in flight: (its cancel flag, its work)
+        self._speculative: dict[str, tuple[threading.Event, asyncio.Future]] = {}
         self._drafts = metrics.counter("specmesh_drafts", "trees drafted")
         self._per_depth = metrics.counter(
             "specmesh_draft_tokens_per_depth",
@@ -87,6 +97,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
     @rpc
     async def Draft(self, request: pb2.DraftRequest, context: grpc.aio.ServicerContext) -> pb2.DraftResponse:
         draft = wire.parse_draft_request(request, self.vocab_size, self.limits)
+        await self._supersede(draft.session_id, context)
         resume = self.begin(draft, context)
         cancelled = threading.Event()
         try:
@@ -94,40 +105,104 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         except BaseException:
             self.slots.free(draft.session_id)
             raise
+        work = asyncio.wrap_future(job)
+        if draft.speculative:
+            sid = draft.session_id
+            self._speculative[sid] = (cancelled, work)
+            work.add_done_callback(
+                lambda w: self._speculative.pop(sid) if self._speculative.get(sid, (0, 0))[1] is w else None
+            )
 
         def withdraw() -> None:
             cancelled.set()
             job.cancel()
 
-        return await self.settle(draft.session_id, resume, context, asyncio.wrap_future(job), withdraw)
+        return await self.settle(draft.session_id, resume, context, work, withdraw)
+
+    async def _supersede(self, session_id: str, context: grpc.aio.ServicerContext) -> None:
+        """Stop the session's speculative Draft, if one runs, and wait until it has stopped (at
+        most its level forward in flight)."""
+        running = self._speculative.get(session_id)
+        if running is None:
+            return
+        self._owner(session_id, context)  # only the session's own caller may cancel it
+        cancelled, work = running
+        cancelled.set()
+        await asyncio.wait({work})
+        await asyncio.sleep(0)  # settle's callback frees the session's slot
 
     def _draft(self, d: wire.DraftInput, resume: Resume, cancelled: threading.Event) -> pb2.DraftResponse:
         """In a builder thread: compact, build the tree level by level, encode it."""
         start = time.perf_counter()
         sid = d.session_id
         pending = self._pending.pop(sid, {})
-        keep = reusable_nodes(pending, d.new_tokens) if resume is Resume.CONTINUE else []
-        compact = self.reset(sid, resume, d.position) or functools.partial(self.runner.commit, sid, keep)
+        fed, compact = self._resume(d, resume, pending)
         forward = _LevelForward(self.batcher, compact, cancelled)
         nodes: dict[Path, int] = {}
         self.loop.call_soon_threadsafe(self.batcher.join)
         try:
-            next_logits = level_forwards(forward, sid, d.new_tokens[len(keep) :], nodes)
+            next_logits = level_forwards(forward, sid, d.new_tokens[fed:], nodes)
             tree = draft_round(d.spec, next_logits, d.params, d.params.seed, d.committed_length)
+            likely = _guess_next(forward, sid, tree, nodes) if d.guess_next else []
+        except RequestCancelled:
+            if not d.speculative:
+                raise
+            # Superseded: nothing ran (the pending tree stays) or what was fed stays committed
+            # (the next Draft's position rolls it back); its half-built tree is dropped.
+            self._pending[sid] = pending if forward.calls == 0 else {}
+            return pb2.DraftResponse(superseded=True)
         finally:
             self.loop.call_soon_threadsafe(self.batcher.leave)
         self._pending[sid] = nodes
-        self._record(tree, len(keep))
+        self._record(tree, fed)
         return pb2.DraftResponse(
             tree=wire.tree_to_proto(tree),
             draft_calls=forward.calls,
             draft_seconds=time.perf_counter() - start,
+            likely_token_ids=likely,
         )
+
+    def _resume(
+        self, d: wire.DraftInput, resume: Resume, pending: dict[Path, int]
+    ) -> tuple[int, Callable[[], None]]:
+        """(how many of the new tokens the drafter already holds, what runs on the model thread
+        before the first forward). CONTINUE: the pending nodes on the new tokens' path are kept.
+        ROLLBACK (a pre-draft that did not apply, DSI): the committed tokens past `position` that
+        agree with the new tokens are kept, the rest dropped. The last new token is always fed."""
+        sid = d.session_id
+        if resume is Resume.CONTINUE:
+            keep = reusable_nodes(pending, d.new_tokens)
+            return len(keep), functools.partial(self.runner.commit, sid, keep)
+        if resume is Resume.ROLLBACK:
+            held = (self.runner.committed_tokens(sid) or [])[d.position :]
+            same = 0
+            while same < min(len(held), len(d.new_tokens) - 1) and held[same] == d.new_tokens[same]:
+                same += 1
+            return same, functools.partial(self.runner.truncate, sid, d.position + same)
+        reset = self.reset(sid, resume, d.position)
+        assert reset is not None
+        return 0, reset
 
     def _record(self, tree: DraftTree, reused: int) -> None:
         self._drafts.inc()
         self._reused.inc(reused)
         count_labels(self._per_depth, tree.depths().tolist())
+
+
+def _guess_next(
+    forward: _LevelForward, session_id: str, tree: DraftTree, nodes: dict[Path, int]
+) -> list[int]:
+    """Run the tree's likely leaf (one more draft forward, kept pending like the tree's nodes) and
+    return its path's tokens plus the draft's most likely next token: what the next round's
+    pre-draft assumes. [] when the leaf already ran (its logits are gone): no pre-draft then."""
+    path = likely_path(tree)
+    tokens = tuple(tree.path(path[-1])) if path else ()
+    if not tokens or tokens in nodes:
+        return []
+    parent = nodes[tokens[:-1]] if len(tokens) > 1 else -1
+    logits = forward(Step(session_id, node_tokens=[tokens[-1]], node_parents=[parent]))
+    nodes[tokens] = len(nodes)
+    return [*tokens, int(logits[-1].argmax())]
 
 
 def run(argv: list[str] | None = None) -> None:

@@ -145,12 +145,12 @@ class DsiRun(SessionRun):
 
     async def _commit_tokens(self, emitted: list[int], stats: GenerationStats) -> Piece:
         kept, finish = self._cut(emitted)
-        now = time.perf_counter()
+        now, began = time.perf_counter(), self.since
         # drafts and verifications overlap: the wall time is the commit's, not their sum
         stats = dataclasses.replace(stats, total_seconds=now - self.since, network_seconds=0.0)
         self.since, self.failures = now, 0
         lengths = {address: len(tokens) for address, tokens in self.held.items()}
-        piece = await self._commit(kept, finish, stats, lengths)
+        piece = await self._commit(kept, finish, stats, lengths, began)
         if piece is None:  # Redis is at another round: take its tokens, speculate afresh
             piece = await self._resume_from_store()
             self._restart()

@@ -13,7 +13,11 @@ from specmesh.rpc.metrics import TIME_BUCKETS, RoundMetrics, RpcMetrics
 NS = "specmesh:"
 _ROUND_BUCKETS = (*TIME_BUCKETS, 10.0, 30.0)
 _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
-_PHASES = "time per round and phase: draft, verify (as the replicas report), network, commit (Redis)"
+_PHASES = (
+    "time per round and phase: draft, verify (as the replicas report), network, commit (Redis); "
+    "drafter_call, verifier_call (the replica calls as the gateway sees them), round (the whole round, "
+    "commit included)"
+)
 
 
 class GatewayMetrics(RpcMetrics):
@@ -46,17 +50,20 @@ class GatewayMetrics(RpcMetrics):
             f"{NS}failovers", "replica calls that failed and moved the session, by role", "role"
         )
         self.phase = h(f"{NS}round_phase_seconds", _PHASES, _ROUND_BUCKETS, "phase")
+        self.pre_drafts = self.counter(
+            f"{NS}pipelined_rounds",
+            "rounds that had a pre-draft (pipelined rounds), by outcome: hit (its tree was used), "
+            "miss (dropped)",
+            "outcome",
+        )
 
-    def observe_round(self, stats: GenerationStats, tokens: int, commit_seconds: float) -> None:
-        """One committed round: its stats delta and the tokens kept (after stop / length cuts)."""
+    def observe_round(self, stats: GenerationStats, tokens: int, phases: dict[str, float]) -> None:
+        """One committed round: its stats delta, the tokens kept (after stop / length cuts) and the
+        gateway's own timings (`phases`: commit, drafter_call, verifier_call, round)."""
         self.round_counts.observe(stats.drafted_tokens, stats.accepted_tokens)
         self.generation_tokens.inc(tokens)
-        for phase, seconds in (
-            ("draft", stats.draft_seconds),
-            ("verify", stats.verify_seconds),
-            ("network", stats.network_seconds),
-            ("commit", commit_seconds),
-        ):
+        reported = {"draft": stats.draft_seconds, "verify": stats.verify_seconds}
+        for phase, seconds in {**reported, "network": stats.network_seconds, **phases}.items():
             self.phase.labels(phase).observe(seconds)
 
 

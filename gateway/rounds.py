@@ -47,7 +47,7 @@ from gateway.retries import RetryBudget, TryTimeouts
 from gateway.session_store import SessionExists, SessionStore, StoreError
 from gateway.text import TextStream
 from specmesh.core.adaptive import PolicyMemory
-from specmesh.core.rounds import keep_emitted
+from specmesh.core.rounds import Pipelining, keep_emitted
 from specmesh.core.stats import GenerationStats
 from specmesh.rpc.proto import pb2_grpc
 from specmesh.rpc.round_client import (
@@ -103,6 +103,7 @@ class GatewayEnv:
     cleanups: set[asyncio.Task] = dataclasses.field(default_factory=set)  # outliving their request
     deferred: set[asyncio.Task] = dataclasses.field(default_factory=set)  # releases retried later
     policies: PolicyMemory = dataclasses.field(default_factory=PolicyMemory)  # adaptive sessions' warm start
+    pipeline: Pipelining = Pipelining.AUTO  # whether rounds pre-draft (specmesh.core.ahead)
     dsi_acceptance: float = 0.7  # per-token acceptance of finished DSI sessions, decayed (the prior: 0.7)
     # DSI verifications' time over the verifier's start-up cost for their rows, decayed, with the
     # drafter working ahead (True) and not (False): their ratio is what drafting beside costs
@@ -149,7 +150,9 @@ class SessionRun:
         self.key = secrets.token_hex(16)  # the replicas serve this session only to callers with it
         self.roles = (Role.DRAFTER, Role.VERIFIER) if plan.spec.method.drafts else (Role.VERIFIER,)
         policy = env.policies.new_policy(plan.spec, plan.params, forward_cost) if plan.adaptive else None
-        self.client = RoundClient(self.id, plan.params, plan.spec, policy=policy, key=self.key)
+        self.client = RoundClient(
+            self.id, plan.params, plan.spec, policy=policy, key=self.key, pipelining=env.pipeline
+        )
         self.tokens = list(plan.prompt_ids)  # committed, as in Redis
         self.round = 0
         self.stats = GenerationStats()
@@ -158,6 +161,8 @@ class SessionRun:
         self.lengths: dict[str, int] = {}  # replica address -> committed tokens it holds
         self.touched: set[tuple[Role, str]] = set()  # (role, address): where to release
         self.created = False
+        # the round running beside the last commit: (the token count it runs after, its task)
+        self._next: tuple[int, asyncio.Future] | None = None
 
     @property
     def finished(self) -> bool:
@@ -213,6 +218,8 @@ class SessionRun:
 
     async def _cleanup(self) -> None:
         self.env.metrics.running.dec()
+        await self._drop_round()  # before the releases: its calls must not reach a replica after them
+        self.client.close()
         if self.client.policy is not None:
             self.env.policies.remember(self.client.policy, self.plan.params)
         touched = sorted(self.touched)
@@ -241,12 +248,19 @@ class SessionRun:
 
     async def _step(self) -> Piece:
         for _ in range(self.env.max_attempts):
-            result = await self._run_round()
+            start, result = await self._take_round()
             kept, finish = self._cut(result.tokens)
             lengths = {self.addresses[role]: result.held[role] for role in self.roles}
-            piece = await self._commit(kept, finish, result.stats, lengths)
+            if finish is None:  # the next round need not wait for Redis (docs/decisions.md)
+                self._start_round([*self.tokens, *kept])
+            try:
+                piece = await self._commit(kept, finish, result.stats, lengths, start, result)
+            except BaseException:
+                await self._drop_round()
+                raise
             if piece is not None:
                 return piece
+            await self._drop_round()
             # Stale: Redis is at another round (only possible if an earlier commit that seemed to
             # fail went through). Its tokens are the truth; the replicas resync to them.
             piece = await self._resume_from_store()
@@ -257,10 +271,17 @@ class SessionRun:
         )
 
     async def _commit(
-        self, kept: list[int], finish: str | None, stats: GenerationStats, lengths: dict[str, int]
+        self,
+        kept: list[int],
+        finish: str | None,
+        stats: GenerationStats,
+        lengths: dict[str, int],
+        began: float,
+        result: RoundResult | None = None,
     ) -> Piece | None:
         """Commit one round's tokens to Redis: what the client gets, or None if Redis is at another
-        round."""
+        round. began: when the round started (perf_counter), result: the round's calls, for the
+        round's metrics."""
         start = time.perf_counter()
         with _tracer.start_as_current_span("commit", attributes={"tokens": len(kept)}):
             committed = await self.env.store.commit_round(
@@ -268,7 +289,13 @@ class SessionRun:
             )
         if not committed:
             return None
-        self.env.metrics.observe_round(stats, len(kept), time.perf_counter() - start)
+        end = time.perf_counter()
+        calls = {f"{role}_call": t for role, t in (result.call_seconds if result else {}).items()}
+        self.env.metrics.observe_round(
+            stats, len(kept), {"commit": end - start, "round": end - began, **calls}
+        )
+        if result is not None and result.pre_draft_hit is not None:
+            self.env.metrics.pre_drafts.labels("hit" if result.pre_draft_hit else "miss").inc()
         self.tokens += kept
         self.round += 1
         self.stats += stats
@@ -303,13 +330,42 @@ class SessionRun:
         self.finish_reason = session.finish_reason
         return Piece(new, self.text.push(new, final=self.finished), self.finish_reason)
 
-    async def _run_round(self) -> RoundResult:
+    def _start_round(self, tokens: list[int]) -> None:
+        """Run the round after `tokens` (this round's tokens, not committed yet) beside the commit."""
+        self._next = (len(tokens), asyncio.ensure_future(self._timed_round(tokens)))
+
+    async def _take_round(self) -> tuple[float, RoundResult]:
+        """(when it started, the round after the committed tokens): the one started beside the
+        last commit if it ran after exactly these tokens, else a new one."""
+        if self._next is not None:
+            length, task = self._next
+            self._next = None
+            if length == len(self.tokens):
+                return await task
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return await self._timed_round(self.tokens)
+
+    async def _drop_round(self) -> None:
+        """Cancel a round started beside a commit that failed or found another round in Redis
+        (its replica calls are cancelled with it)."""
+        if self._next is not None:
+            task = self._next[1]
+            self._next = None
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _timed_round(self, tokens: list[int]) -> tuple[float, RoundResult]:
+        start = time.perf_counter()
+        return start, await self._run_round(tokens)
+
+    async def _run_round(self, tokens: list[int]) -> RoundResult:
         failure: ReplicaFailure | None = None
         self.env.retries.round_started()
         for _ in range(self.env.max_attempts):
             placement = await self._place()
             try:
-                result = await self.client.round(self.tokens, placement)
+                result = await self.client.round(tokens, placement)
             except ReplicaFailure as exc:
                 self._remember_lengths(exc.held)
                 failure = exc

@@ -40,6 +40,7 @@ from specmesh.core.adaptive import ForwardCost
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.dsi import Shape, choose_shape
 from specmesh.core.methods import Method
+from specmesh.core.rounds import Pipelining
 from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.server import (
     RpcService,
@@ -81,6 +82,7 @@ class GatewayConfig(ServerConfig):
     retry_budget: float
     health_interval: float
     dsi_max_parallel: int
+    pipeline: str
     http_port: int
     served_model_name: str
     max_concurrent_requests: int
@@ -103,6 +105,7 @@ class GatewayConfig(ServerConfig):
     def check(self) -> None:
         super().check()
         self.replica_tls()
+        Pipelining.parse(self.pipeline)
 
 
 _FLAGS: dict[str, tuple[type, str]] = {
@@ -146,6 +149,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
         "seconds between health checks of the replicas (also the cooldown after a failure)",
     ),
     "dsi_max_parallel": (int, "DSI: the most verifications of one session in flight at once"),
+    "pipeline": (
+        str,
+        "pipelined rounds: the drafter drafts round r+1 on the likely path while round r is verified. "
+        "auto: when the measured costs and acceptance say it pays; on: always; off: serial rounds",
+    ),
     "http_port": (int, "port of the OpenAI-compatible HTTP API, /health and /metrics (0 = off)"),
     "served_model_name": (str, "the model name of the HTTP API (empty: the verifier's model id)"),
     "max_concurrent_requests": (
@@ -193,6 +201,7 @@ DEFAULTS: dict[str, Any] = {
     "retry_budget": 0.2,
     "health_interval": 1.0,
     "dsi_max_parallel": 4,
+    "pipeline": "auto",
     "http_port": 8000,
     "served_model_name": "",
     "max_concurrent_requests": 0,
@@ -256,6 +265,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             round_timeout=config.round_timeout,
             max_attempts=config.max_attempts,
             retries=RetryBudget(ratio=config.retry_budget),
+            pipeline=Pipelining.parse(config.pipeline),
         )
         self.model: ServedModel | None = None
         self._not_ready = "waiting for a healthy verifier to learn the model"

@@ -112,6 +112,28 @@ def _bench_dsi_stack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_mesh(args: argparse.Namespace) -> int:
+    from specmesh.bench.mesh import MeshBenchConfig, bench_mesh, markdown, plot, write
+
+    cfg = MeshBenchConfig(
+        draft_ms=args.draft_ms,
+        draft_ms_per_row=args.draft_ms_per_row,
+        target_ms=args.target_ms,
+        target_ms_per_row=args.target_ms_per_row,
+        sessions=tuple(args.sessions),
+        shapes=tuple(args.shapes),
+        max_new_tokens=args.max_new_tokens,
+        noise=args.noise,
+        pipeline=tuple(args.pipeline),
+    )
+    rows = bench_mesh(cfg)
+    write(rows, cfg, args.json, args.markdown)
+    if args.plot:
+        plot(rows, args.plot)
+    print(markdown(rows, cfg))
+    return 0
+
+
 def _bench_chaos(args: argparse.Namespace) -> int:
     from specmesh.bench.chaos import ChaosConfig, bench_chaos, write
 
@@ -560,6 +582,34 @@ def build_parser() -> argparse.ArgumentParser:
     dsi_stack.add_argument("--json", help="write the rows here")
     dsi_stack.add_argument("--markdown", help="write the table here")
     dsi_stack.set_defaults(func=_bench_dsi_stack)
+
+    mesh = bench.add_parser(
+        "mesh",
+        help="what a round through the mesh costs beyond its forwards: tiny models with GPU-like "
+        "forward costs, against the cost model's ideal wall (docs/benchmarks/mesh.md)",
+    )
+    mesh.add_argument("--draft-ms", type=float, default=4.0, help="drafter forward: fixed part (ms)")
+    mesh.add_argument("--draft-ms-per-row", type=float, default=0.05, help="drafter forward: per row (ms)")
+    mesh.add_argument("--target-ms", type=float, default=16.0, help="verifier forward: fixed part (ms)")
+    mesh.add_argument("--target-ms-per-row", type=float, default=0.1, help="verifier forward: per row (ms)")
+    mesh.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 32], help="concurrent sessions")
+    mesh.add_argument(
+        "--shapes", nargs="+", default=["none", "chain 4", "rsd_s 2x4", "dsi 4x4"],
+        help="among: none, 'chain 4', 'rsd_s 2x4', 'dsi 4x4'",
+    )  # fmt: skip
+    mesh.add_argument("--max-new-tokens", type=int, default=64)
+    mesh.add_argument(
+        "--noise", type=float, default=None,
+        help="the draft is the target plus this much noise (default: the target drafts for itself, "
+        "acceptance 1)",
+    )  # fmt: skip
+    mesh.add_argument(
+        "--pipeline", nargs="+", default=["off", "auto"], help="the gateway's --pipeline, one stack each"
+    )
+    mesh.add_argument("--json", help="write the rows here")
+    mesh.add_argument("--markdown", help="write the table here")
+    mesh.add_argument("--plot", help="write a PNG here")
+    mesh.set_defaults(func=_bench_mesh)
 
     chaos = bench.add_parser(
         "chaos",

@@ -78,6 +78,9 @@ def stack(models, tmp_path_factory) -> Iterator[Stack]:
             # tests/test_redis_restart.py)
             *("--redis-reconnect-seconds", "2"),
             "--reflection",  # for grpcurl (off by default)
+            # every round pre-drafts the next (auto would decide from costs): every test here,
+            # failovers included, runs pipelined rounds; the services' tests run them both ways
+            *("--pipeline", "on"),
         ]
         gateway = Server("gateway", args, logs / "gateway.log")
         servers = [*drafters, verifier, gateway]
@@ -199,6 +202,17 @@ def test_greedy_through_the_gateway_equals_the_engine_and_the_targets_greedy_dec
         assert stats.block_efficiency == 1.0 and stats.drafted_tokens == 0
     else:
         assert stats.block_efficiency > 1.0 and stats.accepted_tokens > 0 and stats.draft_seconds > 0
+
+
+def test_pre_drafts_that_do_not_apply_are_dropped_and_change_no_token(stack, stub, target_greedy) -> None:
+    """The tiny draft is a noisy copy of the target: most pre-drafts assume a verdict that does
+    not come (the services' tests show ones that apply, on a self-drafting pair). One-level trees,
+    so that the likely path is accepted often; the output stays the target's greedy decode."""
+    misses = gateway_metric(stack, "specmesh:pipelined_rounds_total", outcome="miss")
+    for spec in (TreeSpec("chain", depth=1), TreeSpec("rsd_c", depth=1, branching=(3,))):
+        response = stub.Generate(make_request(spec, max_new_tokens=LONG), timeout=60)
+        assert list(response.token_ids) == target_greedy[:LONG], spec
+    assert gateway_metric(stack, "specmesh:pipelined_rounds_total", outcome="miss") > misses
 
 
 @pytest.mark.parametrize("method", ["chain", "rsd_s"])

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from specmesh.core.rounds import Request
+from specmesh.core.rounds import Pipelining, Request
 from specmesh.core.sampling import SamplingParams, warp
 from specmesh.core.stats import GenerationResult
 from specmesh.core.tree import DraftTree, SamplingMode
@@ -111,9 +111,9 @@ class Stubs:
             await channel.close()
 
 
-def remote(s: Stack, r: Request) -> GenerationResult:
+def remote(s: Stack, r: Request, pipelining: Pipelining = Pipelining.OFF) -> GenerationResult:
     args = (r.prompt_ids, r.spec, r.params, r.max_new_tokens, r.stop_token_ids)
-    return asyncio.run(generate_remote(s.drafter.address, s.verifier.address, *args))
+    return asyncio.run(generate_remote(s.drafter.address, s.verifier.address, *args, pipelining=pipelining))
 
 
 def batches_above_one(server: Server) -> float:
@@ -178,11 +178,52 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("pipelining", [Pipelining.OFF, Pipelining.ON])
 @pytest.mark.parametrize("case", list(CASES))
-def test_services_equal_the_in_process_engine(stack, reference, case: str) -> None:
+def test_services_equal_the_in_process_engine(stack, reference, case: str, pipelining: Pipelining) -> None:
+    """Pipelined rounds (a pre-draft beside every Verify) give the same tokens and rounds; only
+    the draft forwards differ (each tree's likely leaf runs too)."""
     method, params = CASES[case]
     request = Request(PROMPT, SPECS[method], params, 16)
-    assert_same_generation(remote(stack, request), reference(request))
+    got, want = remote(stack, request, pipelining), reference(request)
+    if pipelining is Pipelining.OFF:
+        assert_same_generation(got, want)
+    else:
+        assert got.token_ids == want.token_ids
+        assert (got.stats.rounds, got.stats.accepted_tokens) == (
+            want.stats.rounds,
+            want.stats.accepted_tokens,
+        )
+
+
+@pytest.fixture(scope="module")
+def self_drafting(models, tmp_path_factory) -> Iterator[Stack]:
+    """The target drafts for itself: greedy pre-drafts always apply, sampled ones often do."""
+    logs = tmp_path_factory.mktemp("self-drafting")
+    s = Stack(
+        replica("drafter_service", models["target"], logs / "drafter.log", LIMIT_FLAGS),
+        replica("verifier_service", models["target"], logs / "verifier.log", LIMIT_FLAGS),
+    )
+    with running(s):
+        yield s
+
+
+def test_pre_drafts_that_apply_are_used_and_the_tokens_are_the_serial_ones(self_drafting, reference) -> None:
+    async def run(request: Request, pipelining: Pipelining) -> RemoteSession:
+        async with Stubs(self_drafting) as stubs:
+            session = RemoteSession(stubs.drafter, stubs.verifier, request, pipelining=pipelining)
+            await session.run()
+            await session.release()
+            return session
+
+    greedy = Request(PROMPT, SPECS["chain"], GREEDY, 40)
+    piped = asyncio.run(run(greedy, Pipelining.ON))
+    assert piped.generated == reference(greedy).token_ids  # the target's greedy decode
+    assert piped.pre_drafts == {None: 1, True: piped.stats.rounds - 1}  # every later tree pre-drafted
+    sampled = Request(PROMPT, SPECS["chain"], SamplingParams(0.5, seed=1), 40)
+    piped, serial = asyncio.run(run(sampled, Pipelining.ON)), asyncio.run(run(sampled, Pipelining.OFF))
+    assert piped.generated == serial.generated
+    assert piped.pre_drafts[True] > 0 and piped.pre_drafts[False] > 0  # the guessed token can miss
 
 
 def test_concurrent_sessions_equal_sequential_ones_and_share_forwards(stack, reference) -> None:
@@ -371,8 +412,10 @@ async def refused_after_sigterm(stub: pb2_grpc.VerifierStub) -> grpc.aio.AioRpcE
 
 
 def test_busy_session_is_aborted_and_sigterm_lets_in_flight_work_finish(models, tmp_path) -> None:
-    # A 3 s batching window keeps a lone Verify in flight long enough to overlap with the rest.
-    verifier = replica("verifier_service", models["target"], tmp_path / "slow.log", ["--max-wait-ms", "3000"])
+    # A 3 s forward keeps a lone Verify in flight long enough to overlap with the rest (a lone
+    # Verify does not wait in the batcher: nothing could join it).
+    flags = ["--forward-latency-ms", "3000"]
+    verifier = replica("verifier_service", models["target"], tmp_path / "slow.log", flags)
     start_all(verifier)
     request = wire.verify_request("slow", 0, PROMPT, GREEDY, None)
 
@@ -393,7 +436,8 @@ def test_busy_session_is_aborted_and_sigterm_lets_in_flight_work_finish(models, 
     finally:
         verifier.stop()
     assert busy.code() == grpc.StatusCode.ABORTED and busy.details().startswith("session_id: ")
-    assert finished.batch_size == 1 and finished.queue_seconds > 2.0  # it finished after the SIGTERM
+    assert finished.batch_size == 1 and finished.queue_seconds < 0.5  # it went to the model at once
+    assert finished.forward_seconds > 2.0  # and finished after the SIGTERM
     assert finished.batch_tokens == len(PROMPT)  # the rows of its forward: the prompt, no tree
     # gRPC core refuses calls that arrive during shutdown as UNAVAILABLE or, on a live connection, CANCELLED
     assert refused.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)

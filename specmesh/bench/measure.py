@@ -166,6 +166,8 @@ async def run_gateway(
         seconds=wall,
         block_efficiency=sum(s.block_efficiency * s.target_calls for s in stats) / rounds if rounds else None,
         target_calls=rounds,
+        drafted_tokens=sum(s.drafted_tokens for s in stats),
+        draft_calls=sum(s.draft_calls for s in stats),
         draft_seconds=sum(s.draft_seconds for s in stats),
         verify_seconds=sum(s.verify_seconds for s in stats),
         network_seconds=sum(s.network_seconds for s in stats),

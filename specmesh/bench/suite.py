@@ -275,12 +275,21 @@ def running_stack(cfg: SuiteConfig, draft_dtype: str | None) -> Iterator[str]:
 def running_up(flags: Sequence[str], name: str, probe: str) -> Iterator[str]:
     """`specmesh up --no-demo <flags>` in a child process; yields the gateway address once a
     one-token request for `probe` succeeds."""
+    with running_stack_plan(flags, name, probe) as (address, _):
+        yield address
+
+
+@contextlib.contextmanager
+def running_stack_plan(flags: Sequence[str], name: str, probe: str) -> Iterator[tuple[str, dict[str, str]]]:
+    """`running_up`, yielding (the gateway address, child name -> its /metrics host:port)."""
     import grpc
 
     from specmesh.rpc.proto import load
 
     port = free_port()
     argv = [sys.executable, "-m", "specmesh.cli", "up", "--no-demo", "--port", str(port), *flags]
+    if "--http-port" not in flags:  # the HTTP API (and the gateway's /metrics) on a free port, not 8000
+        argv += ["--http-port", str(free_port())]
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in the finally below)
         "w", prefix=f"specmesh-stack-{name}-", suffix=".log", delete=False
     )
@@ -301,7 +310,12 @@ def running_up(flags: Sequence[str], name: str, probe: str) -> Iterator[str]:
                     if time.monotonic() > deadline:
                         raise
             time.sleep(2)
-        yield address
+        metrics = {}
+        for line in Path(log.name).read_text().splitlines():
+            if line.startswith("--- metrics of "):
+                name_, _, url = line.removeprefix("--- metrics of ").partition(": ")
+                metrics[name_] = url.split("://", 1)[-1].removesuffix("/metrics")
+        yield address, metrics
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGTERM)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
@@ -37,6 +38,25 @@ class Request:
             raise ValueError("prompt_ids must not be empty")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+class Pipelining(StrEnum):
+    """Whether round r+1 is drafted while round r is verified (specmesh.core.ahead)."""
+
+    OFF = "off"  # serial rounds: draft, then verify
+    AUTO = "auto"  # when the measured costs and acceptance say it pays
+    ON = "on"  # every round (benchmarks, tests)
+
+    @classmethod
+    def parse(cls, value: str) -> Pipelining:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"--pipeline must be one of {', '.join(cls)}; got {value!r}") from None
+
+    @property
+    def enabled(self) -> bool:
+        return self is not Pipelining.OFF
 
 
 def session_seed(params: SamplingParams) -> int:

@@ -24,6 +24,9 @@ class RpcMetrics:
         self.requests = self.counter(
             "specmesh_requests", "RPCs answered, by method and status code", "method", "code"
         )
+        self.handler_time = self.histogram(
+            "specmesh_rpc_handler_seconds", "time inside an RPC's handler, by method", TIME_BUCKETS, "method"
+        )
 
     def counter(self, name: str, doc: str, *labels: str) -> Counter:
         return Counter(name, doc, labels, registry=self.registry)

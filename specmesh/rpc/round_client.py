@@ -16,6 +16,7 @@ session's full token list with position 0, once per call. Other errors are raise
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import time
 import uuid
@@ -28,8 +29,9 @@ import grpc
 import torch
 
 from specmesh.core.adaptive import AdaptivePolicy, Load
+from specmesh.core.ahead import PipelinePolicy, PreDraft
 from specmesh.core.drafting import TreeSpec
-from specmesh.core.rounds import Request, keep_emitted, session_seed
+from specmesh.core.rounds import Pipelining, Request, keep_emitted, session_seed
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.stats import GenerationResult, GenerationStats
 from specmesh.core.tree import tree_depths
@@ -85,6 +87,8 @@ class RoundResult:
     stats: GenerationStats  # this round's delta
     held: dict[Role, int]  # committed tokens each replica holds after the round
     resyncs: int  # replicas that answered "resync" and were sent everything
+    call_seconds: dict[Role, float] = field(default_factory=dict)  # what the round waited for each role
+    pre_draft_hit: bool | None = None  # a pre-draft was judged: it applied (True) or was dropped
 
     @property
     def tokens(self) -> list[int]:
@@ -120,31 +124,59 @@ class RoundClient:
         *,
         policy: AdaptivePolicy | None = None,
         key: str = "",
+        pipelining: Pipelining = Pipelining.OFF,
     ) -> None:
         """params: with the session's seed fixed. policy: adaptive speculation; `spec` is then only
         its family and first depth. key: the session's secret, sent with every call (replicas
-        serve the session only to callers that send it)."""
+        serve the session only to callers that send it). pipelining: whether rounds pre-draft."""
         self.id, self.params, self.spec, self.policy = session_id, params, spec, policy
         self.metadata = wire.session_metadata(key)
+        self.pipeline = PipelinePolicy(pipelining)
+        self._ahead: _Ahead | None = None  # the next round's pre-draft, in flight or done
 
     async def round(self, tokens: Sequence[int], placement: Placement) -> RoundResult:
         """Draft and verify after the committed `tokens`; commits nothing on the caller's side.
 
-        Stats: draft_seconds and verify_seconds are what the services report (tree build time,
+        Pipelined (specmesh.core.ahead): the tree may come from the pre-draft the previous round
+        sent beside its Verify, if it assumed exactly these tokens; this round may send the next
+        one. Stats: draft_seconds and verify_seconds are what the services report (tree build time,
         batched forward time), total_seconds the round's wall time; the rest is network."""
         start = time.perf_counter()
         spec = self.policy.next_spec() if self.policy else self.spec
         call = _Calls(placement, len(tokens), self.metadata)
-        drafted = None
+        ahead, self._ahead = self._ahead, None
+        drafted, hit, serial_draft = None, None, None
         if spec.method.drafts:
             if placement.drafter is None:
                 raise ValueError(f"method {spec.method!r} needs a drafter")
-            make_draft = functools.partial(self._draft_request, tokens, spec)
-            drafted = await call(Role.DRAFTER, placement.drafter.Draft, make_draft, spec.depth)
+            if ahead is not None:
+                drafted = await ahead.take(tokens, spec, placement)
+                hit = drafted is not None
+            if drafted is not None:
+                call.took(Role.DRAFTER, time.perf_counter() - start)  # the wait for the pre-draft
+            else:
+                make_draft = functools.partial(self._draft_request, tokens, spec, self.pipeline.wants())
+                drafted = await call(Role.DRAFTER, placement.drafter.Draft, make_draft, spec.depth)
+                serial_draft = call.seconds[Role.DRAFTER]
+            if drafted.likely_token_ids and (hit is None or self.pipeline.wants()):
+                self._ahead = self._pre_draft(tokens, spec, placement, drafted.likely_token_ids)
         tree = drafted.tree if drafted is not None else None
         make_verify = functools.partial(self._verify_request, tokens, tree)
         nodes = len(tree.tokens) if tree is not None else 0
-        verified = await call(Role.VERIFIER, placement.verifier.Verify, make_verify, nodes)
+        try:
+            verified = await call(Role.VERIFIER, placement.verifier.Verify, make_verify, nodes)
+        except BaseException:
+            if self._ahead is not None:  # the round is redone from the committed tokens
+                self._ahead.cancel()
+                self._ahead = None
+            raise
+        self.pipeline.observe(
+            verify=call.seconds[Role.VERIFIER],
+            beside=self._ahead is not None,
+            draft=serial_draft,
+            levels=drafted.draft_calls if serial_draft is not None else 0,
+            hit=hit,
+        )
         verdict = wire.verdict_from_proto(verified)
         call.held[Role.VERIFIER] += len(verdict.accepted_tokens)  # it committed the accepted path itself
         stats = GenerationStats.for_round(
@@ -160,15 +192,73 @@ class RoundClient:
             # batch_tokens 0: a replica that does not say; the policy then counts this session alone
             load = Load(verified.batch_size, verified.batch_tokens) if verified.batch_tokens else None
             self.policy.observe(spec, stats, load)
-        return RoundResult(verdict, stats, dict(call.held), call.resyncs)
+        return RoundResult(verdict, stats, dict(call.held), call.resyncs, dict(call.seconds), hit)
 
-    def _draft_request(self, tokens: Sequence[int], spec: TreeSpec, position: int) -> pb2.DraftRequest:
-        return wire.draft_request(self.id, position, list(tokens[position:]), self.params, spec)
+    def _draft_request(
+        self, tokens: Sequence[int], spec: TreeSpec, guess_next: bool, position: int
+    ) -> pb2.DraftRequest:
+        return wire.draft_request(
+            self.id, position, list(tokens[position:]), self.params, spec, guess_next=guess_next
+        )
+
+    def _pre_draft(
+        self, tokens: Sequence[int], spec: TreeSpec, placement: Placement, likely: Sequence[int]
+    ) -> _Ahead:
+        """Send the next round's Draft now, assuming its committed tokens will be `likely` more."""
+        assert placement.drafter is not None
+        request = wire.draft_request(
+            self.id, len(tokens), list(likely), self.params, spec, guess_next=True, speculative=True
+        )
+        call = placement.drafter.Draft(request, timeout=placement.timeout, metadata=self.metadata)
+        return _Ahead(PreDraft(len(tokens), tuple(likely)), spec, asyncio.ensure_future(call))
+
+    def close(self) -> None:
+        """Drop a pre-draft in flight (the session ends)."""
+        if self._ahead is not None:
+            self._ahead.cancel()
+            self._ahead = None
 
     def _verify_request(
         self, tokens: Sequence[int], tree: pb2.DraftTree | None, position: int
     ) -> pb2.VerifyRequest:
         return wire.verify_request(self.id, position, list(tokens[position:]), self.params, tree)
+
+
+@dataclass
+class _Ahead:
+    """A pre-draft in flight: what it assumes, its shape, its call."""
+
+    pre: PreDraft
+    spec: TreeSpec
+    call: asyncio.Future
+
+    async def take(self, tokens: Sequence[int], spec: TreeSpec, placement: Placement) -> Any:
+        """Its DraftResponse if it applies to this round (the committed tokens it assumed, the
+        same shape, the drafter still holding what it was sent on), else None, cancelled. A
+        pre-draft that fails or runs past the per-try timeout is None too: the round's own Draft
+        then meets the replica's trouble with the usual retries."""
+        held = placement.held.get(Role.DRAFTER, 0)
+        if spec != self.spec or held != self.pre.base or not self.pre.applies(tokens):
+            self.cancel()
+            return None
+        period = placement.per_try(Role.DRAFTER, 1, spec.depth) if placement.per_try else None
+        done, _ = await asyncio.wait({self.call}, timeout=period)
+        if not done or self.call.cancelled() or self.call.exception() is not None:
+            self.cancel()
+            return None
+        response = self.call.result()
+        return None if response.superseded else response
+
+    def cancel(self) -> None:
+        """Cancel the call (the drafter stops it at its next level; a real Draft supersedes it)."""
+        self.call.cancel()
+        self.call.add_done_callback(_retrieve)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Read a dropped call's outcome, so that asyncio does not log it as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 class _Calls:
@@ -179,6 +269,7 @@ class _Calls:
         self.timeout, self.per_try, self.spare = placement.timeout, placement.per_try, placement.spare
         self.committed, self.resyncs = committed, 0
         self.metadata = metadata
+        self.seconds: dict[Role, float] = {}
 
     async def __call__(
         self, role: Role, method: Callable[..., Awaitable[Any]], make: Callable[[int], Any], work: int
@@ -190,6 +281,7 @@ class _Calls:
         session there: new_token_ids may not be empty, they produce the root distribution."""
         held = self.held[role]
         position = held if held < self.committed else 0
+        start = time.perf_counter()
         try:
             try:
                 response = await self._try(role, method, make(position), position, work)
@@ -203,7 +295,14 @@ class _Calls:
         except grpc.aio.AioRpcError as error:
             raise ReplicaFailure(role, error, self.held) from error
         self.held[role] = self.committed
+        self.took(role, time.perf_counter() - start)
         return response
+
+    def took(self, role: Role, seconds: float) -> None:
+        """The round waited this long for `role` (for a pre-draft: the drafter holds the round's
+        committed tokens, it fed them)."""
+        self.held[role] = self.committed
+        self.seconds[role] = seconds
 
     async def _try(
         self, role: Role, method: Callable[..., Any], request: Any, position: int, work: int
@@ -264,15 +363,19 @@ class RemoteSession:
         *,
         session_id: str | None = None,
         timeout: float | None = 60.0,
+        pipelining: Pipelining = Pipelining.OFF,
     ) -> None:
         if drafter is None and request.spec.method.drafts:
             raise ValueError(f"method {request.spec.method!r} needs a drafter")
         params = replace(request.params, seed=session_seed(request.params))
         policy = AdaptivePolicy(request.spec) if request.adaptive else None
-        self.client = RoundClient(session_id or uuid.uuid4().hex, params, request.spec, policy=policy)
+        self.client = RoundClient(
+            session_id or uuid.uuid4().hex, params, request.spec, policy=policy, pipelining=pipelining
+        )
         self.drafter, self.verifier, self.timeout = drafter, verifier, timeout
         self.held: dict[Role, int] = {}
         self.resyncs = 0
+        self.pre_drafts: collections.Counter[bool | None] = collections.Counter()  # rounds by pre-draft hit
         self.request = request
         self.tokens = [int(t) for t in request.prompt_ids]  # committed: prompt + generated
         self.generated: list[int] = []
@@ -300,6 +403,7 @@ class RemoteSession:
             self.held = failure.held
             raise failure.error from None
         self.held, self.resyncs = result.held, self.resyncs + result.resyncs
+        self.pre_drafts[result.pre_draft_hit] += 1
         self.stats += result.stats
         r = self.request
         emitted, self.finish_reason = keep_emitted(
@@ -316,6 +420,7 @@ class RemoteSession:
 
     async def release(self) -> None:
         """Free the session's KV on both replicas (best effort: a replica may be gone)."""
+        self.client.close()
         for stub in (self.drafter, self.verifier):
             if stub is not None:
                 await release_session(stub, self.id, self.timeout)
@@ -329,6 +434,7 @@ async def generate_remote(
     params: SamplingParams,
     max_new_tokens: int,
     stop_token_ids: Sequence[int] = (),
+    pipelining: Pipelining = Pipelining.OFF,
 ) -> GenerationResult:
     """One whole generation over gRPC; the session is released on both replicas afterwards."""
     request = Request(prompt_ids, spec, params, max_new_tokens, tuple(stop_token_ids))
@@ -336,7 +442,8 @@ async def generate_remote(
     drafter_channel = open_channel(drafter_address) if drafter_address else None
     try:
         drafter = pb2_grpc.DrafterStub(drafter_channel) if drafter_channel else None
-        session = RemoteSession(drafter, pb2_grpc.VerifierStub(verifier_channel), request)
+        verifier = pb2_grpc.VerifierStub(verifier_channel)
+        session = RemoteSession(drafter, verifier, request, pipelining=pipelining)
         try:
             return await session.run()
         finally:

@@ -149,7 +149,7 @@ def parse_flags(
     config = cls(**vars(parser.parse_args(argv)))
     try:
         config.check()
-    except TlsError as exc:
+    except (TlsError, ValueError) as exc:
         parser.error(str(exc))
     checks = [(at_least_one, lambda v: v >= 1, ">= 1"), (positive, lambda v: v > 0, "> 0")]
     checks.append((non_negative, lambda v: v >= 0, ">= 0"))
@@ -251,12 +251,9 @@ class RpcService:
         self, method: str, session: str, code: grpc.StatusCode, start: float, details: str = ""
     ) -> None:
         self.metrics.requests.labels(method, code.name).inc()
-        extra = {
-            "method": method,
-            "session": session,
-            "code": code.name,
-            "ms": (time.perf_counter() - start) * 1e3,
-        }
+        seconds = time.perf_counter() - start
+        self.metrics.handler_time.labels(method).observe(seconds)
+        extra = {"method": method, "session": session, "code": code.name, "ms": seconds * 1e3}
         if details:
             extra["details"] = details
         log.log(logging.INFO if details else logging.DEBUG, "rpc", extra=extra)

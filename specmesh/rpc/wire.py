@@ -289,6 +289,8 @@ class RoundInput:
 @dataclass(frozen=True)
 class DraftInput(RoundInput):
     spec: TreeSpec
+    guess_next: bool = False  # also run the likely path's leaf: the next round's pre-draft
+    speculative: bool = False  # a pre-draft: a later Draft of the session supersedes it
 
 
 @dataclass(frozen=True)
@@ -325,7 +327,12 @@ def _round_fields(req: pb2.DraftRequest | pb2.VerifyRequest, vocab_size: int) ->
 
 
 def parse_draft_request(req: pb2.DraftRequest, vocab_size: int, limits: Limits) -> DraftInput:
-    return DraftInput(**_round_fields(req, vocab_size), spec=tree_spec_from_proto(req.tree_spec, limits))
+    return DraftInput(
+        **_round_fields(req, vocab_size),
+        spec=tree_spec_from_proto(req.tree_spec, limits),
+        guess_next=req.guess_next,
+        speculative=req.speculative,
+    )
 
 
 def parse_verify_request(req: pb2.VerifyRequest, vocab_size: int, limits: Limits) -> VerifyInput:
@@ -349,10 +356,13 @@ def _round_message(session_id: str, position: int, new_tokens: list[int], params
 
 
 def draft_request(
-    session_id: str, position: int, new_tokens: list[int], params: SamplingParams, spec: TreeSpec
-) -> pb2.DraftRequest:
+    session_id: str, position: int, new_tokens: list[int], params: SamplingParams, spec: TreeSpec,
+    *, guess_next: bool = False, speculative: bool = False,
+) -> pb2.DraftRequest:  # fmt: skip
     fields = _round_message(session_id, position, new_tokens, params)
-    return pb2.DraftRequest(**fields, tree_spec=tree_spec_to_proto(spec))
+    return pb2.DraftRequest(
+        **fields, tree_spec=tree_spec_to_proto(spec), guess_next=guess_next, speculative=speculative
+    )
 
 
 def verify_request(

@@ -1,12 +1,16 @@
 """Dynamic batching of model steps: concurrent requests' steps become one runner forward.
 
-Steps of concurrent requests queue up; when the model is idle a batch is dispatched as soon as it
-is full (--max-batch-size sessions or --max-batch-tokens tokens), every registered participant has
-a step queued (the drafter: all running tree builders have asked for their next level), or the
-oldest step has waited --max-wait-ms. While a forward runs, new steps accumulate, so under load
-batches form without any waiting. A step that does not fit waits for the next batch, in arrival
-order. Every forward runs on ONE model thread, so the runner never sees two calls at once and the
-event loop never blocks on the model.
+Continuous batching: when the model is free it takes what is queued, at once, unless a step is
+known to be coming: a registered participant (the drafter's running tree builders) that has not
+asked for its next level yet, or (the verifier, `returning`) a session of the last forward that has
+not come back and was not released: sessions in step come back together, and the first one must
+not go alone and leave the others a whole forward behind. Then it waits for them, at most
+--max-wait-ms, or until the batch is full (--max-batch-size sessions or --max-batch-tokens
+tokens). Nothing else ever waits: a lone Verify, or a Draft with no other builder running, goes
+straight to the model. While a forward
+runs, new steps accumulate, so under load batches form without any waiting. A step that does not
+fit waits for the next batch, in arrival order. Every forward runs on ONE model thread, so the
+runner never sees two calls at once and the event loop never blocks on the model.
 """
 
 from __future__ import annotations
@@ -34,6 +38,21 @@ class BatchLimits:
     max_batch_size: int
     max_batch_tokens: int
     max_wait_s: float
+
+
+@dataclass(frozen=True)
+class ForwardFloor:
+    """A benchmark knob: the least a forward of `rows` rows lasts, fixed + per_row x rows seconds
+    (the rest is slept on the model thread). A GPU's forward is nearly flat in rows, so a tiny
+    model with this floor stands in for a real pair (--forward-latency-ms, --forward-ms-per-row)."""
+
+    fixed: float = 0.0
+    per_row: float = 0.0
+
+    def __call__(self, rows: int) -> float:
+        if not (self.fixed or self.per_row):
+            return 0.0
+        return self.fixed + self.per_row * rows
 
 
 @dataclass(frozen=True)
@@ -74,17 +93,20 @@ class ForwardBatcher:
         model_thread: ThreadPoolExecutor,
         limits: BatchLimits,
         metrics: ServiceMetrics,
-        min_forward_seconds: float = 0.0,
+        floor: ForwardFloor = ForwardFloor(),
+        returning: bool = False,
     ) -> None:
-        """min_forward_seconds: a benchmark knob, every forward takes at least this long (the
-        rest is slept on the model thread), to emulate a slower model (--forward-latency-ms)."""
+        """floor: a benchmark knob, the least a forward lasts by its rows (ForwardFloor).
+        returning: wait (at most max_wait) for the sessions of the last forward to come back."""
         self._runner, self._model_thread, self._limits, self._metrics = runner, model_thread, limits, metrics
-        self._min_forward = min_forward_seconds
+        self._floor = floor
         self._loop = asyncio.get_running_loop()
         self._queue: collections.deque[_Item] = collections.deque()
         self._busy = False
         self._idle_since = 0.0
         self._participants = 0
+        self._returning_on = returning
+        self._returning: set[str] = set()  # sessions of the last forward, not back yet
         self._timer: asyncio.TimerHandle | None = None
 
     # ---- loop side -----------------------------------------------------------------------------
@@ -95,6 +117,12 @@ class ForwardBatcher:
     def leave(self) -> None:
         self._participants -= 1
         self._poke()
+
+    def gone(self, session_id: str) -> None:
+        """The session was released: do not wait for it to come back."""
+        if session_id in self._returning:
+            self._returning.discard(session_id)
+            self._poke()
 
     def enqueue(
         self,
@@ -146,11 +174,13 @@ class ForwardBatcher:
             return True
         if sum(item.tokens for item in self._queue) >= self._limits.max_batch_tokens:
             return True
-        return 0 < self._participants <= queued
+        if self._participants > queued:
+            return False
+        return not self._returning or self._returning <= {item.step.session_id for item in self._queue}
 
     def _deadline(self) -> float:
         oldest = self._queue[0].queued_at
-        start = max(oldest, self._idle_since) if self._participants else oldest
+        start = max(oldest, self._idle_since) if self._participants or self._returning else oldest
         return start + self._limits.max_wait_s
 
     def _take(self) -> list[_Item]:
@@ -176,6 +206,10 @@ class ForwardBatcher:
     def _finished(self, batch: list[_Item], dispatched: float, job: asyncio.Future) -> None:
         self._busy = False
         self._idle_since = self._loop.time()
+        if self._returning_on:
+            self._returning = {item.step.session_id for item in batch} - {
+                i.step.session_id for i in self._queue
+            }
         try:
             outcomes, forward_s = job.result()
         except BaseException:  # the model thread was shut down
@@ -210,8 +244,9 @@ class ForwardBatcher:
                 ready.append(i)
         start = time.perf_counter()
         logits = self._forward([batch[i].step for i in ready])
-        if ready and self._min_forward:
-            time.sleep(max(0.0, start + self._min_forward - time.perf_counter()))
+        if ready:
+            rows = sum(batch[i].tokens for i in ready)
+            time.sleep(max(0.0, start + self._floor(rows) - time.perf_counter()))
         forward_s = time.perf_counter() - start
         for i, out in zip(ready, logits, strict=True):
             outcomes[i] = _finish(batch[i], out)

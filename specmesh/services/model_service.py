@@ -49,7 +49,7 @@ from specmesh.rpc.server import RpcService, ServerConfig, configure_logging, par
 from specmesh.runtime.backend import UnknownSessionError
 from specmesh.runtime.costs import measure_forward_cost
 from specmesh.runtime.models import LoadedModel, load_model
-from specmesh.services.batching import BatchLimits, ForwardBatcher
+from specmesh.services.batching import BatchLimits, ForwardBatcher, ForwardFloor
 from specmesh.services.metrics import ServiceMetrics
 
 log = logging.getLogger("specmesh.services")
@@ -109,6 +109,11 @@ class ServiceConfig(ServerConfig):
     max_message_bytes: int
     torch_threads: int
     forward_latency_ms: float
+    forward_ms_per_row: float
+
+    @property
+    def forward_floor(self) -> ForwardFloor:
+        return ForwardFloor(self.forward_latency_ms / 1000.0, self.forward_ms_per_row / 1000.0)
 
     @property
     def limits(self) -> wire.Limits:
@@ -143,6 +148,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
         "benchmarks only: every forward takes at least this long, the rest slept (emulates a slower "
         "model, e.g. DSI's latency ratios on tiny models); 0 = off",
     ),
+    "forward_ms_per_row": (
+        float,
+        "benchmarks only: with --forward-latency-ms, each row (query token) of a forward adds this "
+        "much to its floor: fixed + per-row x rows, a GPU-like cost curve; 0 = flat",
+    ),
 }
 
 COMMON_DEFAULTS: dict[str, Any] = {
@@ -159,6 +169,7 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "max_message_bytes": 64 * 1024 * 1024,
     "torch_threads": 0,
     "forward_latency_ms": 0.0,
+    "forward_ms_per_row": 0.0,
 }
 
 _AT_LEAST_ONE = (
@@ -171,7 +182,7 @@ def parse_config(prog: str, argv: list[str] | None, defaults: Mapping[str, Any])
     """Flags --foo-bar; each defaults to $SPECMESH_FOO_BAR, then to `defaults`."""
     return parse_flags(
         prog, ServiceConfig, _FLAGS, {**COMMON_DEFAULTS, **defaults}, argv,
-        at_least_one=_AT_LEAST_ONE, non_negative=("max_wait_ms", "forward_latency_ms"),
+        at_least_one=_AT_LEAST_ONE, non_negative=("max_wait_ms", "forward_latency_ms", "forward_ms_per_row"),
     )  # fmt: skip
 
 
@@ -215,6 +226,9 @@ class ModelService(RpcService):
     """What both model services share: the runner and its thread, the batcher, session slots and
     positions, metrics, Release and Info. Subclasses set `service_name` and add their RPC."""
 
+    # the batcher waits (--max-wait-ms at most) for the sessions of its last forward to come back
+    waits_for_returning_sessions = False
+
     def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
         self.config, self.model, self.metrics = config, model, metrics
         self.runner = model.open_runner(config.max_cache_tokens or None, threads=config.torch_threads)
@@ -223,7 +237,12 @@ class ModelService(RpcService):
         self.loop = asyncio.get_running_loop()
         self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="model")
         self.batcher = ForwardBatcher(
-            self.runner, self.model_thread, config.batch_limits, metrics, config.forward_latency_ms / 1000.0
+            self.runner,
+            self.model_thread,
+            config.batch_limits,
+            metrics,
+            config.forward_floor,
+            returning=self.waits_for_returning_sessions,
         )
         self.slots = SessionSlots(self.forget)
         self._releasing: collections.Counter[str] = collections.Counter()  # releases not yet run
@@ -235,8 +254,8 @@ class ModelService(RpcService):
     async def start(self) -> None:
         """Before serving: measure what a forward costs by its rows (reported in Info)."""
         measured = await self.loop.run_in_executor(self.model_thread, measure_forward_cost, self.runner)
-        floor = self.config.forward_latency_ms / 1000.0  # what the batcher makes every forward take
-        self.forward_cost = {rows: max(seconds, floor) for rows, seconds in measured.items()}
+        floor = self.config.forward_floor  # what the batcher makes every forward take
+        self.forward_cost = {rows: max(seconds, floor(rows)) for rows, seconds in measured.items()}
         log.info("forward cost measured", extra={"seconds_by_rows": self.forward_cost})
 
     async def close(self) -> None:
@@ -358,6 +377,7 @@ class ModelService(RpcService):
     def forget(self, session_id: str) -> None:
         """Drop the session here; until the model thread has released it, it counts as unknown."""
         self.forget_local(session_id)
+        self.batcher.gone(session_id)
         self._releasing[session_id] += 1
         job = self.model_thread.submit(self._release, session_id)
         job.add_done_callback(lambda _: self.loop.call_soon_threadsafe(self._released, session_id))

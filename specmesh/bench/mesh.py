@@ -1,0 +1,392 @@
+"""`specmesh bench mesh`: what a round through the mesh costs beyond the forwards inside it.
+
+Tiny models (specmesh.bench.tiny) stand in for a GPU pair: every forward lasts at least
+fixed + per_row x rows ms (`--forward-latency-ms`, `--forward-ms-per-row`: a forward nearly flat in
+rows, a drafter several times cheaper than the target). By default the target drafts for itself,
+so greedy acceptance is 1 and every round's shape is known; `--noise` makes the draft a noisy copy
+(acceptance below 1).
+
+Per shape (`none`, `chain` 4, `rsd_s` 2x4, DSI 4x4) and number of concurrent sessions (1, 8, 32) it
+reports the mesh's wall, the ideal wall of the cost model (`ideal_wall`: serial rounds, each level
+and each verification ONE batched forward over all sessions, nothing else), and the overhead of a
+round split by where it went, from the Prometheus metrics of the gateway and the replicas (deltas
+over the run, means per session-round):
+
+  redis         the gateway's commit (phase "commit")
+  queue         batching waits: a Verify's, and a Draft's level steps' (specmesh_queue_wait_seconds)
+  grpc          replica call wall seen by the gateway minus the replica's handler time:
+                transport, the client's serialisation, gRPC's own threads
+  replica_cpu   handler time minus queue waits and forwards: request decoding and validation,
+                sampling, tree building, response encoding
+  gateway_cpu   the round minus its replica calls and commit: planning, cutting, bookkeeping
+
+With pipelined rounds a Draft runs beside the previous Verify; `drafter_call` is then the time the
+round really waited for its tree (0 when the pre-draft was ready), so the split stays additive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specmesh.bench.dsi_stack import dsi_seconds_per_token, prompts
+from specmesh.bench.measure import run_gateway
+from specmesh.bench.suite import running_stack_plan
+from specmesh.bench.tiny import save_tiny_pair
+from specmesh.core.drafting import TreeSpec
+from specmesh.core.methods import Method
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    spec: TreeSpec
+    dsi_parallel: int | None = None
+
+
+SHAPES = (
+    Shape("none", TreeSpec(Method.NONE)),
+    Shape("chain 4", TreeSpec(Method.CHAIN, depth=4)),
+    Shape("rsd_s 2x4", TreeSpec(Method.RSD_S, depth=4, beam_width=2)),
+    Shape("dsi 4x4", TreeSpec(Method.CHAIN, depth=4), dsi_parallel=4),
+)
+
+
+@dataclass(frozen=True)
+class MeshBenchConfig:
+    draft_ms: float = 4.0
+    draft_ms_per_row: float = 0.05
+    target_ms: float = 16.0
+    target_ms_per_row: float = 0.1
+    sessions: Sequence[int] = (1, 8, 32)
+    shapes: Sequence[str] = tuple(s.name for s in SHAPES)
+    max_new_tokens: int = 64
+    noise: float | None = None  # None: the target drafts for itself (greedy acceptance 1)
+    pipeline: Sequence[str] = ("off", "auto")  # the gateway's --pipeline, one stack each
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def draft_cost(self, rows: float) -> float:
+        return (self.draft_ms + self.draft_ms_per_row * rows) / 1000
+
+    def target_cost(self, rows: float) -> float:
+        return (self.target_ms + self.target_ms_per_row * rows) / 1000
+
+
+# ---- the metrics of a running stack -------------------------------------------------------------
+
+
+def scrape(addresses: dict[str, str]) -> dict[str, dict[tuple, float]]:
+    """child name -> {(sample name, sorted labels): value} of its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for name, address in addresses.items():
+        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        out[name] = samples
+    return out
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {
+        child: {k: v - before.get(child, {}).get(k, 0.0) for k, v in samples.items()}
+        for child, samples in after.items()
+    }
+
+
+def _get(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def _mean(samples: dict, name: str, **labels: str) -> float:
+    n = _get(samples, f"{name}_count", **labels)
+    return _get(samples, f"{name}_sum", **labels) / n if n else 0.0
+
+
+def _buckets(samples: dict, name: str) -> dict[str, float]:
+    """A histogram's cumulative bucket counts {le: count}."""
+    return {dict(k[1])["le"]: v for k, v in samples.items() if k[0] == f"{name}_bucket"}
+
+
+def split(delta: dict[str, dict], levels_per_round: float) -> dict[str, float]:
+    """Means per session-round, in ms (module docstring)."""
+    gw = delta["gateway"]
+    drafter = next((v for k, v in delta.items() if k.startswith("drafter")), {})
+    verifiers = [v for k, v in delta.items() if k.startswith("verifier")]
+    phase = "specmesh:round_phase_seconds"
+    out = {p: _mean(gw, phase, phase=p) for p in ("round", "commit", "drafter_call", "verifier_call")}
+
+    def replica(samples: list[dict], method: str, steps_per_call: float) -> dict[str, float]:
+        calls = sum(_get(s, "specmesh_rpc_handler_seconds_count", method=method) for s in samples)
+        if not calls:
+            return dict(handler=0.0, queue=0.0, forward=0.0)
+        handler = sum(_get(s, "specmesh_rpc_handler_seconds_sum", method=method) for s in samples)
+        queue = sum(_get(s, "specmesh_queue_wait_seconds_sum") for s in samples)
+        forwards = sum(_get(s, "specmesh_forward_seconds_count") for s in samples)
+        forward = (
+            sum(_get(s, "specmesh_forward_seconds_sum") for s in samples) / forwards if forwards else 0.0
+        )
+        return dict(handler=handler / calls, queue=queue / calls, forward=forward * steps_per_call)
+
+    d = (
+        replica([drafter], "Draft", levels_per_round)
+        if drafter
+        else dict(handler=0.0, queue=0.0, forward=0.0)
+    )
+    v = replica(verifiers, "Verify", 1.0)
+    grpc = max(0.0, out["drafter_call"] - d["handler"]) + max(0.0, out["verifier_call"] - v["handler"])
+    rows = dict(
+        round=out["round"],
+        forwards=d["forward"] + v["forward"],
+        redis=out["commit"],
+        queue=d["queue"] + v["queue"],
+        grpc=grpc,
+        replica_cpu=(d["handler"] - d["queue"] - d["forward"]) + (v["handler"] - v["queue"] - v["forward"]),
+        gateway_cpu=out["round"] - out["drafter_call"] - out["verifier_call"] - out["commit"],
+        drafter_call=out["drafter_call"],
+        verifier_call=out["verifier_call"],
+    )
+    return {k: x * 1000 for k, x in rows.items()}
+
+
+# ---- the runs -----------------------------------------------------------------------------------
+
+
+def ideal_wall(cfg: MeshBenchConfig, shape: Shape, sessions: int, m: dict) -> float:
+    """Seconds the cost model gives the same work: per session-round (the measured count, so the
+    same acceptance), one batched forward per draft level and one per verification over all
+    `sessions`, in series; DSI by its coordinator's virtual-time run (drafter-bound here)."""
+    rounds = m["target_calls"] / sessions
+    nodes = m["drafted_tokens"] / m["target_calls"] if m["target_calls"] else 0.0
+    levels = m["draft_calls"] / m["target_calls"] if m["target_calls"] else 0.0
+    verify = cfg.target_cost(sessions * (1 + nodes))
+    if not shape.spec.method.drafts:
+        return rounds * verify
+    per_level = nodes / levels if levels else 0.0
+    draft = levels * cfg.draft_cost(sessions * max(per_level, 1.0))
+    if shape.dsi_parallel is None:
+        return rounds * (draft + verify)
+    acceptance = min(0.999, m["accepted_tokens"] / max(1, m["target_calls"] * shape.spec.depth))
+    per_token = dsi_seconds_per_token(
+        acceptance, shape.spec.depth, shape.dsi_parallel, draft / max(levels, 1.0), verify
+    )
+    return per_token * m["tokens"] / sessions
+
+
+def _run(address: str, texts: list[str], shape: Shape, cfg: MeshBenchConfig) -> dict:
+    return asyncio.run(
+        run_gateway(
+            address, texts, shape.spec, False, 0.0, cfg.max_new_tokens, len(texts),
+            dsi_parallel=shape.dsi_parallel,
+        )
+    )  # fmt: skip
+
+
+def bench_stack(
+    cfg: MeshBenchConfig, models: dict[str, Path], pipeline: str, shapes: list[Shape]
+) -> list[dict]:
+    dsi = any(s.dsi_parallel for s in shapes)
+    verifiers = max((s.dsi_parallel or 1) for s in shapes)
+    draft = models["target"] if cfg.noise is None else models["draft"]
+    cost = "--torch-threads 1 --forward-latency-ms {} --forward-ms-per-row {}"
+    drafter = cost.format(cfg.draft_ms, cfg.draft_ms_per_row)
+    verifier = cost.format(cfg.target_ms, cfg.target_ms_per_row)
+    gateway = f"--pipeline {pipeline}" + (f" --dsi-max-parallel {verifiers}" if dsi else "")
+    flags = [
+        *("--draft", str(draft), "--target", str(models["target"])),
+        *("--dtype", "fp32", "--draft-dtype", "fp32"),
+        *("--drafters", "1", "--verifiers", str(verifiers)),
+        *("--drafter-flags", drafter, "--verifier-flags", verifier, "--gateway-flags", gateway),
+    ]
+    texts = prompts(max(cfg.sessions), cfg.seed)
+    rows = []
+    with running_stack_plan(flags, f"mesh-{pipeline}", probe=texts[0]) as (address, metrics):
+        for shape in shapes:
+            _run(address, texts[:2], shape, cfg)  # warm-up: connections, first sessions
+            for n in cfg.sessions:
+                before = scrape(metrics)
+                m = _run(address, texts[:n], shape, cfg)
+                delta = _delta(scrape(metrics), before)
+                levels = m["draft_calls"] / m["target_calls"] if m["target_calls"] else 0.0
+                ideal = ideal_wall(cfg, shape, n, m)
+                verifier = next(v for k, v in delta.items() if k.startswith("verifier"))
+                drafter = next((v for k, v in delta.items() if k.startswith("drafter")), {})
+                row = dict(
+                    shape=shape.name, sessions=n, pipeline=pipeline,
+                    tokens=m["tokens"], rounds=m["target_calls"], block_efficiency=m["block_efficiency"],
+                    wall=m["seconds"], ideal_wall=ideal, wall_over_ideal=m["seconds"] / ideal,
+                    tokens_per_s=m["tokens"] / m["seconds"], ideal_tokens_per_s=m["tokens"] / ideal,
+                    per_round_ms=split(delta, levels),
+                    queue_wait_buckets=dict(
+                        verifier=_buckets(verifier, "specmesh_queue_wait_seconds"),
+                        drafter=_buckets(drafter, "specmesh_queue_wait_seconds"),
+                    ),
+                    pipelined=_get(delta["gateway"], "specmesh:pipelined_rounds_total", outcome="hit"),
+                    pipeline_misses=_get(delta["gateway"], "specmesh:pipelined_rounds_total", outcome="miss"),
+                )  # fmt: skip
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "queue_wait_buckets"}), flush=True)
+    return rows
+
+
+def bench_mesh(cfg: MeshBenchConfig) -> list[dict]:
+    shapes = [s for s in SHAPES if s.name in cfg.shapes]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="specmesh-mesh-") as tmp:
+        models = save_tiny_pair(Path(tmp), noise=cfg.noise or 0.02)
+        for pipeline in cfg.pipeline:
+            plain = [s for s in shapes if s.dsi_parallel is None]
+            if plain:
+                rows += bench_stack(cfg, models, pipeline, plain)
+        dsi = [s for s in shapes if s.dsi_parallel is not None]
+        if dsi:
+            rows += bench_stack(cfg, models, cfg.pipeline[-1], dsi)
+    return rows
+
+
+# ---- output -------------------------------------------------------------------------------------
+
+_SPLIT = ("forwards", "redis", "queue", "grpc", "replica_cpu", "gateway_cpu")
+
+
+def markdown(rows: list[dict], cfg: MeshBenchConfig) -> str:
+    acceptance = (
+        "the target drafts for itself (greedy acceptance 1)"
+        if cfg.noise is None
+        else (f"the draft is the target plus noise {cfg.noise}")
+    )
+    lines = [
+        "# The mesh against its cost model",
+        "",
+        "Written by `specmesh bench mesh` (specmesh/bench/mesh.py). Tiny models on one `specmesh up`; "
+        f"every forward lasts at least drafter {cfg.draft_ms:g} ms + {cfg.draft_ms_per_row:g} ms/row, "
+        f"verifier {cfg.target_ms:g} ms + {cfg.target_ms_per_row:g} ms/row; {acceptance}; greedy, "
+        f"{cfg.max_new_tokens} tokens per session, all sessions at once. *Ideal*: the cost model's wall "
+        "for the same rounds, serial, one batched forward per draft level and per verification over "
+        "all sessions (DSI: its coordinator's virtual-time run). Per round (ms, means per "
+        "session-round, from the services' Prometheus metrics): the round as the gateway sees it, "
+        "the forwards on its path, then the overhead split (module docstring of specmesh/bench/mesh.py).",
+        "",
+        "| shape | sessions | pipeline | tok/s | ideal tok/s | wall / ideal | round | forwards | redis "
+        "| queue | grpc | replica cpu | gateway cpu | pre-drafts hit / missed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        s = r["per_round_ms"]
+        lines.append(
+            f"| {r['shape']} | {r['sessions']} | {r['pipeline']} | {r['tokens_per_s']:.0f} "
+            f"| {r['ideal_tokens_per_s']:.0f} | {r['wall_over_ideal']:.2f} | {s['round']:.1f} | "
+            + " | ".join(f"{s[k]:.1f}" for k in _SPLIT)
+            + f" | {r['pipelined']:.0f} / {r['pipeline_misses']:.0f} |"
+        )
+    lines += ["", "Queue waits (verifier, cumulative count of steps that waited at most le seconds):", ""]
+    for r in rows:
+        if r["shape"] == "chain 4" and r["sessions"] in (1, max(cfg.sessions)):
+            for role in ("verifier", "drafter"):
+                b = r["queue_wait_buckets"][role]
+                if b:
+                    cells = ", ".join(f"≤{le}: {int(n)}" for le, n in b.items() if le != "+Inf")
+                    lines.append(
+                        f"- chain 4, {r['sessions']} sessions, pipeline {r['pipeline']}, {role}: "
+                        f"{cells}, all: {int(b.get('+Inf', 0))}"
+                    )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    labels = [f"{r['shape']}\n{r['sessions']}s {r['pipeline']}" for r in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["tokens_per_s"] for r in rows], 0.4, label="mesh")
+    ax.bar(
+        [i + 0.2 for i in x], [r["ideal_tokens_per_s"] for r in rows], 0.4, label="ideal (cost model, serial)"
+    )
+    ax.set_xticks(list(x), labels, fontsize=6, rotation=90)
+    ax.set_ylabel("tokens/s (all sessions)")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title("specmesh bench mesh: the mesh against its cost model")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write(rows: list[dict], cfg: MeshBenchConfig, json_path: str | None, md_path: str | None) -> None:
+    if json_path:
+        Path(json_path).write_text(json.dumps({"config": asdict(cfg), "rows": rows}, indent=1))
+    if md_path:
+        Path(md_path).write_text(markdown(rows, cfg))
+
+
+# ---- unary calls against one long-lived stream --------------------------------------------------
+
+
+async def _transport_rtt(calls: int, size: int) -> dict[str, float]:
+    """Mean round trip (ms) of `calls` sequential `size`-byte echoes over loopback gRPC: one unary
+    call each, and one message each way on a single long-lived bidirectional stream."""
+    import time
+
+    import grpc
+
+    async def unary(request: bytes, context) -> bytes:
+        return request
+
+    async def stream(requests, context):
+        async for request in requests:
+            yield request
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Echo",
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary),
+            "Stream": grpc.stream_stream_rpc_method_handler(stream),
+        },
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    payload = b"x" * size
+    out = {}
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call_unary = channel.unary_unary("/bench.Echo/Unary")
+            for _ in range(50):  # warm-up
+                await call_unary(payload)
+            start = time.perf_counter()
+            for _ in range(calls):
+                await call_unary(payload)
+            out["unary_ms"] = (time.perf_counter() - start) * 1000 / calls
+            call = channel.stream_stream("/bench.Echo/Stream")()
+            for _ in range(50):
+                await call.write(payload)
+                await call.read()
+            start = time.perf_counter()
+            for _ in range(calls):
+                await call.write(payload)
+                await call.read()
+            out["stream_ms"] = (time.perf_counter() - start) * 1000 / calls
+            await call.done_writing()
+    finally:
+        await server.stop(None)
+    return out
+
+
+def transport_rtt(calls: int = 2000, size: int = 256) -> dict[str, float]:
+    """`_transport_rtt` in its own event loop (uvloop, as the services run)."""
+    import uvloop
+
+    return uvloop.run(_transport_rtt(calls, size))

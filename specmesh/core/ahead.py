@@ -1,0 +1,134 @@
+"""Drafting ahead on the likely path: the rule pipelined rounds share, written once.
+
+While round r is verified, the drafter drafts round r+1 as if the verdict were the one it finds
+most likely: every node of `likely_path(tree)` accepted, then the draft's own guess of the next
+(recovered or bonus) token. The pre-drafted tree is used only if the committed tokens turn out to
+be exactly those (`PreDraft.applies`); it is then the very tree a serial Draft would have drafted
+(same tokens before it, same seed: derive_generator(seed, committed length, "draft")). Otherwise it
+is dropped. Drafts are only proposals, so the verified output keeps the target's distribution
+either way; what pipelining changes is only when the tree is ready.
+
+`PipelinePolicy` decides per round whether a pre-draft pays, from what the session measured:
+  gain of a hit   the Draft call the next round does not wait for;
+  cost of a miss  the pre-draft's level forward still running when the real Draft arrives;
+  cost always     how much slower a Verify runs with a Draft beside it (shared hardware: on a CPU
+                  the two processes take each other's cores; on separate accelerators ~0).
+It pre-drafts when p_hit * draft > (1 - p_hit) * level + slowdown, and re-measures the serial
+side every `probe_every` rounds, so a pre-draft that stopped paying is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specmesh.core.rounds import Pipelining
+from specmesh.core.tree import DraftTree
+
+
+def likely_path(tree: DraftTree) -> list[int]:
+    """The node indices, root first, of the tree's most probable leaf under the draft: the leaf
+    with the largest product of its path's draft probabilities (ties: the first in level order).
+    A chain's is the whole chain."""
+    n = tree.num_nodes
+    if n == 0:
+        return []
+    rows = tree.prob_rows[tree.parents + 1]  # the row each node's token was drawn from
+    logq = tree.draft_probs[rows, tree.tokens].double().clamp_min(1e-300).log()
+    total = torch.zeros(n, dtype=torch.float64)
+    for i in range(n):  # parents[i] < i: level order
+        parent = int(tree.parents[i])
+        total[i] = logq[i] + (total[parent] if parent >= 0 else 0.0)
+    leaves = torch.ones(n, dtype=torch.bool)
+    leaves[tree.parents[tree.parents >= 0]] = False
+    scores = torch.where(leaves, total, torch.tensor(float("-inf"), dtype=torch.float64))
+    node = int(torch.argmax(scores))  # argmax returns the first of equal maxima
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = int(tree.parents[node])
+    return path[::-1]
+
+
+@dataclass(frozen=True)
+class PreDraft:
+    """A tree drafted ahead: `base` committed tokens were known when it was asked for, and it
+    assumes the next committed tokens are `assumed` (the likely path plus the guessed token)."""
+
+    base: int
+    assumed: tuple[int, ...]
+
+    def applies(self, committed: Sequence[int]) -> bool:
+        """Whether the session's committed tokens are exactly base + assumed: only then is the tree
+        the one a serial Draft would draft now."""
+        end = self.base + len(self.assumed)
+        return len(committed) == end and tuple(committed[self.base : end]) == self.assumed
+
+
+def _ema(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
+
+
+@dataclass
+class PipelinePolicy:
+    """Whether the next round pre-drafts (module docstring). Times in seconds, per session."""
+
+    mode: Pipelining = Pipelining.AUTO
+    weight: float = 0.25  # of a new measurement in the moving averages
+    probe_every: int = 16  # rounds; a serial round (AUTO, pre-drafting) or a pre-draft (AUTO, not)
+    hit_rate: float = 0.5  # the prior, before any pre-draft was judged
+    draft: float | None = None  # a Draft call's wall when the round waited for all of it
+    level: float | None = None  # one draft forward (the longest a miss waits for the pre-draft)
+    verify_alone: float | None = None  # a Verify call's wall, no Draft beside it
+    verify_beside: float | None = None  # ... with a pre-draft running beside it
+    rounds: int = 0
+    _since_probe: int = field(default=0, repr=False)
+
+    def wants(self) -> bool:
+        """Whether to pre-draft beside the coming Verify."""
+        if not self.mode.enabled:
+            return False
+        if self.mode is Pipelining.ON:
+            return True
+        if self.draft is None or self.verify_alone is None:
+            return False  # the first round measures the serial side
+        pays = self.pays()
+        self._since_probe += 1
+        if self._since_probe >= self.probe_every:  # measure the other side again
+            self._since_probe = 0
+            return not pays
+        return pays
+
+    def pays(self) -> bool:
+        if self.draft is None or self.verify_alone is None:
+            return False
+        slowdown = max(0.0, (self.verify_beside or self.verify_alone) - self.verify_alone)
+        miss = (1 - self.hit_rate) * (self.level or 0.0)
+        return self.hit_rate * self.draft > miss + slowdown
+
+    def observe(
+        self,
+        *,
+        verify: float,
+        beside: bool,
+        draft: float | None = None,
+        levels: int = 0,
+        hit: bool | None = None,
+    ) -> None:
+        """One round: its Verify call's wall, whether a pre-draft ran beside it, the Draft call's
+        wall if the round waited for a whole one (and its level forwards), and, if a pre-draft
+        was judged this round, whether it applied."""
+        self.rounds += 1
+        w = self.weight
+        if beside:
+            self.verify_beside = _ema(self.verify_beside, verify, w)
+        else:
+            self.verify_alone = _ema(self.verify_alone, verify, w)
+        if draft is not None:
+            self.draft = _ema(self.draft, draft, w)
+            if levels:
+                self.level = _ema(self.level, draft / levels, w)
+        if hit is not None:
+            self.hit_rate = _ema(self.hit_rate, 1.0 if hit else 0.0, w)
