@@ -160,6 +160,8 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
             draft_calls=forward.calls,
             draft_seconds=time.perf_counter() - start,
             likely_token_ids=likely,
+            tree_nodes=tree.num_nodes,
+            tree_depth=int(tree.depths().max()),
         )
 
     def _resume(

@@ -52,6 +52,8 @@ from specmesh.core.stats import GenerationStats
 from specmesh.rpc.proto import pb2_grpc
 from specmesh.rpc.round_client import (
     Placement,
+    RelayDrafterStub,
+    RelayVerifierStub,
     ReplicaFailure,
     Role,
     RoundClient,
@@ -74,6 +76,7 @@ _FAILOVER = {
     grpc.StatusCode.UNKNOWN,
 }
 _STUBS = {Role.DRAFTER: pb2_grpc.DrafterStub, Role.VERIFIER: pb2_grpc.VerifierStub}
+_RELAY_STUBS = {Role.DRAFTER: RelayDrafterStub, Role.VERIFIER: RelayVerifierStub}  # rounds: trees undecoded
 RELEASE_TIMEOUT = 2.0
 # seconds: a call that times out this close to the client's deadline ran out of the client's time,
 # not of the replica's: no replica is blamed
@@ -448,7 +451,9 @@ class SessionRun:
             await self.env.store.assign(
                 self.id, drafter=self.addresses.get(Role.DRAFTER), verifier=self.addresses[Role.VERIFIER]
             )
-        stubs = {role: _STUBS[role](self.env.pool(role).channel(a)) for role, a in self.addresses.items()}
+        stubs = {
+            role: _RELAY_STUBS[role](self.env.pool(role).channel(a)) for role, a in self.addresses.items()
+        }
         return Placement(
             verifier=stubs[Role.VERIFIER],
             drafter=stubs.get(Role.DRAFTER),

@@ -765,3 +765,16 @@ def test_distributions_round_trip_bit_exact_and_sparse_when_filtered(params: Sam
         assert bool(msg.token_ids) == (params != FILTERS[0]) == bool((row == 0).any())
         back = wire.decode_distribution(msg, VOCAB, "p")
         assert back.dtype == torch.float32 and torch.equal(back.view(torch.int32), row.view(torch.int32))
+
+
+def test_a_relayed_tree_is_the_drafters_bytes_and_the_verifier_reads_the_same_request() -> None:
+    """The gateway's round client passes a tree on undecoded (DraftResponseRelay,
+    VerifyRequestRelay): the same bytes on the wire as DraftResponse and VerifyRequest."""
+    tree = chain_tree(3)
+    drafted = pb2.DraftResponse(tree=tree, draft_calls=3, tree_nodes=3, tree_depth=3).SerializeToString()
+    relayed = pb2.DraftResponseRelay.FromString(drafted)
+    assert relayed.tree == tree.SerializeToString() and relayed.tree_nodes == 3
+    args = ("s", 4, [1, 2], GREEDY)
+    plain, relay = wire.verify_request(*args, tree), wire.verify_request(*args, relayed.tree)
+    assert isinstance(relay, pb2.VerifyRequestRelay)
+    assert relay.SerializeToString() == plain.SerializeToString()

@@ -32,7 +32,6 @@ DEFAULTS = {"model": "default-target", "port": 50062, "metrics_port": 9092, "max
 
 class VerifierService(ModelService, pb2_grpc.VerifierServicer):
     service_name = "Verifier"
-    waits_for_returning_sessions = True  # sessions in step: a Verify each per round
 
     def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
         super().__init__(config, model, metrics)

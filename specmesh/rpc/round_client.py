@@ -26,7 +26,6 @@ from enum import StrEnum
 from typing import Any
 
 import grpc
-import torch
 
 from specmesh.core.adaptive import AdaptivePolicy, Load
 from specmesh.core.ahead import PipelinePolicy, PreDraft
@@ -34,7 +33,6 @@ from specmesh.core.drafting import TreeSpec
 from specmesh.core.rounds import Pipelining, Request, keep_emitted, session_seed
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.stats import GenerationResult, GenerationStats
-from specmesh.core.tree import tree_depths
 from specmesh.core.verification import Verdict
 from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2, pb2_grpc
@@ -49,6 +47,38 @@ CHANNEL_OPTIONS = (
 def open_channel(address: str, tls: ClientTls | None = None) -> grpc.aio.Channel:
     """A channel sized for trees with dense distributions over large vocabularies; TLS with `tls`."""
     return aio_channel(address, tls, options=CHANNEL_OPTIONS)
+
+
+class RelayDrafterStub:
+    """A Drafter stub whose Draft answers keep the tree as the drafter encoded it
+    (DraftResponseRelay): the round client hands those bytes to the verifier undecoded."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        stub = pb2_grpc.DrafterStub(channel)
+        self.Draft = channel.unary_unary(
+            "/specmesh.v1.Drafter/Draft",
+            request_serializer=pb2.DraftRequest.SerializeToString,
+            response_deserializer=pb2.DraftResponseRelay.FromString,
+        )
+        self.Release, self.Info = stub.Release, stub.Info
+
+
+class RelayVerifierStub:
+    """A Verifier stub whose Verify sends a VerifyRequestRelay (a relayed tree's bytes) as well as
+    a VerifyRequest: the same message on the wire."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        stub = pb2_grpc.VerifierStub(channel)
+        self.Verify = channel.unary_unary(
+            "/specmesh.v1.Verifier/Verify",
+            request_serializer=_serialize,
+            response_deserializer=pb2.VerifyResponse.FromString,
+        )
+        self.Release, self.Info = stub.Release, stub.Info
+
+
+def _serialize(message: Any) -> bytes:
+    return message.SerializeToString()
 
 
 def needs_resync(error: grpc.aio.AioRpcError) -> bool:
@@ -73,8 +103,8 @@ class Placement:
     runs before the caller is asked, spare(role), whether to give it up for a spare replica
     (asked again after every such period; None: a call may take the whole timeout)."""
 
-    verifier: pb2_grpc.VerifierStub
-    drafter: pb2_grpc.DrafterStub | None = None
+    verifier: pb2_grpc.VerifierStub | RelayVerifierStub
+    drafter: pb2_grpc.DrafterStub | RelayDrafterStub | None = None
     held: Mapping[Role, int] = field(default_factory=dict)
     timeout: float | None = 60.0
     per_try: Callable[[Role, int, int], float] | None = None
@@ -149,20 +179,22 @@ class RoundClient:
         if spec.method.drafts:
             if placement.drafter is None:
                 raise ValueError(f"method {spec.method!r} needs a drafter")
+            want = self.pipeline.wants()  # a pre-draft beside this round's Verify
             if ahead is not None:
                 drafted = await ahead.take(tokens, spec, placement)
                 hit = drafted is not None
             if drafted is not None:
                 call.took(Role.DRAFTER, time.perf_counter() - start)  # the wait for the pre-draft
             else:
-                make_draft = functools.partial(self._draft_request, tokens, spec, self.pipeline.wants())
+                make_draft = functools.partial(self._draft_request, tokens, spec, want)
                 drafted = await call(Role.DRAFTER, placement.drafter.Draft, make_draft, spec.depth)
                 serial_draft = call.seconds[Role.DRAFTER]
-            if drafted.likely_token_ids and (hit is None or self.pipeline.wants()):
+            if drafted.likely_token_ids and want:
                 self._ahead = self._pre_draft(tokens, spec, placement, drafted.likely_token_ids)
+        # a relayed tree (DraftResponseRelay) goes on as the drafter's bytes, never decoded here
         tree = drafted.tree if drafted is not None else None
         make_verify = functools.partial(self._verify_request, tokens, tree)
-        nodes = len(tree.tokens) if tree is not None else 0
+        nodes = drafted.tree_nodes if drafted is not None else 0
         try:
             verified = await call(Role.VERIFIER, placement.verifier.Verify, make_verify, nodes)
         except BaseException:
@@ -180,9 +212,9 @@ class RoundClient:
         verdict = wire.verdict_from_proto(verified)
         call.held[Role.VERIFIER] += len(verdict.accepted_tokens)  # it committed the accepted path itself
         stats = GenerationStats.for_round(
-            drafted_tokens=len(tree.tokens) if tree is not None else 0,
+            drafted_tokens=nodes,
             accepted_tokens=len(verdict.accepted_tokens),
-            tree_depth=int(tree_depths(torch.tensor(tree.parents)).max()) if tree is not None else 0,
+            tree_depth=drafted.tree_depth if drafted is not None else 0,
             draft_calls=drafted.draft_calls if drafted is not None else 0,
             draft_seconds=drafted.draft_seconds if drafted is not None else 0.0,
             verify_seconds=verified.forward_seconds,
@@ -219,8 +251,8 @@ class RoundClient:
             self._ahead = None
 
     def _verify_request(
-        self, tokens: Sequence[int], tree: pb2.DraftTree | None, position: int
-    ) -> pb2.VerifyRequest:
+        self, tokens: Sequence[int], tree: pb2.DraftTree | bytes | None, position: int
+    ) -> pb2.VerifyRequest | pb2.VerifyRequestRelay:
         return wire.verify_request(self.id, position, list(tokens[position:]), self.params, tree)
 
 

@@ -366,10 +366,18 @@ def draft_request(
 
 
 def verify_request(
-    session_id: str, position: int, new_tokens: list[int], params: SamplingParams, tree: pb2.DraftTree | None
-) -> pb2.VerifyRequest:
-    """tree None (or empty): a plain autoregressive step."""
-    return pb2.VerifyRequest(**_round_message(session_id, position, new_tokens, params), tree=tree)
+    session_id: str,
+    position: int,
+    new_tokens: list[int],
+    params: SamplingParams,
+    tree: pb2.DraftTree | bytes | None,
+) -> pb2.VerifyRequest | pb2.VerifyRequestRelay:
+    """tree None (or empty): a plain autoregressive step; bytes: a tree relayed as the drafter
+    encoded it (a VerifyRequestRelay, the same bytes on the wire)."""
+    fields = _round_message(session_id, position, new_tokens, params)
+    if isinstance(tree, bytes):
+        return pb2.VerifyRequestRelay(**fields, tree=tree)
+    return pb2.VerifyRequest(**fields, tree=tree)
 
 
 def verdict_to_proto(verdict: Verdict, **stats: float) -> pb2.VerifyResponse:

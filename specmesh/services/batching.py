@@ -2,15 +2,12 @@
 
 Continuous batching: when the model is free it takes what is queued, at once, unless a step is
 known to be coming: a registered participant (the drafter's running tree builders) that has not
-asked for its next level yet, or (the verifier, `returning`) a session of the last forward that has
-not come back and was not released: sessions in step come back together, and the first one must
-not go alone and leave the others a whole forward behind. Then it waits for them, at most
---max-wait-ms, or until the batch is full (--max-batch-size sessions or --max-batch-tokens
-tokens). Nothing else ever waits: a lone Verify, or a Draft with no other builder running, goes
-straight to the model. While a forward
-runs, new steps accumulate, so under load batches form without any waiting. A step that does not
-fit waits for the next batch, in arrival order. Every forward runs on ONE model thread, so the
-runner never sees two calls at once and the event loop never blocks on the model.
+asked for its next level yet. Then it waits for them, at most --max-wait-ms, or until the batch is
+full (--max-batch-size sessions or --max-batch-tokens tokens). Nothing else ever waits: a Verify,
+or a Draft with no other builder running, goes straight to the model when it is free. While a
+forward runs, new steps accumulate, so under load batches form without any waiting. A step that
+does not fit waits for the next batch, in arrival order. Every forward runs on ONE model thread,
+so the runner never sees two calls at once and the event loop never blocks on the model.
 """
 
 from __future__ import annotations
@@ -94,10 +91,8 @@ class ForwardBatcher:
         limits: BatchLimits,
         metrics: ServiceMetrics,
         floor: ForwardFloor = ForwardFloor(),
-        returning: bool = False,
     ) -> None:
-        """floor: a benchmark knob, the least a forward lasts by its rows (ForwardFloor).
-        returning: wait (at most max_wait) for the sessions of the last forward to come back."""
+        """floor: a benchmark knob, the least a forward lasts by its rows (ForwardFloor)."""
         self._runner, self._model_thread, self._limits, self._metrics = runner, model_thread, limits, metrics
         self._floor = floor
         self._loop = asyncio.get_running_loop()
@@ -105,8 +100,6 @@ class ForwardBatcher:
         self._busy = False
         self._idle_since = 0.0
         self._participants = 0
-        self._returning_on = returning
-        self._returning: set[str] = set()  # sessions of the last forward, not back yet
         self._timer: asyncio.TimerHandle | None = None
 
     # ---- loop side -----------------------------------------------------------------------------
@@ -117,12 +110,6 @@ class ForwardBatcher:
     def leave(self) -> None:
         self._participants -= 1
         self._poke()
-
-    def gone(self, session_id: str) -> None:
-        """The session was released: do not wait for it to come back."""
-        if session_id in self._returning:
-            self._returning.discard(session_id)
-            self._poke()
 
     def enqueue(
         self,
@@ -174,13 +161,11 @@ class ForwardBatcher:
             return True
         if sum(item.tokens for item in self._queue) >= self._limits.max_batch_tokens:
             return True
-        if self._participants > queued:
-            return False
-        return not self._returning or self._returning <= {item.step.session_id for item in self._queue}
+        return self._participants <= queued  # no participant (the verifier): nothing to wait for
 
     def _deadline(self) -> float:
         oldest = self._queue[0].queued_at
-        start = max(oldest, self._idle_since) if self._participants or self._returning else oldest
+        start = max(oldest, self._idle_since) if self._participants else oldest
         return start + self._limits.max_wait_s
 
     def _take(self) -> list[_Item]:
@@ -206,10 +191,6 @@ class ForwardBatcher:
     def _finished(self, batch: list[_Item], dispatched: float, job: asyncio.Future) -> None:
         self._busy = False
         self._idle_since = self._loop.time()
-        if self._returning_on:
-            self._returning = {item.step.session_id for item in batch} - {
-                i.step.session_id for i in self._queue
-            }
         try:
             outcomes, forward_s = job.result()
         except BaseException:  # the model thread was shut down

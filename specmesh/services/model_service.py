@@ -226,9 +226,6 @@ class ModelService(RpcService):
     """What both model services share: the runner and its thread, the batcher, session slots and
     positions, metrics, Release and Info. Subclasses set `service_name` and add their RPC."""
 
-    # the batcher waits (--max-wait-ms at most) for the sessions of its last forward to come back
-    waits_for_returning_sessions = False
-
     def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
         self.config, self.model, self.metrics = config, model, metrics
         self.runner = model.open_runner(config.max_cache_tokens or None, threads=config.torch_threads)
@@ -242,7 +239,6 @@ class ModelService(RpcService):
             config.batch_limits,
             metrics,
             config.forward_floor,
-            returning=self.waits_for_returning_sessions,
         )
         self.slots = SessionSlots(self.forget)
         self._releasing: collections.Counter[str] = collections.Counter()  # releases not yet run
@@ -377,7 +373,6 @@ class ModelService(RpcService):
     def forget(self, session_id: str) -> None:
         """Drop the session here; until the model thread has released it, it counts as unknown."""
         self.forget_local(session_id)
-        self.batcher.gone(session_id)
         self._releasing[session_id] += 1
         job = self.model_thread.submit(self._release, session_id)
         job.add_done_callback(lambda _: self.loop.call_soon_threadsafe(self._released, session_id))
