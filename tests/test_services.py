@@ -445,6 +445,32 @@ def test_busy_session_is_aborted_and_sigterm_lets_in_flight_work_finish(models, 
     assert '"msg": "stopping"' in log and '"msg": "stopped"' in log
 
 
+def test_a_lone_verify_does_not_wait_and_the_cost_curve_floors_its_forward(models, tmp_path) -> None:
+    """Continuous batching: with nothing known to be coming a Verify goes to the model at once,
+    whatever --max-wait-ms says (the old rule held it 500 ms here). The benchmark cost curve makes
+    its forward last at least fixed + per-row x rows."""
+    flags = ["--max-wait-ms", "500", "--forward-latency-ms", "20", "--forward-ms-per-row", "5"]
+    verifier = replica("verifier_service", models["target"], tmp_path / "verifier.log", flags)
+    start_all(verifier)
+
+    async def run() -> list[pb2.VerifyResponse]:
+        async with open_channel(verifier.address) as channel:
+            stub = pb2_grpc.VerifierStub(channel)
+            first = await stub.Verify(wire.verify_request("lone", 0, PROMPT, GREEDY, None))
+            second = await stub.Verify(
+                wire.verify_request("lone", len(PROMPT), [first.next_token], GREEDY, None)
+            )
+            return [first, second]
+
+    try:
+        replies = asyncio.run(run())
+    finally:
+        verifier.stop()
+    for reply, rows in zip(replies, (len(PROMPT), 1), strict=True):
+        assert reply.queue_seconds < 0.1
+        assert reply.forward_seconds >= 0.020 + 0.005 * rows - 1e-4
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 
 

@@ -1,0 +1,58 @@
+"""`specmesh bench mesh`'s arithmetic: the ideal wall of the cost model and the per-round split
+from metric deltas (the benchmark itself runs real stacks: `specmesh bench mesh`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specmesh.bench.mesh import SHAPES, MeshBenchConfig, ideal_wall, split
+
+CFG = MeshBenchConfig(draft_ms=4, draft_ms_per_row=0.05, target_ms=16, target_ms_per_row=0.1)
+SHAPE = {s.name: s for s in SHAPES}
+
+
+def test_the_ideal_is_serial_rounds_of_one_batched_forward_per_level_and_verification() -> None:
+    # 8 sessions, 10 rounds each of a 4-node chain: 4 levels of 8 rows, one verification of 8 x 5
+    m = dict(target_calls=80, drafted_tokens=320, draft_calls=400, accepted_tokens=320, tokens=400)
+    per_round = 4 * (4 + 0.05 * 8) + (16 + 0.1 * 40)
+    assert ideal_wall(CFG, SHAPE["chain 4"], 8, m) == pytest.approx(10 * per_round / 1000)
+    # a pipelined run (one more draft forward per round) is held against the same serial ideal
+    assert ideal_wall(CFG, SHAPE["chain 4"], 8, {**m, "draft_calls": 480}) == pytest.approx(
+        10 * per_round / 1000
+    )
+    plain = dict(target_calls=64, drafted_tokens=0, draft_calls=0, accepted_tokens=0, tokens=64)
+    assert ideal_wall(CFG, SHAPE["none"], 1, plain) == pytest.approx(64 * 16.1 / 1000)
+
+
+def _histogram(name: str, total: float, count: float, **labels: str) -> dict:
+    key = tuple(sorted(labels.items()))
+    return {(f"{name}_sum", key): total, (f"{name}_count", key): count}
+
+
+def test_the_split_adds_up_to_the_round() -> None:
+    phase = "specmesh:round_phase_seconds"
+    gateway = {
+        **_histogram(phase, 0.400, 10, phase="round"),
+        **_histogram(phase, 0.010, 10, phase="commit"),
+        **_histogram(phase, 0.180, 10, phase="drafter_call"),
+        **_histogram(phase, 0.200, 10, phase="verifier_call"),
+    }
+    drafter = {
+        **_histogram("specmesh_rpc_handler_seconds", 0.170, 10, method="Draft"),
+        **_histogram("specmesh_queue_wait_seconds", 0.004, 40),
+        **_histogram("specmesh_forward_seconds", 0.160, 40),
+    }
+    verifier = {
+        **_histogram("specmesh_rpc_handler_seconds", 0.185, 10, method="Verify"),
+        **_histogram("specmesh_queue_wait_seconds", 0.001, 10),
+        **_histogram("specmesh_forward_seconds", 0.165, 10),
+    }
+    ms = split({"gateway": gateway, "drafter-0": drafter, "verifier-0": verifier}, levels_per_round=4)
+    assert ms["round"] == pytest.approx(40.0)
+    assert ms["forwards"] == pytest.approx(16.0 + 16.5)
+    assert (ms["redis"], ms["queue"]) == (pytest.approx(1.0), pytest.approx(0.5))
+    assert ms["grpc"] == pytest.approx((18 - 17) + (20 - 18.5))
+    assert ms["replica_cpu"] == pytest.approx((17 - 0.4 - 16) + (18.5 - 0.1 - 16.5))
+    assert ms["gateway_cpu"] == pytest.approx(40 - 18 - 20 - 1)
+    parts = ("forwards", "redis", "queue", "grpc", "replica_cpu", "gateway_cpu")
+    assert sum(ms[k] for k in parts) == pytest.approx(ms["round"])
