@@ -47,7 +47,8 @@ from gateway.retries import RetryBudget, TryTimeouts
 from gateway.session_store import SessionExists, SessionStore, StoreError
 from gateway.text import TextStream
 from specmesh.core.adaptive import PolicyMemory
-from specmesh.core.rounds import Pipelining, keep_emitted
+from specmesh.core.ahead import PipelinePolicy
+from specmesh.core.rounds import keep_emitted
 from specmesh.core.stats import GenerationStats
 from specmesh.rpc.proto import pb2_grpc
 from specmesh.rpc.round_client import (
@@ -106,7 +107,9 @@ class GatewayEnv:
     cleanups: set[asyncio.Task] = dataclasses.field(default_factory=set)  # outliving their request
     deferred: set[asyncio.Task] = dataclasses.field(default_factory=set)  # releases retried later
     policies: PolicyMemory = dataclasses.field(default_factory=PolicyMemory)  # adaptive sessions' warm start
-    pipeline: Pipelining = Pipelining.AUTO  # whether rounds pre-draft (specmesh.core.ahead)
+    # whether rounds pre-draft (specmesh.core.ahead): one policy for every session of the gateway,
+    # so that the cost of finding out (a slowdown on shared hardware, a low hit rate) is paid once
+    pipeline: PipelinePolicy = dataclasses.field(default_factory=PipelinePolicy)
     dsi_acceptance: float = 0.7  # per-token acceptance of finished DSI sessions, decayed (the prior: 0.7)
     # DSI verifications' time over the verifier's start-up cost for their rows, decayed, with the
     # drafter working ahead (True) and not (False): their ratio is what drafting beside costs
@@ -154,7 +157,7 @@ class SessionRun:
         self.roles = (Role.DRAFTER, Role.VERIFIER) if plan.spec.method.drafts else (Role.VERIFIER,)
         policy = env.policies.new_policy(plan.spec, plan.params, forward_cost) if plan.adaptive else None
         self.client = RoundClient(
-            self.id, plan.params, plan.spec, policy=policy, key=self.key, pipelining=env.pipeline
+            self.id, plan.params, plan.spec, policy=policy, key=self.key, pipeline=env.pipeline
         )
         self.tokens = list(plan.prompt_ids)  # committed, as in Redis
         self.round = 0

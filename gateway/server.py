@@ -37,6 +37,7 @@ from gateway.rounds import GatewayEnv, GatewayError, SessionRun
 from gateway.session_store import SessionNotFound, SessionStore, StoreError, StoreUnavailable
 from gateway.text import TextStream
 from specmesh.core.adaptive import ForwardCost
+from specmesh.core.ahead import PipelinePolicy
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.dsi import Shape, choose_shape
 from specmesh.core.methods import Method
@@ -265,7 +266,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             round_timeout=config.round_timeout,
             max_attempts=config.max_attempts,
             retries=RetryBudget(ratio=config.retry_budget),
-            pipeline=Pipelining.parse(config.pipeline),
+            pipeline=PipelinePolicy(Pipelining.parse(config.pipeline)),
         )
         self.model: ServedModel | None = None
         self._not_ready = "waiting for a healthy verifier to learn the model"

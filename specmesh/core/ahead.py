@@ -8,7 +8,8 @@ be exactly those (`PreDraft.applies`); it is then the very tree a serial Draft w
 is dropped. Drafts are only proposals, so the verified output keeps the target's distribution
 either way; what pipelining changes is only when the tree is ready.
 
-`PipelinePolicy` decides per round whether a pre-draft pays, from what the session measured:
+`PipelinePolicy` decides per round whether a pre-draft pays, from what its sessions measured (the
+gateway shares one among all its sessions, so that finding out is paid once, not per session):
   gain of a hit   the Draft call the next round does not wait for;
   cost of a miss  the pre-draft's level forward still running when the real Draft arrives;
   cost always     how much slower a Verify runs with a Draft beside it (shared hardware: on a CPU
@@ -73,7 +74,8 @@ def _ema(old: float | None, new: float, weight: float) -> float:
 
 @dataclass
 class PipelinePolicy:
-    """Whether the next round pre-drafts (module docstring). Times in seconds, per session."""
+    """Whether the next round pre-drafts (module docstring). Times in seconds, over the rounds of
+    the sessions that share it."""
 
     mode: Pipelining = Pipelining.AUTO
     weight: float = 0.25  # of a new measurement in the moving averages

@@ -154,14 +154,15 @@ class RoundClient:
         *,
         policy: AdaptivePolicy | None = None,
         key: str = "",
-        pipelining: Pipelining = Pipelining.OFF,
+        pipeline: PipelinePolicy | None = None,
     ) -> None:
         """params: with the session's seed fixed. policy: adaptive speculation; `spec` is then only
         its family and first depth. key: the session's secret, sent with every call (replicas
-        serve the session only to callers that send it). pipelining: whether rounds pre-draft."""
+        serve the session only to callers that send it). pipeline: whether rounds pre-draft (None:
+        never); the gateway shares one among its sessions, so that what one learnt holds for all."""
         self.id, self.params, self.spec, self.policy = session_id, params, spec, policy
         self.metadata = wire.session_metadata(key)
-        self.pipeline = PipelinePolicy(pipelining)
+        self.pipeline = pipeline or PipelinePolicy(Pipelining.OFF)
         self._ahead: _Ahead | None = None  # the next round's pre-draft, in flight or done
 
     async def round(self, tokens: Sequence[int], placement: Placement) -> RoundResult:
@@ -402,7 +403,11 @@ class RemoteSession:
         params = replace(request.params, seed=session_seed(request.params))
         policy = AdaptivePolicy(request.spec) if request.adaptive else None
         self.client = RoundClient(
-            session_id or uuid.uuid4().hex, params, request.spec, policy=policy, pipelining=pipelining
+            session_id or uuid.uuid4().hex,
+            params,
+            request.spec,
+            policy=policy,
+            pipeline=PipelinePolicy(pipelining),
         )
         self.drafter, self.verifier, self.timeout = drafter, verifier, timeout
         self.held: dict[Role, int] = {}
