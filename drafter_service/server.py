@@ -99,6 +99,11 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         draft = wire.parse_draft_request(request, self.vocab_size, self.limits)
         await self._supersede(draft.session_id, context)
         resume = self.begin(draft, context)
+        if draft.speculative and resume is not Resume.CONTINUE:
+            # A pre-draft overtaken by the real Draft (gRPC does not order two calls) would roll the
+            # session back onto a guess: it only ever continues what the drafter holds.
+            self.slots.free(draft.session_id)
+            return pb2.DraftResponse(superseded=True)
         cancelled = threading.Event()
         try:
             job = self._builders.submit(self._draft, draft, resume, cancelled)

@@ -226,6 +226,25 @@ def test_pre_drafts_that_apply_are_used_and_the_tokens_are_the_serial_ones(self_
     assert piped.pre_drafts[True] > 0 and piped.pre_drafts[False] > 0  # the guessed token can miss
 
 
+def test_a_speculative_draft_only_continues_what_the_drafter_holds(stack) -> None:
+    """A pre-draft overtaken by the real Draft would roll the session back onto a guess: the
+    drafter answers it `superseded` and leaves the session as it was."""
+    spec, held = SPECS["chain"], len(PROMPT)
+
+    async def run() -> tuple[pb2.DraftResponse, pb2.DraftResponse]:
+        async with Stubs(stack) as stubs:
+            await stubs.drafter.Draft(wire.draft_request("overtaken", 0, PROMPT, GREEDY, spec))
+            stale = wire.draft_request("overtaken", 2, [5, 6], GREEDY, spec, speculative=True)
+            refused = await stubs.drafter.Draft(stale)
+            after = await stubs.drafter.Draft(wire.draft_request("overtaken", held, [7], GREEDY, spec))
+            await stubs.drafter.Release(pb2.ReleaseRequest(session_id="overtaken"))
+            return refused, after
+
+    refused, after = asyncio.run(run())
+    assert refused.superseded and not refused.HasField("tree")
+    assert after.tree_nodes == spec.depth  # continued from `held`: no resync was asked for
+
+
 def test_concurrent_sessions_equal_sequential_ones_and_share_forwards(stack, reference) -> None:
     requests = [
         Request(PROMPT, SPECS["rsd_s"], SamplingParams(1.0, seed=1), 14),

@@ -182,7 +182,11 @@ class RoundClient:
                 raise ValueError(f"method {spec.method!r} needs a drafter")
             want = self.pipeline.wants()  # a pre-draft beside this round's Verify
             if ahead is not None:
-                drafted = await ahead.take(tokens, spec, placement)
+                try:
+                    drafted = await ahead.take(tokens, spec, placement)
+                except BaseException:  # the round was cancelled: so is its pre-draft
+                    ahead.cancel()
+                    raise
                 hit = drafted is not None
             if drafted is not None:
                 call.took(Role.DRAFTER, time.perf_counter() - start)  # the wait for the pre-draft
