@@ -343,13 +343,11 @@ class SessionRun:
     async def _take_round(self) -> tuple[float, RoundResult]:
         """(when it started, the round after the committed tokens): the one started beside the
         last commit if it ran after exactly these tokens, else a new one."""
-        if self._next is not None:
-            length, task = self._next
+        if self._next is not None and self._next[0] == len(self.tokens):
+            task = self._next[1]
             self._next = None
-            if length == len(self.tokens):
-                return await task
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            return await task
+        await self._drop_round()
         return await self._timed_round(self.tokens)
 
     async def _drop_round(self) -> None:

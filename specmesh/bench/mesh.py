@@ -31,7 +31,7 @@ import json
 import tempfile
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specmesh.bench.dsi_stack import dsi_seconds_per_token, prompts
@@ -69,7 +69,6 @@ class MeshBenchConfig:
     noise: float | None = None  # None: the target drafts for itself (greedy acceptance 1)
     pipeline: Sequence[str] = ("off", "auto")  # the gateway's --pipeline, one stack each
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def draft_cost(self, rows: float) -> float:
         return (self.draft_ms + self.draft_ms_per_row * rows) / 1000

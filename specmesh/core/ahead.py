@@ -23,8 +23,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from specmesh.core.rounds import Pipelining
 from specmesh.core.tree import DraftTree
 
@@ -33,23 +31,21 @@ def likely_path(tree: DraftTree) -> list[int]:
     """The node indices, root first, of the tree's most probable leaf under the draft: the leaf
     with the largest product of its path's draft probabilities (ties: the first in level order).
     A chain's is the whole chain."""
-    n = tree.num_nodes
-    if n == 0:
+    if tree.num_nodes == 0:
         return []
+    parents = tree.parents.tolist()
     rows = tree.prob_rows[tree.parents + 1]  # the row each node's token was drawn from
-    logq = tree.draft_probs[rows, tree.tokens].double().clamp_min(1e-300).log()
-    total = torch.zeros(n, dtype=torch.float64)
-    for i in range(n):  # parents[i] < i: level order
-        parent = int(tree.parents[i])
-        total[i] = logq[i] + (total[parent] if parent >= 0 else 0.0)
-    leaves = torch.ones(n, dtype=torch.bool)
-    leaves[tree.parents[tree.parents >= 0]] = False
-    scores = torch.where(leaves, total, torch.tensor(float("-inf"), dtype=torch.float64))
-    node = int(torch.argmax(scores))  # argmax returns the first of equal maxima
+    logq = tree.draft_probs[rows, tree.tokens].double().clamp_min(1e-300).log().tolist()
+    total: list[float] = []
+    for i, parent in enumerate(parents):  # parents[i] < i: level order
+        total.append(logq[i] + (total[parent] if parent >= 0 else 0.0))
+    inner = set(parents)
+    leaves = [i for i in range(len(parents)) if i not in inner]
+    node = max(leaves, key=lambda i: total[i])  # max keeps the first of equal maxima
     path = []
     while node >= 0:
         path.append(node)
-        node = int(tree.parents[node])
+        node = parents[node]
     return path[::-1]
 
 
@@ -85,7 +81,6 @@ class PipelinePolicy:
     level: float | None = None  # one draft forward (the longest a miss waits for the pre-draft)
     verify_alone: float | None = None  # a Verify call's wall, no Draft beside it
     verify_beside: float | None = None  # ... with a pre-draft running beside it
-    rounds: int = 0
     _since_probe: int = field(default=0, repr=False)
 
     def wants(self) -> bool:
@@ -122,7 +117,6 @@ class PipelinePolicy:
         """One round: its Verify call's wall, whether a pre-draft ran beside it, the Draft call's
         wall if the round waited for a whole one (and its level forwards), and, if a pre-draft
         was judged this round, whether it applied."""
-        self.rounds += 1
         w = self.weight
         if beside:
             self.verify_beside = _ema(self.verify_beside, verify, w)

@@ -331,13 +331,12 @@ class _Calls:
             raise ReplicaFailure(role, given_up.error, self.held, per_try=True) from None
         except grpc.aio.AioRpcError as error:
             raise ReplicaFailure(role, error, self.held) from error
-        self.held[role] = self.committed
         self.took(role, time.perf_counter() - start)
         return response
 
     def took(self, role: Role, seconds: float) -> None:
-        """The round waited this long for `role` (for a pre-draft: the drafter holds the round's
-        committed tokens, it fed them)."""
+        """A call of `role` answered after `seconds` (a pre-draft's wait included): the replica now
+        holds the round's committed tokens (a pre-draft's drafter fed them)."""
         self.held[role] = self.committed
         self.seconds[role] = seconds
 
