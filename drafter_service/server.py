@@ -14,7 +14,8 @@ engine follows). The compaction runs on the model thread right before the root f
 Pipelined rounds (specmesh.core.ahead): a Draft with `guess_next` also runs its tree's likely leaf
 and answers the path plus the draft's guess of the next token; the caller then sends those tokens
 as a `speculative` Draft beside its Verify. A later Draft of the session cancels a speculative one
-at its next level forward (instead of ABORTED); what it had fed stays committed here, and a Draft
+(or a `supersedable` one: DSI's drafts, which a rejection makes stale while they run) at its next
+level forward (instead of ABORTED); what it had fed stays committed here, and a Draft
 whose position is below what the drafter holds keeps the longest common prefix of the two and
 feeds only the rest.
 """
@@ -74,8 +75,8 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         super().__init__(config, model, metrics)
         self._builders = ThreadPoolExecutor(config.max_batch_size, thread_name_prefix="draft")
         self._pending: dict[str, dict[Path, int]] = {}  # session -> its pending tree: path -> node
-        # session -> its speculative Draft in flight: (its cancel flag, its work)
-        self._speculative: dict[str, tuple[threading.Event, asyncio.Future]] = {}
+        # session -> its speculative or supersedable Draft in flight: (its cancel flag, its work)
+        self._supersedable: dict[str, tuple[threading.Event, asyncio.Future]] = {}
         self._drafts = metrics.counter("specmesh_drafts", "trees drafted")
         self._per_depth = metrics.counter(
             "specmesh_draft_tokens_per_depth",
@@ -111,11 +112,11 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
             self.slots.free(draft.session_id)
             raise
         work = asyncio.wrap_future(job)
-        if draft.speculative:
+        if draft.superseded_by_next:
             sid = draft.session_id
-            self._speculative[sid] = (cancelled, work)
+            self._supersedable[sid] = (cancelled, work)
             work.add_done_callback(
-                lambda w: self._speculative.pop(sid) if self._speculative.get(sid, (0, 0))[1] is w else None
+                lambda w: self._supersedable.pop(sid) if self._supersedable.get(sid, (0, 0))[1] is w else None
             )
 
         def withdraw() -> None:
@@ -125,9 +126,9 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         return await self.settle(draft.session_id, resume, context, work, withdraw)
 
     async def _supersede(self, session_id: str, context: grpc.aio.ServicerContext) -> None:
-        """Stop the session's speculative Draft, if one runs, and wait until it has stopped (at
-        most its level forward in flight)."""
-        running = self._speculative.get(session_id)
+        """Stop the session's speculative or supersedable Draft, if one runs, and wait until it
+        has stopped (at most its level forward in flight)."""
+        running = self._supersedable.get(session_id)
         if running is None:
             return
         self._owner(session_id, context)  # only the session's own caller may cancel it
@@ -150,7 +151,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
             tree = draft_round(d.spec, next_logits, d.params, d.params.seed, d.committed_length)
             likely = _guess_next(forward, sid, tree, nodes) if d.guess_next else []
         except RequestCancelled:
-            if not d.speculative:
+            if not d.superseded_by_next:
                 raise
             # Superseded: nothing ran (the pending tree stays) or what was fed stays committed
             # (the next Draft's position rolls it back); its half-built tree is dropped.

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -41,9 +43,10 @@ from gateway.requests import GenerationPlan
 from gateway.rounds import _STUBS, GatewayEnv, GatewayError, Piece, SessionRun
 from gateway.text import TextStream
 from specmesh.core.drafting import TreeSpec
-from specmesh.core.dsi import Block, DsiState, Outcome, acceptance_from_blocks, drafting_limit
+from specmesh.core.dsi import Block, DsiState, Outcome, acceptance_from_blocks, drafting_limit, guards
 from specmesh.core.methods import Method
 from specmesh.core.stats import GenerationStats
+from specmesh.core.tree import chain_suffix
 from specmesh.rpc import wire
 from specmesh.rpc.round_client import Role, needs_resync
 
@@ -60,8 +63,9 @@ class _Call:
     address: str
     context: list[int]  # Draft: the context drafted after; Verify: the block's prefix
     version: int  # the DsiState version it was started under
-    block: Block | None = None  # Verify only
+    block: Block | None = None  # Verify of a block
     rows: int = 0  # Verify only: the forward's query rows (new prefix tokens and drafts)
+    guard: int | None = None  # a guard's Verify (no drafts): the position it may decide
 
 
 @dataclass
@@ -94,6 +98,8 @@ class DsiRun(SessionRun):
         self.verify_cost = verify_cost
         self.lookahead, self.parallel, self.ahead = lookahead, parallel, ahead
         self.unresolved = drafting_limit(parallel, ahead)
+        self.guarding = guards(parallel, ahead, lookahead)
+        self.guard_rounds = 0  # verifications that were guards, among the stats' rounds
         self.state = DsiState(self.tokens)
         self.held: dict[str, list[int]] = {}  # replica -> the tokens it surely holds
         self.calls: dict[asyncio.Future, _Call] = {}
@@ -103,6 +109,12 @@ class DsiRun(SessionRun):
         self.max_in_flight = 0
         self.failures = 0  # replica failures since the last commit
         self.since = time.perf_counter()
+        self.timeline: list[dict] = []  # what happened to each block, when (GatewayEnv.dsi_timeline)
+        self._t0 = self.since
+
+    def _event(self, event: str, **fields: Any) -> None:
+        if self.env.dsi_timeline is not None:
+            self.timeline.append({"t": time.perf_counter() - self._t0, "event": event, **fields})
 
     def stats_message(self) -> Any:
         msg = super().stats_message()
@@ -115,12 +127,25 @@ class DsiRun(SessionRun):
         self._cancel_all()
         await asyncio.gather(*self.calls, return_exceptions=True)
         self.calls.clear()
-        if self.stats.rounds:  # what the next session's choice of shape starts from
-            mean = self.stats.accepted_tokens / self.stats.rounds
+        if self.env.dsi_timeline is not None:
+            self._write_timeline(self.env.dsi_timeline)
+        if self.stats.rounds > self.guard_rounds:  # what the next session's choice of shape starts from
+            mean = self.stats.accepted_tokens / (self.stats.rounds - self.guard_rounds)
             seen = acceptance_from_blocks(mean, self.lookahead)
             old = self.env.dsi_acceptance
             self.env.dsi_acceptance = ACCEPTANCE_DECAY * old + (1 - ACCEPTANCE_DECAY) * seen
         await super()._cleanup()
+
+    def _write_timeline(self, folder: Path) -> None:
+        record = {
+            "session": self.id,
+            "lookahead": self.lookahead,
+            "parallel": self.parallel,
+            "ahead": self.ahead,
+            "events": self.timeline,
+        }
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{self.id}.json").write_text(json.dumps(record))
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -150,7 +175,9 @@ class DsiRun(SessionRun):
         stats = dataclasses.replace(stats, total_seconds=now - self.since, network_seconds=0.0)
         self.since, self.failures = now, 0
         lengths = {address: len(tokens) for address, tokens in self.held.items()}
+        self._event("commit", tokens=len(kept))
         piece = await self._commit(kept, finish, stats, lengths, began)
+        self._event("committed", tokens=len(kept))
         if piece is None:  # Redis is at another round: take its tokens, speculate afresh
             piece = await self._resume_from_store()
             self._restart()
@@ -176,8 +203,10 @@ class DsiRun(SessionRun):
                     break
                 self._verify(self.queued.pop(0), address)
             room = self.plan.max_new_tokens - (self.state.context_length - len(self.plan.prompt_ids))
+            if self.guarding and room > 0 and self._in_flight(Role.VERIFIER) + 1 < self.parallel:
+                self._guard()
             if self._in_flight(Role.DRAFTER) == 0 and len(self.state.blocks) < self.unresolved and room > 0:
-                self._draft(min(self.lookahead, room))
+                self._draft(min(self.state.next_depth(self.lookahead, self.parallel), room))
             if self.calls or not (self.queued or room > 0) or not wait:
                 return
             pool = self.env.pool(Role.VERIFIER if self.queued else Role.DRAFTER)
@@ -218,21 +247,57 @@ class DsiRun(SessionRun):
         self.touched.add((Role.DRAFTER, address))
         context = self.state.context()
         position = self._position(address, context)
+        spec = TreeSpec(Method.CHAIN, depth=depth)
+        # supersedable: after a rejection the next Draft stops this one at its next level instead
+        # of being refused while it runs on
         request = wire.draft_request(
-            self.id, position, context[position:], self.plan.params, TreeSpec(Method.CHAIN, depth=depth)
+            self.id, position, context[position:], self.plan.params, spec, supersedable=True
         )
         stub = _STUBS[Role.DRAFTER](self.env.pool(Role.DRAFTER).channel(address))
         call = _Call(Role.DRAFTER, address, context, self.state.version)
+        self._event(
+            "draft",
+            replica=address,
+            version=self.state.version,
+            start=len(context),
+            fed=len(context) - position,
+        )
         self._start(stub.Draft(request, timeout=self._time_left(), metadata=self.client.metadata), call)
 
+    def _guard(self) -> None:
+        """A target-only forward on the committed tokens, while no block is unresolved (and a
+        second verifier is left for the block being drafted): it decides the next position
+        (specmesh.core.dsi)."""
+        if self.state.blocks or self.state.guard is not None:
+            return
+        address = self._free_verifier(self.state.committed)
+        if address is None or (at := self.state.start_guard()) is None:
+            return
+        prefix = list(self.state.committed)
+        position = self._position(address, prefix)
+        request = wire.verify_request(self.id, position, prefix[position:], self.plan.params, None)
+        stub = _STUBS[Role.VERIFIER](self.env.verifiers.channel(address))
+        self.touched.add((Role.VERIFIER, address))
+        call = _Call(
+            Role.VERIFIER, address, prefix, self.state.version, rows=len(prefix) - position, guard=at
+        )
+        self._event("guard", position=at, replica=address, rows=call.rows)
+        self._start(stub.Verify(request, timeout=self._time_left(), metadata=self.client.metadata), call)
+        self.max_in_flight = max(self.max_in_flight, self._in_flight(Role.VERIFIER))
+
     def _verify(self, block: Block, address: str) -> None:
+        self.state.mark_sent(block)
         prefix = self.state.prefix(block)
         position = self._position(address, prefix)
-        request = wire.verify_request(self.id, position, prefix[position:], self.plan.params, block.draft)
+        tree = block.draft
+        if block.skip:  # its first tokens were decided while it was drafted: verify the rest
+            tree = wire.tree_to_proto(chain_suffix(wire.tree_from_proto(tree, tree.vocab_size), block.skip))
+        request = wire.verify_request(self.id, position, prefix[position:], self.plan.params, tree)
         stub = _STUBS[Role.VERIFIER](self.env.verifiers.channel(address))
         self.touched.add((Role.VERIFIER, address))
         rows = len(prefix) - position + len(block.tokens)
         call = _Call(Role.VERIFIER, address, prefix, self.state.version, block, rows)
+        self._event("verify", block=block.id, replica=address, rows=rows)
         self._start(stub.Verify(request, timeout=self._time_left(), metadata=self.client.metadata), call)
         self.max_in_flight = max(self.max_in_flight, self._in_flight(Role.VERIFIER))
 
@@ -242,30 +307,69 @@ class DsiRun(SessionRun):
     async def _settle(self, future: asyncio.Future) -> tuple[GenerationStats, list[int]]:
         """A finished call: its effect on the state -> (stats of applied verdicts, tokens committed)."""
         call = self.calls.pop(future)
-        if future.cancelled():
-            return GenerationStats(), []
-        error = future.exception()
-        if error is not None:
+        if future.cancelled() or future.exception() is not None:
+            what = {"role": call.role.value, "replica": call.address, "block": _block_id(call)}
+            if call.guard is not None:  # the blocks that assumed its token go with it
+                res = self.state.abandon_guard(call.guard)
+                self._drop(res.cancelled, res.restart)
+            if future.cancelled():
+                self._event("call_cancelled", **what)
+                return GenerationStats(), []
+            error = future.exception()
+            assert error is not None
+            self._event("call_failed", **what, error=repr(error)[:200])
             await self._failed(call, error)
             return GenerationStats(), []
         response = future.result()
         if call.role is Role.DRAFTER:
             self.held[call.address] = call.context
-            block = self.state.add(list(response.tree.tokens), call.version, response.tree)
+            block = self.state.add(list(response.tree.tokens), call.version, response.tree, len(call.context))
+            self._event(
+                "drafted",
+                replica=call.address,
+                block=None if block is None else block.id,
+                skip=0 if block is None else block.skip,
+                tokens=list(response.tree.tokens),
+                version=call.version,
+                draft_seconds=response.draft_seconds,
+            )
             if block is not None:
                 self.queued.append(block)
                 self.spent[block.id] = _Spent(response.draft_calls, response.draft_seconds)
             return GenerationStats(), []
         verdict = wire.verdict_from_proto(response)
-        block = call.block
-        assert block is not None
         self.held[call.address] = call.context + list(verdict.accepted_tokens)
-        if block.id in self.spent:
-            self.spent[block.id].verify_seconds += response.forward_seconds
         self._learn_forward_scale(response.forward_seconds, call.rows)
-        res = self.state.finish(block.id, Outcome(len(verdict.accepted_tokens), verdict.next_token))
-        self._drop(res.cancelled, res.restart)
         stats = GenerationStats()
+        if call.guard is not None:
+            res = self.state.finish_guard(call.guard, verdict.next_token)
+            self._event(
+                "guarded", position=call.guard, replica=call.address, token=verdict.next_token,
+                decided=bool(res.emitted),
+            )  # fmt: skip
+            if res.emitted:  # a target-only round
+                self.guard_rounds += 1
+                stats += GenerationStats.for_round(
+                    drafted_tokens=0, accepted_tokens=0, tree_depth=0, verify_seconds=response.forward_seconds
+                )
+        else:
+            block = call.block
+            assert block is not None
+            if block.id in self.spent:
+                self.spent[block.id].verify_seconds += response.forward_seconds
+            res = self.state.finish(block.id, Outcome(len(verdict.accepted_tokens), verdict.next_token))
+            self._event(
+                "verdict",
+                block=block.id,
+                replica=call.address,
+                accepted=len(verdict.accepted_tokens),
+                forward_seconds=response.forward_seconds,
+            )
+        for b, out in res.resolved:
+            self._event("resolved", block=b.id, accepted=out.accepted)
+        for b in res.cancelled:
+            self._event("cancelled", block=b.id)
+        self._drop(res.cancelled, res.restart)
         for b, out in res.resolved:
             spent = self.spent.pop(b.id, _Spent())
             stats += GenerationStats.for_round(
@@ -288,7 +392,8 @@ class DsiRun(SessionRun):
     def _drop(self, cancelled: list[Block], restart: bool) -> None:
         """Cancel the calls of thrown-away speculation (their replicas keep what they surely held)."""
         gone = {b.id for b in cancelled}
-        self.queued = [b for b in self.queued if b.id not in gone]
+        # as they stand now: a bonus may have decided a queued block's first token (DsiState._cascade)
+        self.queued = [c for b in self.queued if (c := self.state.current(b)) is not None]
         for b in cancelled:
             self.spent.pop(b.id, None)
         for future, call in self.calls.items():
@@ -319,6 +424,10 @@ class DsiRun(SessionRun):
         await self._recover_from(call.role, call.address, error)
         if call.role is Role.DRAFTER:
             self.addresses.pop(Role.DRAFTER, None)
+
+
+def _block_id(call: _Call) -> int | None:
+    return None if call.block is None else call.block.id
 
 
 def _shared(a: list[int], b: list[int]) -> int:

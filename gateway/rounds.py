@@ -35,6 +35,7 @@ import time
 import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -114,6 +115,7 @@ class GatewayEnv:
     # DSI verifications' time over the verifier's start-up cost for their rows, decayed, with the
     # drafter working ahead (True) and not (False): their ratio is what drafting beside costs
     dsi_forward_scale: dict[bool, float] = dataclasses.field(default_factory=lambda: {True: 1.0, False: 1.0})
+    dsi_timeline: Path | None = None  # a folder: each DSI session writes its blocks' timeline there
 
     def dsi_overlap_slowdown(self) -> float:
         return self.dsi_forward_scale[True] / self.dsi_forward_scale[False]

@@ -20,6 +20,7 @@ import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -83,6 +84,7 @@ class GatewayConfig(ServerConfig):
     retry_budget: float
     health_interval: float
     dsi_max_parallel: int
+    dsi_timeline: str
     pipeline: str
     http_port: int
     served_model_name: str
@@ -150,6 +152,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
         "seconds between health checks of the replicas (also the cooldown after a failure)",
     ),
     "dsi_max_parallel": (int, "DSI: the most verifications of one session in flight at once"),
+    "dsi_timeline": (
+        str,
+        "benchmarks: a folder where every DSI session writes when each block was drafted, sent, "
+        "verified, resolved or cancelled, and on which replica (JSON per session; empty = off)",
+    ),
     "pipeline": (
         str,
         "pipelined rounds: the drafter drafts round r+1 on the likely path while round r is verified. "
@@ -202,6 +209,7 @@ DEFAULTS: dict[str, Any] = {
     "retry_budget": 0.2,
     "health_interval": 1.0,
     "dsi_max_parallel": 4,
+    "dsi_timeline": "",
     "pipeline": "auto",
     "http_port": 8000,
     "served_model_name": "",
@@ -267,6 +275,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             max_attempts=config.max_attempts,
             retries=RetryBudget(ratio=config.retry_budget),
             pipeline=PipelinePolicy(Pipelining.parse(config.pipeline)),
+            dsi_timeline=Path(config.dsi_timeline) if config.dsi_timeline else None,
         )
         self.model: ServedModel | None = None
         self._not_ready = "waiting for a healthy verifier to learn the model"

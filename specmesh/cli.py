@@ -97,18 +97,44 @@ def _bench_report(args: argparse.Namespace) -> int:
 
 
 def _bench_dsi_stack(args: argparse.Namespace) -> int:
-    from specmesh.bench.dsi_stack import TABLE2_ROWS, StackBenchConfig, bench_dsi_stack, markdown, write
+    from specmesh.bench.dsi_stack import (
+        RATIO_ROWS,
+        TABLE2_ROWS,
+        StackBenchConfig,
+        bench_dsi_stack,
+        markdown,
+        write,
+    )
 
     cfg = StackBenchConfig(
-        rows=TABLE2_ROWS[: args.rows],
+        rows=(TABLE2_ROWS if args.table2 else RATIO_ROWS)[: args.rows],
+        pipeline=args.pipeline,
         verifiers=tuple(range(1, args.verifiers + 1)),
         lookahead=args.lookahead,
         prompts=args.prompts,
         max_new_tokens=args.max_new_tokens,
     )
     rows = bench_dsi_stack(cfg)
-    write(rows, cfg, args.json, args.markdown)
+    write(rows, cfg, args.json, args.markdown, args.plot)
     print(markdown(rows, cfg))
+    return 0
+
+
+def _bench_dsi_timeline(args: argparse.Namespace) -> int:
+    from specmesh.bench.dsi_timeline import TimelineBenchConfig, bench_dsi_timeline, markdown, write
+
+    cfg = TimelineBenchConfig(
+        draft_ms=args.draft_ms,
+        target_ms=args.target_ms,
+        verifiers=args.verifiers,
+        lookahead=args.lookahead,
+        parallel=tuple(args.parallel),
+        max_new_tokens=args.max_new_tokens,
+        pipeline=args.pipeline,
+    )
+    result = bench_dsi_timeline(cfg)
+    write(result, args.json, args.markdown, args.plot)
+    print(markdown(result))
     return 0
 
 
@@ -164,8 +190,9 @@ def _bench_gateway(args: argparse.Namespace) -> int:
     from specmesh.bench.gateway import bench_gateway
 
     results = bench_gateway(
-        args.address, args.prompts, args.max_new_tokens, tuple(args.temperatures), args.engine_json, args.dsi
-    )
+        args.address, args.prompts, args.max_new_tokens, tuple(args.temperatures), args.engine_json, args.dsi,
+        chat=args.chat,
+    )  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -571,10 +598,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     dsi_stack = bench.add_parser(
         "dsi-stack",
-        help="DSI vs SI vs plain through a real stack on tiny models with Table 2 latencies, "
-        "against the DSI simulation (~5 min)",
+        help="DSI vs SI vs plain through a real stack on tiny models with emulated latencies, "
+        "against the DSI simulation and closed form (~6 min)",
     )
-    dsi_stack.add_argument("--rows", type=int, default=3, help="how many of the Table 2 latency rows")
+    dsi_stack.add_argument("--rows", type=int, default=3, help="how many of the latency rows")
+    dsi_stack.add_argument(
+        "--table2",
+        action="store_true",
+        help="the DSI paper's Table 2 latencies instead of cost ratios 0.05/0.15/0.5",
+    )
+    dsi_stack.add_argument("--pipeline", default="off", help="the gateway's --pipeline (off: the paper's SI)")
+    dsi_stack.add_argument("--plot", help="write the plot here (png)")
     dsi_stack.add_argument("--verifiers", type=int, default=4, help="DSI with 1..N verifications in flight")
     dsi_stack.add_argument("--lookahead", type=int, default=3)
     dsi_stack.add_argument("--prompts", type=int, default=6)
@@ -582,6 +616,27 @@ def build_parser() -> argparse.ArgumentParser:
     dsi_stack.add_argument("--json", help="write the rows here")
     dsi_stack.add_argument("--markdown", help="write the table here")
     dsi_stack.set_defaults(func=_bench_dsi_stack)
+
+    timeline = bench.add_parser(
+        "dsi-timeline",
+        help="DSI against SI and plain decoding with emulated GPU-like latencies, acceptance 1, and one "
+        "DSI session's timeline drawn (~2 min)",
+    )
+    timeline.add_argument("--draft-ms", type=float, default=10.0, help="the drafter's forward")
+    timeline.add_argument("--target-ms", type=float, default=100.0, help="a verifier's forward")
+    timeline.add_argument("--verifiers", type=int, default=4)
+    timeline.add_argument("--lookahead", type=int, default=4)
+    timeline.add_argument(
+        "--parallel", type=int, nargs="+", default=[4, 2], help="DSI shapes to run; the first is drawn"
+    )
+    timeline.add_argument("--max-new-tokens", type=int, default=64)
+    timeline.add_argument(
+        "--pipeline", default="auto", help="the gateway's --pipeline (off: serial SI rounds)"
+    )
+    timeline.add_argument("--json", help="write the rows and the drawn timeline here")
+    timeline.add_argument("--markdown", help="write the table here")
+    timeline.add_argument("--plot", help="write the timeline's plot here (png)")
+    timeline.set_defaults(func=_bench_dsi_timeline)
 
     mesh = bench.add_parser(
         "mesh",
@@ -635,6 +690,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument(
         "--dsi", type=int, default=0, metavar="P", help="rows none, chain-3 (SI) and DSI-3 with P in flight"
     )
+    gw.add_argument("--chat", action="store_true", help="the chat questions as user messages, not HumanEval")
     gw.add_argument("--json", help="also write the results here")
     gw.set_defaults(func=_bench_gateway)
 

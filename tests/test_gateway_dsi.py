@@ -140,7 +140,11 @@ def test_dsi_greedy_equals_the_targets_greedy_decode(
     assert 1 <= stats.dsi_max_in_flight <= parallel
     if parallel > 1:
         assert stats.dsi_max_in_flight > 1  # verifications really overlapped
-    assert stats.accepted_tokens > 0 and stats.generated_tokens == n
+    assert stats.generated_tokens == n and stats.drafted_tokens > 0
+    if parallel == 1:
+        assert stats.accepted_tokens > 0
+    # else guards run: they decide each position where this noisy pair disagrees (its greedy
+    # agreement is ~0.2), and a block's first token when it matches, so accepted may be 0
     assert_released(dsi_stack, raw_redis)
 
 
@@ -159,19 +163,20 @@ def test_the_gateway_chooses_when_dsi_leaves_depth_and_parallel_unset(stub, targ
         assert reply.stats.dsi_parallel == reply.stats.dsi_max_in_flight == 1
 
 
-def test_with_one_verifier_and_a_fast_drafter_the_gateway_takes_si_schedule(
+def test_with_one_verifier_the_gateway_chooses_the_schedule_and_a_set_parallel_is_kept(
     one_verifier_stub, dsi_stack, raw_redis, target_greedy
 ) -> None:
-    # One verifier, 1-token blocks drafted in 2 ms against a 40 ms forward: drafting ahead would
-    # save 2 ms per accepted block and lose its bonus token, so the gateway does not (stats say so),
-    # and the output is still the target's greedy decode. A parallel the request sets is kept.
+    # One verifier: left to the gateway, the schedule (drafting ahead or SI's, which
+    # tests/test_dsi.py shows choose_shape picking from costs) is reported in the stats, one
+    # verification at a time; a parallel the request sets drafts ahead. Both give the target's
+    # greedy decode.
     n = 30
     auto = one_verifier_stub.Generate(dsi_request(n, parallel=0, depth=1), timeout=120)
     fixed = one_verifier_stub.Generate(dsi_request(n, parallel=1, depth=1), timeout=120)
     assert list(auto.token_ids) == list(fixed.token_ids) == target_greedy[:n]
-    assert (auto.stats.dsi_lookahead, auto.stats.dsi_parallel, auto.stats.dsi_ahead) == (1, 1, False)
+    assert (auto.stats.dsi_lookahead, auto.stats.dsi_parallel) == (1, 1)
     assert auto.stats.dsi_max_in_flight == 1
-    assert (fixed.stats.dsi_parallel, fixed.stats.dsi_ahead) == (1, True)
+    assert (fixed.stats.dsi_parallel, fixed.stats.dsi_ahead, fixed.stats.dsi_max_in_flight) == (1, True, 1)
     assert_released(dsi_stack, raw_redis)
 
 

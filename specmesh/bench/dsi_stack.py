@@ -1,19 +1,22 @@
 """`specmesh bench dsi-stack`: DSI against SI and plain decoding through a real stack, next to the
-DSI simulation's prediction for the same latencies and the measured acceptance.
+DSI simulation's prediction and the closed form for the same latencies and the measured acceptance.
 
-Two real 1.5B verifiers cannot run in parallel on a 2-core machine, so the stack runs tiny models
-(specmesh.bench.tiny) whose services take the per-forward latencies of a row of the DSI paper's
-Table 2 (`--forward-latency-ms`: every forward lasts at least that long, the rest slept, so
-replicas overlap like separate GPUs would). One `specmesh up` per row with one drafter and
-max(verifiers) verifiers; per row: plain decoding, SI (chain of `lookahead`), and DSI with 1..N
-verifications in flight. Greedy decoding, so acceptance is the paper's exact-match rate.
+Several real verifiers cannot run in parallel on a 2-core machine, so the stack runs tiny models
+(specmesh.bench.tiny) whose services take emulated per-forward latencies (`--forward-latency-ms`:
+every forward lasts at least that long, the rest slept, so replicas overlap like separate GPUs
+would): by default a 40 ms target and drafter / target cost ratios of 0.05, 0.15 and 0.5, or
+(--table2) rows of the DSI paper's Table 2. One `specmesh up` per row with one drafter and
+max(verifiers) verifiers; per row: plain decoding, SI (chain of `lookahead`; serial rounds unless
+--pipeline says otherwise), DSI with 1..N verifications in flight, and DSI with its shape left to
+the gateway. Greedy decoding, so acceptance is the exact-match rate.
 
-The prediction: per-token acceptance a from SI's accepted tokens per round (the truncated geometric
-mean inverted); SI's time per token (L·t_d + t_t) / (1 + a + ... + a^L); DSI's from the
-virtual-time run of the same coordinator (specmesh.core.dsi.iid_latency). It is given twice: with
-the row's latencies, and with the latencies the stack really shows in SI's rounds (a block's draft
-time as the drafter reports it, per token; the rest of a round, i.e. the verify forward plus gRPC,
-queueing and the Redis commit, as the target's). The 15 % check uses the second.
+The predictions: per-token acceptance a from SI's accepted tokens per round (the truncated
+geometric mean inverted); SI's time per token (L·t_d + t_t) / (1 + a + ... + a^L); DSI's from the
+virtual-time run of the same coordinator (specmesh.core.dsi.iid_latency), and the closed form with
+the guard (enough verifiers assumed). The simulation is given twice: with the row's latencies, and
+with the latencies the stack really shows in SI's rounds (a block's draft time as the drafter
+reports it, per token; the rest of a round, i.e. the verify forward plus gRPC, queueing and the
+Redis commit, as the target's). The 15 % checks use the second.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class LatencyRow:
     name: str
     target_ms: float
     draft_ms: float
-    acceptance: float  # the paper's (exact-match) rate
+    acceptance: float | None  # the paper's (exact-match) rate, for a Table 2 row
     noise: float  # the tiny draft's distance from its target that comes near that rate (measured)
 
 
@@ -50,16 +53,19 @@ TABLE2_ROWS = (
     LatencyRow("StarCoder-15B / StarCoder-168M, HumanEval", 20.6, 6.8, 0.93, 0.0008),
     LatencyRow("Phi3-14B / Phi3-4B, Alpaca", 49.6, 33.4, 0.87, 0.0012),
 )
+# Drafter / target cost ratios c of 0.05, 0.15 and 0.5 on a 40 ms target, acceptance ~0.8.
+RATIO_ROWS = tuple(LatencyRow(f"c = {c:g}", 40.0, 40.0 * c, None, 0.0012) for c in (0.05, 0.15, 0.5))
 
 
 @dataclass(frozen=True)
 class StackBenchConfig:
-    rows: Sequence[LatencyRow] = TABLE2_ROWS
+    rows: Sequence[LatencyRow] = RATIO_ROWS
     verifiers: Sequence[int] = (1, 2, 3, 4)
     lookahead: int = 3
     prompts: int = 6
     max_new_tokens: int = 96
     seed: int = 0
+    pipeline: str = "off"  # the gateway's --pipeline: off is the paper's (serial) SI
     extra: dict = field(default_factory=dict)
 
 
@@ -73,6 +79,15 @@ def si_seconds_per_token(acceptance: float, lookahead: int, draft_s: float, targ
     """SI under the i.i.d. model: one block of drafts and one target forward per round."""
     tokens = sum(acceptance**i for i in range(lookahead + 1))
     return (lookahead * draft_s + target_s) / tokens
+
+
+def closed_form_dsi_vs_si(acceptance: float, lookahead: int, cost_ratio: float) -> float:
+    """DSI's speed over SI's in the closed forms (time per token in target forwards, enough
+    verifiers): DSI with the guard (1 - a)(1 + a k c / (1 - a^k)); SI (1 + k c)(1 - a) / (1 - a^(k+1))."""
+    a, k, c = min(acceptance, 0.999), lookahead, cost_ratio
+    dsi = (1 - a) * (1 + a * k * c / (1 - a**k))
+    si = (1 + k * c) * (1 - a) / (1 - a ** (k + 1))
+    return si / dsi
 
 
 def dsi_seconds_per_token(
@@ -97,7 +112,7 @@ def _bench_row(
         *("--draft", str(models["draft"]), "--target", str(models["target"]), "--dtype", "fp32"),
         *("--draft-dtype", "fp32", "--drafters", "1", "--verifiers", str(most)),
         *("--drafter-flags", f"{service} {row.draft_ms}", "--verifier-flags", f"{service} {row.target_ms}"),
-        *("--gateway-flags", f"--dsi-max-parallel {most}"),
+        *("--gateway-flags", f"--dsi-max-parallel {most} --pipeline {cfg.pipeline}"),
     ]
     chain = TreeSpec(Method.CHAIN, depth=cfg.lookahead)
 
@@ -110,6 +125,7 @@ def _bench_row(
         run(chain)  # warm-up: connections, the drafter's and verifiers' first sessions
         plain, si = run(TreeSpec(Method.NONE)), run(chain)
         dsi = {sp: run(chain, sp) for sp in cfg.verifiers}
+        auto = run(chain, 0)  # the gateway chooses: SI's schedule or DSI, and how many in flight
     t_d, t_t = row.draft_ms / 1000, row.target_ms / 1000
     a = acceptance_from_blocks(si["accepted_tokens"] / si["target_calls"], cfg.lookahead)
     # The stack's own latencies, from SI's rounds: a block's draft as the drafter reports it, and
@@ -117,6 +133,8 @@ def _bench_row(
     draft_block = si["draft_seconds"] / si["target_calls"]
     rest = si["seconds"] / si["target_calls"] - draft_block
     si_tps = si["tokens"] / si["seconds"]
+    auto_tps = auto["tokens"] / auto["seconds"]
+    closed = closed_form_dsi_vs_si(a, cfg.lookahead, draft_block / cfg.lookahead / rest)
     out = []
     for sp, m in dsi.items():
         tps = m["tokens"] / m["seconds"]
@@ -144,9 +162,14 @@ def _bench_row(
                 dsi_tps=tps,
                 dsi_max_in_flight=m["dsi_max_in_flight"],
                 measured_dsi_vs_si=tps / si_tps,
+                measured_dsi_vs_plain=tps / (plain["tokens"] / plain["seconds"]),
                 predicted_dsi_vs_si=predicted["paper_latencies"],
                 predicted_dsi_vs_si_stack=predicted["stack_latencies"],
                 within_15pct=abs(tps / si_tps / predicted["stack_latencies"] - 1) <= 0.15,
+                closed_form_dsi_vs_si=closed,
+                within_15pct_closed_form=abs(tps / si_tps / closed - 1) <= 0.15,
+                auto_tps=auto_tps,
+                auto_shape=auto["dsi_shapes"],
             )
         )
         print(json.dumps(out[-1]), flush=True)
@@ -159,39 +182,98 @@ def bench_dsi_stack(cfg: StackBenchConfig) -> list[dict]:
 
 
 def markdown(rows: list[dict], cfg: StackBenchConfig) -> str:
+    si = "the paper's serial SI" if cfg.pipeline == "off" else f"SI with `--pipeline {cfg.pipeline}`"
     lines = [
-        "# DSI through a real stack, against the simulation",
+        "# DSI through a real stack, against the simulation and the closed form",
         "",
         "Written by `specmesh bench dsi-stack --json docs/benchmarks/dsi_stack.json --markdown "
-        "docs/benchmarks/dsi_stack.md`. One `specmesh up` per row: Redis, one drafter, four verifiers, "
-        "the gateway, on tiny random models whose forwards last the row's latencies "
-        "(`--forward-latency-ms`), so verifiers overlap like separate accelerators. "
-        f"Greedy, lookahead {cfg.lookahead}, {cfg.prompts} prompts x {cfg.max_new_tokens} tokens, one "
-        "stream at a time. Latencies *in the stack*: from SI's rounds, a block's draft time as the "
-        "drafter reports it (per token) and the rest of a round (verify forward, gRPC, queueing, the "
-        "Redis commit). Predictions: SI by (L t_d + t_t) / (1 + a + ... + a^L), DSI by the "
-        "coordinator's virtual-time run (`specmesh.core.dsi.iid_latency`), with the measured per-token "
-        "acceptance a. *In flight*: the most verifications the gateway had out at once.",
+        "docs/benchmarks/dsi_stack.md --plot docs/benchmarks/dsi_stack.png`. One `specmesh up` per row: "
+        "Redis, one drafter, four verifiers, the gateway, on a tiny random pair (the draft a noisy copy "
+        "of the target) whose forwards last the row's latencies (`--forward-latency-ms`), so verifiers "
+        f"overlap like separate accelerators. Greedy, lookahead {cfg.lookahead}, {cfg.prompts} prompts x "
+        f"{cfg.max_new_tokens} tokens, one stream at a time, one run each; SI is {si}. Latencies *in the "
+        "stack*: from SI's rounds, a block's draft time as the drafter reports it (per token) and the "
+        "rest of a round (verify forward, gRPC, queueing, the Redis commit). Predictions of DSI/SI, "
+        "with the measured per-token acceptance a and the stack's latencies (c = t_draft / t_target): "
+        "*simulated*, SI by (L t_d + t_t) / (1 + a + ... + a^L) against the coordinator's virtual-time "
+        "run at that SP (`specmesh.core.dsi.iid_latency`, guards included); *closed form*, DSI with the "
+        "guard (1 - a)(1 + a k c / (1 - a^k)) against SI's (1 + k c)(1 - a) / (1 - a^(k+1)), which "
+        "assumes enough verifiers. *In flight*: the most verifications the gateway had out at once.",
         "",
-        "| latencies (Table 2 row) | t_target / t_draft ms: set | in the stack | a (paper) | SP | in flight "
-        "| plain | SI | DSI | DSI/SI measured | predicted: set | in the stack | within 15 % |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| row | t_target / t_draft ms: set | in the stack | a | SP | in flight | plain tok/s | SI | DSI "
+        "| DSI/SI | DSI/plain | simulated | closed form | within 15 %: sim / closed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        paper = f" ({r['paper_acceptance']:.2f})" if r.get("paper_acceptance") is not None else ""
         lines.append(
             f"| {r['row']} | {r['target_ms']:g} / {r['draft_ms']:g} "
             f"| {r['stack_target_ms']:.1f} / {r['stack_draft_ms']:.1f} "
-            f"| {r['acceptance']:.2f} ({r['paper_acceptance']:.2f}) "
+            f"| {r['acceptance']:.2f}{paper} "
             f"| {r['sp']} | {r['dsi_max_in_flight']} | {r['plain_tps']:.1f} "
             f"| {r['si_tps']:.1f} | {r['dsi_tps']:.1f} | {r['measured_dsi_vs_si']:.2f}x "
-            f"| {r['predicted_dsi_vs_si']:.2f}x | {r['predicted_dsi_vs_si_stack']:.2f}x "
-            f"| {'yes' if r['within_15pct'] else 'NO'} |"
+            f"| {r['measured_dsi_vs_plain']:.2f}x | {r['predicted_dsi_vs_si_stack']:.2f}x "
+            f"| {r['closed_form_dsi_vs_si']:.2f}x "
+            f"| {_yes(r['within_15pct'])} / {_yes(r['within_15pct_closed_form'])} |"
+        )
+    lines += [
+        "",
+        "The gateway's own choice (`parallel` and SI's schedule left to it, lookahead set) against the "
+        "best of plain, SI and every DSI SP above:",
+        "",
+        "| row | chosen (lookahead, parallel, ahead) | tok/s | best of the rest | chosen / best |",
+        "|---|---|---|---|---|",
+    ]
+    for name in dict.fromkeys(r["row"] for r in rows):
+        mine = [r for r in rows if r["row"] == name]
+        first = mine[0]
+        best = max(first["plain_tps"], first["si_tps"], *(r["dsi_tps"] for r in mine))
+        shape = ", ".join(str(tuple(s)) for s in first["auto_shape"])
+        lines.append(
+            f"| {name} | {shape} | {first['auto_tps']:.1f} | {best:.1f} | {first['auto_tps'] / best:.2f}x |"
         )
     return "\n".join(lines) + "\n"
 
 
-def write(rows: list[dict], cfg: StackBenchConfig, json_path: str | None, md_path: str | None) -> None:
+def _yes(ok: bool) -> str:
+    return "yes" if ok else "NO"
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["row"] for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.5), sharey=True, squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        mine = [r for r in rows if r["row"] == name]
+        sp = [r["sp"] for r in mine]
+        ax.plot(sp, [r["measured_dsi_vs_si"] for r in mine], "o-", label="DSI/SI measured")
+        ax.plot(sp, [r["measured_dsi_vs_plain"] for r in mine], "s-", label="DSI/plain measured")
+        ax.plot(sp, [r["predicted_dsi_vs_si_stack"] for r in mine], "--", label="DSI/SI simulated")
+        ax.plot(sp, [r["closed_form_dsi_vs_si"] for r in mine], ":", label="DSI/SI closed form")
+        ax.axhline(1.0, color="black", linewidth=0.6)
+        ax.set_title(f"{name}, a = {mine[0]['acceptance']:.2f}")
+        ax.set_xlabel("SP (verifications in flight at most)")
+        ax.set_xticks(sp)
+    axes[0][0].set_ylabel("speed ratio")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def write(
+    rows: list[dict],
+    cfg: StackBenchConfig,
+    json_path: str | None,
+    md_path: str | None,
+    plot_path: str | None = None,
+) -> None:
     if json_path:
         Path(json_path).write_text(json.dumps({"config": asdict(cfg), "rows": rows}, indent=1))
     if md_path:
         Path(md_path).write_text(markdown(rows, cfg))
+    if plot_path:
+        plot(rows, plot_path)

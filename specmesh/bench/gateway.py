@@ -12,7 +12,7 @@ import json
 import time
 
 from specmesh.bench.engine import DEFAULT_SPECS
-from specmesh.bench.measure import humaneval_prompts, run_gateway
+from specmesh.bench.measure import chat_questions, humaneval_prompts, run_gateway
 from specmesh.core.drafting import TreeSpec
 
 
@@ -23,6 +23,7 @@ def bench_gateway(
     temperatures: tuple[float, ...] = (0.0, 1.0),
     engine_json: str | None = None,
     dsi_parallel: int = 0,
+    chat: bool = False,
 ) -> dict:
     """dsi_parallel > 0: the rows are plain decoding, SI (chain-3), DSI with a lookahead of 3 and
     that many verifications in flight (the paper's DSI, drafting ahead), and DSI with a lookahead of
@@ -32,14 +33,22 @@ def bench_gateway(
     if engine_json:
         with open(engine_json) as f:
             engine = {(r["method"], r["temperature"]): r for r in json.load(f)["rows"]}
-    texts = humaneval_prompts(prompts)
+    texts = chat_questions(prompts) if chat else humaneval_prompts(prompts)
     rows = []
     for temperature in temperatures:
         base = None
         for name, spec, parallel in _rows(dsi_parallel):
             measured = asyncio.run(
                 run_gateway(
-                    address, texts, spec, False, temperature, max_new_tokens, 1, dsi_parallel=parallel
+                    address,
+                    texts,
+                    spec,
+                    False,
+                    temperature,
+                    max_new_tokens,
+                    1,
+                    dsi_parallel=parallel,
+                    chat=chat,
                 )
             )
             row = dict(method=name, temperature=temperature, **measured)

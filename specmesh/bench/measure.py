@@ -111,24 +111,32 @@ def speculation_message(pb2, spec: TreeSpec, adaptive: bool = False, dsi_paralle
 async def _stream(stub, request) -> dict:
     """One streamed generation: chunk arrival times, tokens, final stats."""
     start = time.perf_counter()
-    arrivals, last = [], None
+    arrivals, ids, last = [], [], None
     async for chunk in stub.GenerateStream(request, timeout=900):
         if chunk.token_ids:
             arrivals.append((time.perf_counter() - start, len(chunk.token_ids)))
+            ids += chunk.token_ids
         last = chunk
     if last is None:
         raise RuntimeError("the gateway closed the stream without a chunk")
-    return dict(arrivals=arrivals, seconds=time.perf_counter() - start, stats=last.stats)
+    return dict(arrivals=arrivals, ids=ids, seconds=time.perf_counter() - start, stats=last.stats)
+
+
+def _prompt(pb2, text: str, chat: bool) -> dict:
+    if chat:
+        return dict(chat=pb2.ChatPrompt(messages=[pb2.ChatMessage(role="user", content=text)]))
+    return dict(prompt=text)
 
 
 async def run_gateway(
     address: str, texts: list[str], spec: TreeSpec | None, adaptive: bool, temperature: float, max_new: int,
-    concurrency: int, dsi_parallel: int | None = None,
+    concurrency: int, dsi_parallel: int | None = None, keep_ids: bool = False, chat: bool = False,
 ) -> dict:  # fmt: skip
     """`concurrency` streams at once, each its own prompt (seed 1000 + i); sequential batches
     until every text is done. spec None: no speculation field (the gateway's default);
     dsi_parallel: DSI with spec's depth as the lookahead. Returns tokens, wall seconds, latencies
-    and summed stats."""
+    and summed stats (keep_ids: and each stream's token ids, `token_ids`). chat: each text is a
+    user message, rendered by the gateway with the target's chat template."""
     pb2, pb2_grpc = load("gateway")
     results, wall = [], 0.0
     async with grpc.aio.insecure_channel(address) as channel:
@@ -136,7 +144,7 @@ async def run_gateway(
         for first in range(0, len(texts), concurrency):
             batch = [
                 pb2.GenerateRequest(
-                    prompt=text,
+                    **_prompt(pb2, text, chat),
                     max_new_tokens=max_new,
                     sampling=pb2.Sampling(temperature=temperature, seed=1000 + first + i),
                     speculation=(
@@ -158,7 +166,9 @@ async def run_gateway(
             prev = at
     stats = [r["stats"] for r in results]  # the final chunks' specmesh.v1.GenerationStats
     rounds = sum(s.target_calls for s in stats)
+    ids = dict(token_ids=[r["ids"] for r in results]) if keep_ids else {}
     return dict(
+        **ids,
         tokens=sum(n for r in results for _, n in r["arrivals"]),
         accepted_tokens=sum(s.accepted_tokens for s in stats),
         dsi_max_in_flight=max((s.dsi_max_in_flight for s in stats), default=0),

@@ -49,6 +49,14 @@ def likely_path(tree: DraftTree) -> list[int]:
     return path[::-1]
 
 
+def agrees(committed: Sequence[int], base: int, assumed: Sequence[int]) -> bool:
+    """Whether the tokens committed after the first `base` are exactly the first of `assumed`: the
+    test a draft made ahead on assumed tokens must pass to be used (here, and DSI's chains drafted
+    ahead of their predecessors' verdicts, specmesh.core.dsi)."""
+    decided = committed[base:]
+    return len(decided) <= len(assumed) and all(a == b for a, b in zip(decided, assumed, strict=False))
+
+
 @dataclass(frozen=True)
 class PreDraft:
     """A tree drafted ahead: `base` committed tokens were known when it was asked for, and it
@@ -60,8 +68,7 @@ class PreDraft:
     def applies(self, committed: Sequence[int]) -> bool:
         """Whether the session's committed tokens are exactly base + assumed: only then is the tree
         the one a serial Draft would draft now."""
-        end = self.base + len(self.assumed)
-        return len(committed) == end and tuple(committed[self.base : end]) == self.assumed
+        return len(committed) == self.base + len(self.assumed) and agrees(committed, self.base, self.assumed)
 
 
 def _ema(old: float | None, new: float, weight: float) -> float:

@@ -14,12 +14,32 @@ applies them strictly in draft order (the oldest unresolved block is "the curren
                                                     cancel every younger block
 
 A verdict for a younger block waits until the older ones are resolved (the paper's Alg. 1
-cascade). Whenever speculation is thrown away (a rejection, or a bonus committed where a block may
-be being drafted) the state's `version` changes: a draft started under an older version is stale.
+cascade). A rejection throws speculation away: the state's `version` changes, and a draft started
+under an older version is stale.
+
+The guard (Alg. 1's target thread): while no block is unresolved, a target-only forward on the
+committed tokens runs, and its token decides the next position, always. A block drafted from that
+position while the guard is in flight is verified from one position later, assuming its first
+token (`assumed`); when the guard answers, that token must be exactly the guard's (the
+exact-match rule, `specmesh.core.ahead.agrees`: the test of every draft made ahead), else the
+block and every younger one are thrown away like a rejection. Tokens committed while a draft was
+being built (by guards, or a bonus token) are matched the same way when it arrives: on a match
+the rest of the draft is the block (`skip` tokens shorter), else the draft is dropped. A fully
+accepted block's bonus token is kept when the next block's verification has not started yet (one
+verifier, busy) and decides that block's first position by the same exact match; once that
+verification has started, it decides the position and the bonus is dropped. So a slow drafter
+never makes DSI slower than the target decoding alone (the guards decide every token), and a
+bonus no longer throws away a draft that begins with it.
 
 Each position is decided by exactly one verification whose context is the committed prefix, with
 the draft distribution of the token drafted there; that is standard speculative sampling, so the
-output is the target's distribution (tests/test_dsi.py checks it statistically).
+output is the target's distribution (tests/test_dsi.py checks it statistically). Which
+verification decides a position never depends on that position's sample: a guard decides the
+position it started at (it starts only while nothing is unresolved), a block the positions after
+its assumed tokens, and only once they were matched; a bonus is kept or dropped by whether the
+next verification had started, which the scheduler fixes without looking at unapplied verdicts.
+A draft kept by the exact-match rule is a draft sampled after the committed tokens, so its
+remaining tokens are verified against the right draft distributions.
 
 `simulate` runs the same state machine in virtual time with SP target workers (every forward a
 wait of its latency, preemption on rejection), for checking the algorithm against the analytic
@@ -28,11 +48,14 @@ model in specmesh.core.dsi_sim and for the losslessness test with toy models.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from specmesh.core.ahead import agrees
 
 
 @dataclass(frozen=True)
@@ -43,6 +66,8 @@ class Block:
     start: int
     tokens: tuple[int, ...]
     draft: Any = field(default=None, compare=False, repr=False)  # what the drafter sent (its tree)
+    skip: int = 0  # the draft's first tokens not in `tokens`: verify the draft without them
+    assumed: tuple[int, ...] = ()  # the last of those, before `start`: a guard in flight decides them
 
     @property
     def end(self) -> int:
@@ -60,7 +85,7 @@ class Outcome:
 
 @dataclass
 class Resolution:
-    """What one `finish` changed."""
+    """What one `finish` / `finish_guard` changed."""
 
     emitted: list[int] = field(default_factory=list)  # newly committed, in order
     resolved: list[tuple[Block, Outcome]] = field(default_factory=list)  # verdicts applied, in order
@@ -76,11 +101,13 @@ class DsiState:
         self.blocks: list[Block] = []  # unresolved, in draft order
         self.outcomes: dict[int, Outcome] = {}  # verdicts of unresolved blocks not yet applied
         self.version = 0
+        self.guard: int | None = None  # the position the guard in flight decides
+        self.sent: set[int] = set()  # blocks whose verification has started
         self._next_id = 0
 
     def context(self) -> list[int]:
         """Where the next block is drafted from: the committed tokens and every unresolved block."""
-        return self.committed + [t for b in self.blocks for t in b.tokens]
+        return self.committed + [t for b in self.blocks for t in (*b.assumed, *b.tokens)]
 
     @property
     def context_length(self) -> int:
@@ -90,44 +117,153 @@ class DsiState:
         """The tokens a verifier must hold before verifying `block`."""
         return self.context()[: block.start]
 
-    def add(self, tokens: Sequence[int], version: int, draft: Any = None) -> Block | None:
-        """A block drafted from `context()` as it was at `version`; None if that is stale."""
+    def add(
+        self, tokens: Sequence[int], version: int, draft: Any = None, start: int | None = None
+    ) -> Block | None:
+        """A block drafted from the first `start` tokens of `context()` (default: all of it) as it
+        was at `version`; None if that is stale, or if nothing of it is left to verify. Tokens
+        committed since its draft began must be exactly its first ones (the exact-match rule); a
+        guard in flight at its first position makes that token assumed."""
         if version != self.version or not tokens:
             return None
-        block = Block(self._next_id, self.context_length, tuple(int(t) for t in tokens), draft)
+        tokens = [int(t) for t in tokens]
+        start = self.context_length if start is None else start
+        if self.blocks:  # drafted after every unresolved block: nothing was decided meanwhile
+            if start != self.context_length:
+                return None
+            skip = 0
+        elif start > len(self.committed) or not agrees(self.committed, start, tokens):
+            return None
+        else:
+            skip = len(self.committed) - start
+        assumed = tuple(tokens[skip : skip + 1]) if self.guard == start + skip else ()
+        skip += len(assumed)
+        if skip >= len(tokens):
+            return None
+        block = Block(self._next_id, start + skip, tuple(tokens[skip:]), draft, skip, assumed)
         self._next_id += 1
         self.blocks.append(block)
         return block
 
+    def current(self, block: Block) -> Block | None:
+        """The block as it stands now (a bonus or a guard may have decided its first token since it
+        was added); None once it is resolved or thrown away."""
+        return next((b for b in self.blocks if b.id == block.id), None)
+
+    def mark_sent(self, block: Block) -> None:
+        """Its verification started: from now on it decides its first position (see _cascade)."""
+        self.sent.add(block.id)
+
+    def next_depth(self, lookahead: int, parallel: int) -> int:
+        """Tokens to draft for the next block: one more than `lookahead` when its first token will
+        be decided before its verification starts (every verifier busy with older blocks, so the
+        bonus of the one before it is kept: `_cascade`; or a guard in flight at its first
+        position), so that `lookahead` are still verified."""
+        waits = len(self.blocks) >= parallel or (self.guard is not None and not self.blocks)
+        return lookahead + 1 if waits else lookahead
+
+    def start_guard(self) -> int | None:
+        """The position a guard started now decides; None while a block is unresolved or a guard
+        is in flight."""
+        if self.blocks or self.guard is not None:
+            return None
+        self.guard = len(self.committed)
+        return self.guard
+
+    def abandon_guard(self, position: int) -> Resolution:
+        """The guard started at `position` will not answer (its call failed or was cancelled):
+        the blocks that assumed its token are thrown away."""
+        res = Resolution()
+        if self.guard == position:
+            self.guard = None
+            if self.blocks:
+                self._throw_away(res)
+        return res
+
+    def finish_guard(self, position: int, next_token: int) -> Resolution:
+        """A guard's verdict: the target's token after the committed tokens. It is committed; a
+        block that assumed another token is thrown away with every younger one."""
+        res = Resolution()
+        if self.guard != position:
+            return res  # from before a restart
+        self.guard = None
+        self.committed.append(int(next_token))
+        res.emitted.append(int(next_token))
+        if self.blocks:
+            head = self.blocks[0]
+            if head.assumed == (int(next_token),):
+                self.blocks[0] = dataclasses.replace(head, assumed=())
+                self._cascade(res)
+            else:
+                self._throw_away(res)
+        return res
+
     def finish(self, block_id: int, outcome: Outcome) -> Resolution:
         """Record a block's verdict and apply every verdict that is now at the head."""
         res = Resolution()
-        if all(b.id != block_id for b in self.blocks):
+        block = next((b for b in self.blocks if b.id == block_id), None)
+        if block is None:
             return res  # cancelled meanwhile: its verdict means nothing
+        if not 0 <= outcome.accepted <= len(block.tokens):
+            raise ValueError(f"block {block.id}: {outcome.accepted} accepted of {len(block.tokens)} tokens")
         self.outcomes[block_id] = outcome
-        while self.blocks and self.blocks[0].id in self.outcomes:
+        self._cascade(res)
+        return res
+
+    def _cascade(self, res: Resolution) -> None:
+        """Apply the verdicts at the head, in draft order, while its assumed token is decided."""
+        while self.blocks and self.blocks[0].id in self.outcomes and not self.blocks[0].assumed:
             head = self.blocks.pop(0)
             out = self.outcomes.pop(head.id)
-            if not 0 <= out.accepted <= len(head.tokens):
-                raise ValueError(f"block {head.id}: {out.accepted} accepted of {len(head.tokens)} tokens")
+            self.sent.discard(head.id)
             res.resolved.append((head, out))
             res.emitted += head.tokens[: out.accepted]
             self.committed += head.tokens[: out.accepted]
-            if out.accepted == len(head.tokens) and self.blocks:
+            full = out.accepted == len(head.tokens)
+            if full and self.blocks and self.blocks[0].id in self.sent:
                 continue  # the bonus position belongs to the next block's verification
             res.emitted.append(out.next_token)
             self.committed.append(out.next_token)
-            res.cancelled, self.blocks = self.blocks, []
-            self.outcomes.clear()
-            res.restart = True
-            self.version += 1
-        return res
+            if not full:
+                self._throw_away(res)
+            elif self.blocks:  # the bonus decides the next block's first position: exact match
+                self._match_head(out.next_token, res)
+            # else a draft in progress after the block is matched against the bonus (add)
+
+    def _match_head(self, token: int, res: Resolution) -> None:
+        """`token` was committed at the unsent head block's first position: the head goes on
+        without its first token if that is exactly `token` (gone if nothing is left of it,
+        younger blocks stand), else it is thrown away with every younger block."""
+        head = self.blocks[0]
+        if not agrees([token], 0, head.tokens):
+            self._throw_away(res)
+        elif len(head.tokens) == 1:
+            res.cancelled.append(self.blocks.pop(0))
+        else:
+            self.blocks[0] = dataclasses.replace(
+                head, start=head.start + 1, tokens=head.tokens[1:], skip=head.skip + 1
+            )
+
+    def _throw_away(self, res: Resolution) -> None:
+        res.cancelled += self.blocks
+        self.blocks = []
+        self.outcomes.clear()
+        self.sent.clear()
+        res.restart = True
+        self.version += 1
 
 
 def drafting_limit(parallel: int, ahead: bool) -> int:
     """Unresolved blocks at which the drafter stops: one more than `parallel` verifications can take,
     so a verifier never waits for a draft it could have had; 1 without drafting ahead (SI's schedule)."""
     return parallel + 1 if ahead else 1
+
+
+def guards(parallel: int, ahead: bool, lookahead: int) -> bool:
+    """Whether guards run: only drafting ahead, with a second verifier, so that the block drafted
+    meanwhile never waits for a replica the guard holds, and blocks of 2 tokens or more (a block
+    verified after its assumed first token must have something left)."""
+    return ahead and parallel >= 2 and lookahead >= 2
 
 
 # ---- the coordinator in virtual time -----------------------------------------------------------
@@ -161,9 +297,11 @@ def simulate(
 
     draft_seconds(): the time to draft one block; verify_seconds(): one target forward. The drafter
     works ahead while fewer than sp + 1 blocks are unresolved (one more than the workers can
-    take, so a worker never waits for a draft it could have had). A rejection preempts the
-    cancelled blocks' workers and the draft in progress at once. ahead=False: the drafter waits
-    for every verdict, which is SI's schedule (every fully accepted block keeps its bonus token)."""
+    take, so a worker never waits for a draft it could have had). While no block is unresolved a
+    guard runs on a free worker (`guards`): `verify` of an empty block at the committed tokens.
+    A rejection preempts the cancelled blocks' workers and the draft in progress at once.
+    ahead=False: the drafter waits for every verdict, which is SI's schedule (every fully accepted
+    block keeps its bonus)."""
     if lookahead < 1 or sp < 1 or n_tokens < 1:
         raise ValueError("lookahead, sp and n_tokens must be >= 1")
     state = new_state(prompt)
@@ -171,48 +309,64 @@ def simulate(
     now, seq = 0.0, 0
     events: list[tuple[float, int, str, object]] = []  # (time, order, kind, payload)
     drafting: int | None = None  # version of the draft in progress
-    running: dict[int, Block] = {}  # block id -> block, on a worker
+    running: dict[int, Block] = {}  # block id -> block, on a worker (a guard: an empty block, id < 0)
     queued: list[Block] = []  # drafted, waiting for a worker
     forwards = most = 0
     unresolved = drafting_limit(sp, ahead)
+    guarding = guards(sp, ahead, lookahead)
 
     def push(t: float, kind: str, payload: object) -> None:
         nonlocal seq
         heapq.heappush(events, (t, seq, kind, payload))
         seq += 1
 
+    def run(block: Block, prefix: list[int]) -> None:
+        nonlocal forwards, most
+        running[block.id] = block
+        forwards += 1
+        most = max(most, len(running))
+        push(now + verify_seconds(), "verified", (block, prefix))
+
     def schedule() -> None:
-        nonlocal drafting, forwards, most
+        nonlocal drafting
         while queued and len(running) < sp:
-            block = queued.pop(0)
-            running[block.id] = block
-            forwards += 1
-            most = max(most, len(running))
-            push(now + verify_seconds(), "verified", (block, state.prefix(block)))
+            block = state.current(queued.pop(0))
+            assert block is not None  # thrown-away blocks leave the queue at once
+            state.mark_sent(block)
+            run(block, state.prefix(block))
+        if guarding and len(running) + 1 < sp and len(state.committed) < goal:
+            position = state.start_guard()
+            if position is not None:
+                run(Block(-1 - position, position, ()), list(state.committed))
         if drafting is None and len(state.blocks) < unresolved and len(state.committed) < goal:
             drafting = state.version
-            push(now + draft_seconds(), "drafted", (state.version, state.context()))
+            k = state.next_depth(lookahead, sp)
+            push(now + draft_seconds() * k / lookahead, "drafted", (state.version, state.context(), k))
 
     schedule()
     while len(state.committed) < goal:
         now, _, kind, payload = heapq.heappop(events)
         if kind == "drafted":
-            version, context = payload  # type: ignore[misc]
+            version, context, k = payload  # type: ignore[misc]
             if version != drafting:
                 continue  # preempted by a restart
             drafting = None
-            tokens, drafted = draft(context, lookahead)
-            block = state.add(tokens, version, drafted)
+            tokens, drafted = draft(context, k)
+            block = state.add(tokens, version, drafted, len(context))
             if block is not None:
                 queued.append(block)
         else:
             block, prefix = payload  # type: ignore[misc]
             if running.pop(block.id, None) is None:
                 continue  # preempted: its worker was freed when it was cancelled
-            res = state.finish(block.id, verify(prefix, block))
+            if block.tokens:
+                res = state.finish(block.id, verify(prefix, block))
+            else:  # a guard
+                res = state.finish_guard(block.start, verify(prefix, block).next_token)
             for b in res.cancelled:
                 running.pop(b.id, None)
-            queued = [b for b in queued if b not in res.cancelled]
+            gone = {b.id for b in res.cancelled}
+            queued = [b for b in queued if b.id not in gone]
             if res.restart:
                 drafting = None
         schedule()
@@ -240,10 +394,12 @@ def iid_latency(
     forward = verify_seconds if callable(verify_seconds) else (lambda rows: float(verify_seconds))
 
     def verify(prefix: list[int], block: Block) -> Outcome:
+        # drafts are all 1s; the target's next token (a guard's, a bonus) is 1, the draft's
+        # choice, with probability `acceptance` (what the exact-match rule compares)
         n = 0
         while n < len(block.tokens) and rng.random() < acceptance:
             n += 1
-        return Outcome(n, 0)
+        return Outcome(n, int(n == len(block.tokens) and rng.random() < acceptance))
 
     return simulate(
         [0], n_tokens, lookahead, sp, lambda context, k: ([1] * k, None), verify,

@@ -159,3 +159,24 @@ def accepted_cache_indices(prefix_len: int, accepted_nodes: torch.Tensor | list[
     """Cache positions to keep after verification: the prefix, then the accepted path's nodes."""
     nodes = torch.as_tensor(accepted_nodes, dtype=torch.long)
     return torch.cat([torch.arange(prefix_len), prefix_len + nodes])
+
+
+def chain_suffix(tree: DraftTree, skip: int) -> DraftTree:
+    """A chain without its first `skip` nodes, rooted where they end: what is left to verify of a
+    chain whose first tokens were decided by another verification (DSI's guard, docs/gateway.md).
+    Node i + skip becomes node i; the root's draft row is the old node skip - 1's.
+
+    tokens [N] -> [N - skip]; prob_rows [N + 1] -> [N + 1 - skip]; draft_probs kept whole."""
+    n = tree.num_nodes
+    if not 0 < skip < n:
+        raise ValueError(f"skip must be in [1, {n - 1}], got {skip}")
+    if not bool((tree.parents == torch.arange(-1, n - 1)).all()):
+        raise ValueError("chain_suffix takes a chain")
+    return DraftTree(
+        tokens=tree.tokens[skip:],
+        parents=torch.arange(-1, n - skip - 1),
+        mode=tree.mode,
+        draft_probs=tree.draft_probs,
+        prob_rows=tree.prob_rows[skip:],
+        mtad_threshold=tree.mtad_threshold,
+    )

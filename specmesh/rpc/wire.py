@@ -290,7 +290,12 @@ class RoundInput:
 class DraftInput(RoundInput):
     spec: TreeSpec
     guess_next: bool = False  # also run the likely path's leaf: the next round's pre-draft
-    speculative: bool = False  # a pre-draft: a later Draft of the session supersedes it
+    speculative: bool = False  # a pre-draft: not committed yet, and a later Draft supersedes it
+    supersedable: bool = False  # a later Draft of the session supersedes it (DSI's drafts)
+
+    @property
+    def superseded_by_next(self) -> bool:
+        return self.speculative or self.supersedable
 
 
 @dataclass(frozen=True)
@@ -332,6 +337,7 @@ def parse_draft_request(req: pb2.DraftRequest, vocab_size: int, limits: Limits) 
         spec=tree_spec_from_proto(req.tree_spec, limits),
         guess_next=req.guess_next,
         speculative=req.speculative,
+        supersedable=req.supersedable,
     )
 
 
@@ -357,12 +363,13 @@ def _round_message(session_id: str, position: int, new_tokens: list[int], params
 
 def draft_request(
     session_id: str, position: int, new_tokens: list[int], params: SamplingParams, spec: TreeSpec,
-    *, guess_next: bool = False, speculative: bool = False,
+    *, guess_next: bool = False, speculative: bool = False, supersedable: bool = False,
 ) -> pb2.DraftRequest:  # fmt: skip
     fields = _round_message(session_id, position, new_tokens, params)
     return pb2.DraftRequest(
-        **fields, tree_spec=tree_spec_to_proto(spec), guess_next=guess_next, speculative=speculative
-    )
+        **fields, tree_spec=tree_spec_to_proto(spec), guess_next=guess_next, speculative=speculative,
+        supersedable=supersedable,
+    )  # fmt: skip
 
 
 def verify_request(
