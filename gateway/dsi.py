@@ -385,9 +385,9 @@ class DsiRun(SessionRun):
     def _learn_forward_scale(self, seconds: float, rows: int) -> None:
         if self.verify_cost is None or seconds <= 0:
             return
-        scale = self.env.dsi_forward_scale
+        scale, key = self.env.dsi_forward_scale, (self.ahead, self.parallel)
         seen = seconds / self.verify_cost(rows)
-        scale[self.ahead] = FORWARD_SCALE_DECAY * scale[self.ahead] + (1 - FORWARD_SCALE_DECAY) * seen
+        scale[key] = FORWARD_SCALE_DECAY * scale.get(key, seen) + (1 - FORWARD_SCALE_DECAY) * seen
 
     def _drop(self, cancelled: list[Block], restart: bool) -> None:
         """Cancel the calls of thrown-away speculation (their replicas keep what they surely held)."""

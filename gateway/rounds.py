@@ -112,13 +112,20 @@ class GatewayEnv:
     # so that the cost of finding out (a slowdown on shared hardware, a low hit rate) is paid once
     pipeline: PipelinePolicy = dataclasses.field(default_factory=PipelinePolicy)
     dsi_acceptance: float = 0.7  # per-token acceptance of finished DSI sessions, decayed (the prior: 0.7)
-    # DSI verifications' time over the verifier's start-up cost for their rows, decayed, with the
-    # drafter working ahead (True) and not (False): their ratio is what drafting beside costs
-    dsi_forward_scale: dict[bool, float] = dataclasses.field(default_factory=lambda: {True: 1.0, False: 1.0})
+    # DSI verifications' time over the verifier's start-up cost for their rows, decayed, per
+    # (drafting ahead, verifications in flight at most); SI's schedule is (False, 1). Over SI's,
+    # it is what drafting beside and other verifications on the same hardware cost a forward.
+    dsi_forward_scale: dict[tuple[bool, int], float] = dataclasses.field(default_factory=dict)
     dsi_timeline: Path | None = None  # a folder: each DSI session writes its blocks' timeline there
 
-    def dsi_overlap_slowdown(self) -> float:
-        return self.dsi_forward_scale[True] / self.dsi_forward_scale[False]
+    def dsi_overlap_slowdown(self, parallel: int) -> float:
+        """A forward's slowdown drafting ahead with `parallel` in flight, over SI's schedule. Not
+        measured yet: the most measured at fewer in flight (more in flight is no faster on shared
+        hardware), else none; so an untried shape is tried once, then judged by what it cost."""
+        scale = self.dsi_forward_scale
+        seen = [v for (ahead, p), v in scale.items() if ahead and p <= parallel]
+        ahead = scale.get((True, parallel), max(seen, default=1.0))
+        return ahead / scale.get((False, 1), 1.0)
 
     def defer(self, work: Coroutine[Any, Any, None]) -> None:
         """Run `work` in the background, past its request (cancelled when the gateway closes)."""

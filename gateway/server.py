@@ -519,8 +519,8 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         the DSI simulation predicts fastest for the replicas' measured forward costs and the
         acceptance of earlier DSI sessions (specmesh.core.dsi.choose_shape). With `parallel` unset
         SI's schedule (no drafting ahead) is a candidate, and drafting ahead is charged the
-        slowdown earlier DSI verifications measured beside it: DSI then never plans to be slower
-        than SI. A `parallel` the request sets is run as the paper's DSI, drafting ahead."""
+        slowdown earlier DSI verifications of that many in flight measured: DSI then never plans
+        to be slower than SI. A `parallel` the request sets is run as the paper's DSI, drafting ahead."""
         limit = self.config.dsi_max_parallel
         if settings.parallel > limit:
             raise GatewayError(
@@ -535,9 +535,10 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         if settings.parallel and settings.lookahead:
             return Shape(settings.lookahead, settings.parallel, seconds_per_token=0.0)  # nothing predicted
         draft = draft_cost.get(1, DSI_UNKNOWN_DRAFT_SHARE * verify(1))
+        slowdown = {p: self.env.dsi_overlap_slowdown(p) for p in parallels}  # read here, not in the thread
         return await asyncio.to_thread(
             choose_shape, self.env.dsi_acceptance, draft, verify, parallels, lookaheads,
-            sequential=sequential, overlap_slowdown=self.env.dsi_overlap_slowdown(),
+            sequential=sequential, overlap_slowdown=slowdown.__getitem__,
         )  # fmt: skip
 
     def _servable(self, plan: GenerationPlan) -> GenerationPlan:

@@ -423,7 +423,7 @@ def choose_shape(
     lookaheads: Sequence[int] = range(1, 9),
     n_tokens: int = 96,
     sequential: bool = False,
-    overlap_slowdown: float = 1.0,
+    overlap_slowdown: float | Callable[[int], float] = 1.0,
 ) -> Shape:
     """The lookahead and parallel verifications that `iid_latency` predicts fastest (ties: the
     fewest replicas, then the shortest lookahead). Deterministic: seeded, common random numbers.
@@ -434,12 +434,15 @@ def choose_shape(
     forward, the verdict comes first, the bonus is kept and the draft restarted, which is SI's
     timing. So with one verifier it rarely pays, and SI's schedule keeps DSI from being slower.
     overlap_slowdown: a forward's measured time beside drafting over its time alone (above 1 where
-    the drafter shares the target's cores), charged to every candidate that drafts ahead."""
+    the drafter shares the target's cores), charged to every candidate that drafts ahead; a
+    function of `parallel` where it was measured per number of verifications in flight (other
+    verifiers on the same cores slow a forward too)."""
+    slowdown_of = overlap_slowdown if callable(overlap_slowdown) else lambda parallel: overlap_slowdown
     candidates = [(1, False)] if sequential else []
     candidates += [(parallel, True) for parallel in sorted(parallels)]
     best: Shape | None = None
     for parallel, ahead in candidates:
-        slowdown = overlap_slowdown if ahead else 1.0
+        slowdown = slowdown_of(parallel) if ahead else 1.0
         forward = lambda rows, s=slowdown: s * verify_seconds(rows)  # noqa: E731
         for lookahead in sorted(lookaheads):
             runs = [
