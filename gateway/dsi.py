@@ -268,38 +268,33 @@ class DsiRun(SessionRun):
         """A target-only forward on the committed tokens, while no block is unresolved (and a
         second verifier is left for the block being drafted): it decides the next position
         (specmesh.core.dsi)."""
-        if self.state.blocks or self.state.guard is not None:
+        if not self.state.may_guard:
             return
         address = self._free_verifier(self.state.committed)
         if address is None or (at := self.state.start_guard()) is None:
             return
-        prefix = list(self.state.committed)
-        position = self._position(address, prefix)
-        request = wire.verify_request(self.id, position, prefix[position:], self.plan.params, None)
-        stub = _STUBS[Role.VERIFIER](self.env.verifiers.channel(address))
-        self.touched.add((Role.VERIFIER, address))
-        call = _Call(
-            Role.VERIFIER, address, prefix, self.state.version, rows=len(prefix) - position, guard=at
-        )
+        call = self._send_verify(address, list(self.state.committed), None, guard=at)
         self._event("guard", position=at, replica=address, rows=call.rows)
-        self._start(stub.Verify(request, timeout=self._time_left(), metadata=self.client.metadata), call)
-        self.max_in_flight = max(self.max_in_flight, self._in_flight(Role.VERIFIER))
 
     def _verify(self, block: Block, address: str) -> None:
         self.state.mark_sent(block)
-        prefix = self.state.prefix(block)
-        position = self._position(address, prefix)
         tree = block.draft
         if block.skip:  # its first tokens were decided while it was drafted: verify the rest
             tree = wire.tree_to_proto(chain_suffix(wire.tree_from_proto(tree, tree.vocab_size), block.skip))
+        call = self._send_verify(address, self.state.prefix(block), tree, block=block)
+        self._event("verify", block=block.id, replica=address, rows=call.rows)
+
+    def _send_verify(self, address: str, prefix: list[int], tree: Any, **what: Any) -> _Call:
+        """Verify `tree` (None: a target-only forward) after `prefix` on `address`."""
+        position = self._position(address, prefix)
         request = wire.verify_request(self.id, position, prefix[position:], self.plan.params, tree)
         stub = _STUBS[Role.VERIFIER](self.env.verifiers.channel(address))
         self.touched.add((Role.VERIFIER, address))
-        rows = len(prefix) - position + len(block.tokens)
-        call = _Call(Role.VERIFIER, address, prefix, self.state.version, block, rows)
-        self._event("verify", block=block.id, replica=address, rows=rows)
+        rows = len(prefix) - position + (len(tree.tokens) if tree is not None else 0)
+        call = _Call(Role.VERIFIER, address, prefix, self.state.version, rows=rows, **what)
         self._start(stub.Verify(request, timeout=self._time_left(), metadata=self.client.metadata), call)
         self.max_in_flight = max(self.max_in_flight, self._in_flight(Role.VERIFIER))
+        return call
 
     def _start(self, call: Any, what: _Call) -> None:
         self.calls[asyncio.ensure_future(call)] = what

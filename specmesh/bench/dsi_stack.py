@@ -31,7 +31,7 @@ from pathlib import Path
 
 from specmesh.bench.measure import run_gateway
 from specmesh.bench.suite import running_up
-from specmesh.bench.tiny import save_tiny_pair
+from specmesh.bench.tiny import emulated_stack_flags, save_tiny_pair
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.dsi import acceptance_from_blocks, iid_latency
 from specmesh.core.methods import Method
@@ -107,13 +107,11 @@ def _bench_row(
     cfg: StackBenchConfig, row: LatencyRow, models: dict[str, Path], texts: list[str]
 ) -> list[dict]:
     most = max(cfg.verifiers)
-    service = "--torch-threads 1 --forward-latency-ms"
-    flags = [
-        *("--draft", str(models["draft"]), "--target", str(models["target"]), "--dtype", "fp32"),
-        *("--draft-dtype", "fp32", "--drafters", "1", "--verifiers", str(most)),
-        *("--drafter-flags", f"{service} {row.draft_ms}", "--verifier-flags", f"{service} {row.target_ms}"),
-        *("--gateway-flags", f"--dsi-max-parallel {most} --pipeline {cfg.pipeline}"),
-    ]
+    flags = emulated_stack_flags(
+        models["draft"], models["target"], most,
+        f"--forward-latency-ms {row.draft_ms}", f"--forward-latency-ms {row.target_ms}",
+        f"--dsi-max-parallel {most} --pipeline {cfg.pipeline}",
+    )  # fmt: skip
     chain = TreeSpec(Method.CHAIN, depth=cfg.lookahead)
 
     def run(spec: TreeSpec, parallel: int | None = None) -> dict:

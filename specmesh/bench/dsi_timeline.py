@@ -26,7 +26,7 @@ from pathlib import Path
 
 from specmesh.bench.measure import run_gateway
 from specmesh.bench.suite import running_up
-from specmesh.bench.tiny import save_tiny_pair
+from specmesh.bench.tiny import emulated_stack_flags, save_tiny_pair
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.dsi import iid_latency
 from specmesh.core.methods import Method
@@ -70,21 +70,11 @@ def bench_dsi_timeline(cfg: TimelineBenchConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="specmesh-dsi-timeline-") as tmp:
         models = save_tiny_pair(Path(tmp) / "models")
         folder = Path(tmp) / "timelines"
-        service = "--torch-threads 1 --forward-latency-ms"
-        flags = [
-            *("--draft", str(models["target"]), "--target", str(models["target"]), "--dtype", "fp32"),
-            *("--draft-dtype", "fp32", "--drafters", "1", "--verifiers", str(cfg.verifiers)),
-            *(
-                "--drafter-flags",
-                f"{service} {cfg.draft_ms}",
-                "--verifier-flags",
-                f"{service} {cfg.target_ms}",
-            ),
-            *(
-                "--gateway-flags",
-                f"--dsi-max-parallel {cfg.verifiers} --dsi-timeline {folder} --pipeline {cfg.pipeline}",
-            ),
-        ]
+        flags = emulated_stack_flags(
+            models["target"], models["target"], cfg.verifiers,
+            f"--forward-latency-ms {cfg.draft_ms}", f"--forward-latency-ms {cfg.target_ms}",
+            f"--dsi-max-parallel {cfg.verifiers} --dsi-timeline {folder} --pipeline {cfg.pipeline}",
+        )  # fmt: skip
         chain = TreeSpec(Method.CHAIN, depth=cfg.lookahead)
         texts = [cfg.prompt]
 

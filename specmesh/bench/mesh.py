@@ -37,7 +37,7 @@ from pathlib import Path
 from specmesh.bench.dsi_stack import dsi_seconds_per_token, prompts
 from specmesh.bench.measure import run_gateway
 from specmesh.bench.suite import running_stack_plan
-from specmesh.bench.tiny import save_tiny_pair
+from specmesh.bench.tiny import emulated_stack_flags, save_tiny_pair
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.methods import Method
 
@@ -197,16 +197,11 @@ def bench_stack(
     dsi = any(s.dsi_parallel for s in shapes)
     verifiers = max((s.dsi_parallel or 1) for s in shapes)
     draft = models["target"] if cfg.noise is None else models["draft"]
-    cost = "--torch-threads 1 --forward-latency-ms {} --forward-ms-per-row {}"
+    cost = "--forward-latency-ms {} --forward-ms-per-row {}"
     drafter = cost.format(cfg.draft_ms, cfg.draft_ms_per_row)
     verifier = cost.format(cfg.target_ms, cfg.target_ms_per_row)
     gateway = f"--pipeline {pipeline}" + (f" --dsi-max-parallel {verifiers}" if dsi else "")
-    flags = [
-        *("--draft", str(draft), "--target", str(models["target"])),
-        *("--dtype", "fp32", "--draft-dtype", "fp32"),
-        *("--drafters", "1", "--verifiers", str(verifiers)),
-        *("--drafter-flags", drafter, "--verifier-flags", verifier, "--gateway-flags", gateway),
-    ]
+    flags = emulated_stack_flags(draft, models["target"], verifiers, drafter, verifier, gateway)
     texts = prompts(max(cfg.sessions), cfg.seed)
     rows = []
     with running_stack_plan(flags, f"mesh-{pipeline}", probe=texts[0]) as (address, metrics):

@@ -76,3 +76,17 @@ def save_tiny_pair(root: Path, noise: float = 0.02) -> dict[str, Path]:
         tokenizer.save_pretrained(root / name)
         out[name] = root / name
     return out
+
+
+def emulated_stack_flags(
+    draft: Path, target: Path, verifiers: int, drafter_flags: str, verifier_flags: str, gateway_flags: str
+) -> list[str]:
+    """`specmesh up` flags for a tiny pair in fp32 with one drafter and `verifiers` verifiers, each
+    service on one torch thread plus its own flags (the emulated forward costs)."""
+    return [
+        *("--draft", str(draft), "--target", str(target), "--dtype", "fp32", "--draft-dtype", "fp32"),
+        *("--drafters", "1", "--verifiers", str(verifiers)),
+        *("--drafter-flags", f"--torch-threads 1 {drafter_flags}"),
+        *("--verifier-flags", f"--torch-threads 1 {verifier_flags}"),
+        *("--gateway-flags", gateway_flags),
+    ]

@@ -162,10 +162,14 @@ class DsiState:
         waits = len(self.blocks) >= parallel or (self.guard is not None and not self.blocks)
         return lookahead + 1 if waits else lookahead
 
+    @property
+    def may_guard(self) -> bool:
+        """No block is unresolved and no guard is in flight."""
+        return not self.blocks and self.guard is None
+
     def start_guard(self) -> int | None:
-        """The position a guard started now decides; None while a block is unresolved or a guard
-        is in flight."""
-        if self.blocks or self.guard is not None:
+        """The position a guard started now decides; None unless `may_guard`."""
+        if not self.may_guard:
             return None
         self.guard = len(self.committed)
         return self.guard
