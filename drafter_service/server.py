@@ -34,12 +34,15 @@ import torch
 
 from specmesh.core.ahead import likely_path
 from specmesh.core.drafting import Path
+from specmesh.core.methods import Method
+from specmesh.core.ngram import draft_ngram
 from specmesh.core.rounds import draft_round
 from specmesh.core.tree import DraftTree
 from specmesh.rpc import wire
 from specmesh.rpc.metrics import count_labels
 from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.server import rpc
+from specmesh.runtime.backend import Backend
 from specmesh.runtime.models import LoadedModel
 from specmesh.runtime.rounds import level_forwards, reusable_nodes
 from specmesh.runtime.runner import Step
@@ -98,6 +101,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
     @rpc
     async def Draft(self, request: pb2.DraftRequest, context: grpc.aio.ServicerContext) -> pb2.DraftResponse:
         draft = wire.parse_draft_request(request, self.vocab_size, self.limits)
+        self._check_method(draft.spec.method)
         await self._supersede(draft.session_id, context)
         resume = self.begin(draft, context)
         if draft.speculative and resume is not Resume.CONTINUE:
@@ -137,12 +141,27 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         await asyncio.wait({work})
         await asyncio.sleep(0)  # settle's callback frees the session's slot
 
+    def _check_method(self, method: Method) -> None:
+        """A drafter with a model drafts with it; one with none (--backend ngram) looks up n-grams."""
+        if self.model.backend is Backend.NGRAM and method is not Method.NGRAM:
+            raise wire.WireError(
+                "tree_spec.method",
+                f"this drafter has no model (--backend ngram); it drafts 'ngram', not {method!r}",
+            )
+        if self.model.backend is not Backend.NGRAM and method is Method.NGRAM:
+            raise wire.WireError(
+                "tree_spec.method",
+                "'ngram' is drafted by drafters started with --backend ngram, not this one",
+            )
+
     def _draft(self, d: wire.DraftInput, resume: Resume, cancelled: threading.Event) -> pb2.DraftResponse:
         """In a builder thread: compact, build the tree level by level, encode it."""
         start = time.perf_counter()
         sid = d.session_id
         pending = self._pending.pop(sid, {})
         fed, compact = self._resume(d, resume, pending)
+        if d.spec.method is Method.NGRAM:
+            return self._draft_ngram(d, fed, compact, start)
         forward = _LevelForward(self.batcher, compact, cancelled)
         nodes: dict[Path, int] = {}
         self.loop.call_soon_threadsafe(self.batcher.join)
@@ -168,6 +187,25 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
             likely_token_ids=likely,
             tree_nodes=tree.num_nodes,
             tree_depth=int(tree.depths().max()),
+        )
+
+    def _draft_ngram(
+        self, d: wire.DraftInput, fed: int, compact: Callable[[], None], start: float
+    ) -> pb2.DraftResponse:
+        """No model: record the new tokens and look the proposal up in the session's tokens (the
+        token runner is thread-safe and computes nothing, so no batcher and no model thread)."""
+        compact()
+        self.runner.forward([Step(d.session_id, new_tokens=list(d.new_tokens[fed:]))])
+        tokens = self.runner.committed_tokens(d.session_id) or []
+        tree = draft_ngram(tokens, d.spec.depth, self.vocab_size)
+        if tree is None:  # no match: an empty tree, the round is a plain step
+            return pb2.DraftResponse(draft_seconds=time.perf_counter() - start)
+        self._record(tree, fed)
+        return pb2.DraftResponse(
+            tree=wire.tree_to_proto(tree),
+            draft_seconds=time.perf_counter() - start,
+            tree_nodes=tree.num_nodes,
+            tree_depth=tree.num_nodes,
         )
 
     def _resume(

@@ -209,7 +209,7 @@ class DsiRun(SessionRun):
                 self._draft(min(self.state.next_depth(self.lookahead, self.parallel), room))
             if self.calls or not (self.queued or room > 0) or not wait:
                 return
-            pool = self.env.pool(Role.VERIFIER if self.queued else Role.DRAFTER)
+            pool = self.pool(Role.VERIFIER if self.queued else Role.DRAFTER)
             try:
                 await pool.wait_healthy(1, timeout=self._time_left())
             except TimeoutError:
@@ -238,7 +238,7 @@ class DsiRun(SessionRun):
 
     def _draft(self, depth: int) -> None:
         try:  # the session's drafter while it is healthy (pool affinity), else another
-            address = self.env.pool(Role.DRAFTER).pick(self.id, preferred=self.addresses.get(Role.DRAFTER))
+            address = self.pool(Role.DRAFTER).pick(self.id, preferred=self.addresses.get(Role.DRAFTER))
         except NoHealthyReplica:  # _schedule waits for one
             return
         if self.cooling.get(address, 0.0) > asyncio.get_running_loop().time():
@@ -253,7 +253,7 @@ class DsiRun(SessionRun):
         request = wire.draft_request(
             self.id, position, context[position:], self.plan.params, spec, supersedable=True
         )
-        stub = _STUBS[Role.DRAFTER](self.env.pool(Role.DRAFTER).channel(address))
+        stub = _STUBS[Role.DRAFTER](self.pool(Role.DRAFTER).channel(address))
         call = _Call(Role.DRAFTER, address, context, self.state.version)
         self._event(
             "draft",

@@ -32,6 +32,7 @@ METHOD_DEFAULTS: dict[Method, TreeSpec] = {
     Method.RSD_C: TreeSpec(Method.RSD_C, depth=3, branching=(2, 2, 1)),
     Method.RSD_S: TreeSpec(Method.RSD_S, depth=3, beam_width=3),
     Method.MTAD: TreeSpec(Method.MTAD, depth=3, beam_width=3, mtad_threshold=0.1),
+    Method.NGRAM: TreeSpec(Method.NGRAM, depth=4),
 }
 
 

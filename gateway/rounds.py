@@ -47,8 +47,9 @@ from gateway.requests import GenerationPlan
 from gateway.retries import RetryBudget, TryTimeouts
 from gateway.session_store import SessionExists, SessionStore, StoreError
 from gateway.text import TextStream
-from specmesh.core.adaptive import PolicyMemory
+from specmesh.core.adaptive import AdaptivePolicy
 from specmesh.core.ahead import PipelinePolicy
+from specmesh.core.methods import Method
 from specmesh.core.rounds import keep_emitted
 from specmesh.core.stats import GenerationStats
 from specmesh.rpc.proto import pb2_grpc
@@ -107,7 +108,6 @@ class GatewayEnv:
     retries: RetryBudget = dataclasses.field(default_factory=RetryBudget)
     cleanups: set[asyncio.Task] = dataclasses.field(default_factory=set)  # outliving their request
     deferred: set[asyncio.Task] = dataclasses.field(default_factory=set)  # releases retried later
-    policies: PolicyMemory = dataclasses.field(default_factory=PolicyMemory)  # adaptive sessions' warm start
     # whether rounds pre-draft (specmesh.core.ahead): one policy for every session of the gateway,
     # so that the cost of finding out (a slowdown on shared hardware, a low hit rate) is paid once
     pipeline: PipelinePolicy = dataclasses.field(default_factory=PipelinePolicy)
@@ -117,6 +117,7 @@ class GatewayEnv:
     # it is what drafting beside and other verifications on the same hardware cost a forward.
     dsi_forward_scale: dict[tuple[bool, int], float] = dataclasses.field(default_factory=dict)
     dsi_timeline: Path | None = None  # a folder: each DSI session writes its blocks' timeline there
+    ngram_drafters: ReplicaPool | None = None  # model-free drafters (drafter_service --backend ngram)
 
     def dsi_overlap_slowdown(self, parallel: int) -> float:
         """A forward's slowdown drafting ahead with `parallel` in flight, over SI's schedule. Not
@@ -133,8 +134,11 @@ class GatewayEnv:
         self.deferred.add(task)
         task.add_done_callback(self.deferred.discard)
 
-    def pool(self, role: Role) -> ReplicaPool:
-        pool = self.drafters if role is Role.DRAFTER else self.verifiers
+    def pool(self, role: Role, method: Method = Method.CHAIN) -> ReplicaPool:
+        """The replicas of a role; a session of method ngram drafts on the model-free drafters."""
+        if role is Role.VERIFIER:
+            return self.verifiers
+        pool = self.ngram_drafters if method is Method.NGRAM else self.drafters
         assert pool is not None
         return pool
 
@@ -157,14 +161,13 @@ class SessionRun:
         env: GatewayEnv,
         text: TextStream,
         deadline: float | None,
-        forward_cost: dict[int, float] | None = None,
+        policy: AdaptivePolicy | None = None,
     ) -> None:
-        """forward_cost: the verifier's measured rows -> seconds, for an adaptive policy."""
+        """policy: an adaptive plan's depth controller (the gateway builds it, reproducible)."""
         self.plan, self.env, self.text, self.deadline = plan, env, text, deadline
         self.id = uuid.uuid4().hex
         self.key = secrets.token_hex(16)  # the replicas serve this session only to callers with it
         self.roles = (Role.DRAFTER, Role.VERIFIER) if plan.spec.method.drafts else (Role.VERIFIER,)
-        policy = env.policies.new_policy(plan.spec, plan.params, forward_cost) if plan.adaptive else None
         self.client = RoundClient(
             self.id, plan.params, plan.spec, policy=policy, key=self.key, pipeline=env.pipeline
         )
@@ -178,6 +181,9 @@ class SessionRun:
         self.created = False
         # the round running beside the last commit: (the token count it runs after, its task)
         self._next: tuple[int, asyncio.Future] | None = None
+
+    def pool(self, role: Role) -> ReplicaPool:
+        return self.env.pool(role, self.plan.spec.method)
 
     @property
     def finished(self) -> bool:
@@ -235,10 +241,8 @@ class SessionRun:
         self.env.metrics.running.dec()
         await self._drop_round()  # before the releases: its calls must not reach a replica after them
         self.client.close()
-        if self.client.policy is not None:
-            self.env.policies.remember(self.client.policy, self.plan.params)
         touched = sorted(self.touched)
-        stubs = [_STUBS[role](self.env.pool(role).channel(addr)) for role, addr in touched]
+        stubs = [_STUBS[role](self.pool(role).channel(addr)) for role, addr in touched]
         released = await asyncio.gather(
             *(release_session(s, self.id, RELEASE_TIMEOUT, self.key) for s in stubs)
         )
@@ -246,7 +250,7 @@ class SessionRun:
             if outcome is None:  # unreachable (paused, partitioned): it may still hold the KV
                 self.env.defer(self._release_later(role, address, stub))
         for role in self.roles:
-            self.env.pool(role).release(self.id)
+            self.pool(role).release(self.id)
         if self.created:
             try:
                 await self.env.store.delete(self.id)
@@ -394,7 +398,7 @@ class SessionRun:
     async def _release_later(self, role: Role, address: str, stub: Any) -> None:
         """Release on a replica that could not be reached at the end: once it is healthy again
         (a restarted one has forgotten the session anyway), for as long as the session's TTL."""
-        pool, deadline = self.env.pool(role), time.monotonic() + self.env.store.ttl_seconds
+        pool, deadline = self.pool(role), time.monotonic() + self.env.store.ttl_seconds
         while time.monotonic() < deadline:
             if address not in pool.addresses():
                 return  # the replica is gone
@@ -437,7 +441,7 @@ class SessionRun:
                 f"{role} call failed ({code.name}) and the gateway's retry budget is spent",
             ) from None
         reason = "slower than its per-try timeout" if per_try else f"{code.name}: {error.details()}"
-        self.env.pool(role).mark_failed(address, reason)
+        self.pool(role).mark_failed(address, reason)
         self.lengths.pop(address, None)  # whatever it held may be gone; a comeback starts at 0
         self.env.metrics.failovers.labels(role).inc()
         log.warning(
@@ -461,9 +465,7 @@ class SessionRun:
             await self.env.store.assign(
                 self.id, drafter=self.addresses.get(Role.DRAFTER), verifier=self.addresses[Role.VERIFIER]
             )
-        stubs = {
-            role: _RELAY_STUBS[role](self.env.pool(role).channel(a)) for role, a in self.addresses.items()
-        }
+        stubs = {role: _RELAY_STUBS[role](self.pool(role).channel(a)) for role, a in self.addresses.items()}
         return Placement(
             verifier=stubs[Role.VERIFIER],
             drafter=stubs.get(Role.DRAFTER),
@@ -476,7 +478,7 @@ class SessionRun:
     def _has_spare(self, role: Role) -> bool:
         """Whether a healthy replica other than the session's could take its call (without one, a
         slow call is waited for: a slow replica is better than none)."""
-        return any(a != self.addresses.get(role) for a in self.env.pool(role).healthy())
+        return any(a != self.addresses.get(role) for a in self.pool(role).healthy())
 
     def _per_try(self, role: Role, new_tokens: int, work: int) -> float:
         """A call's per-try timeout (gateway/retries.py)."""
@@ -487,7 +489,7 @@ class SessionRun:
         return timeouts.verify(new_tokens, work)
 
     async def _pick(self, role: Role) -> str:
-        pool = self.env.pool(role)
+        pool = self.pool(role)
         while True:
             try:
                 return pool.pick(self.id, preferred=self.addresses.get(role))

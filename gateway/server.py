@@ -32,16 +32,24 @@ from gateway.http_server import HttpServer
 from gateway.metrics import GatewayMetrics, RequestClock
 from gateway.openai_api import create_app
 from gateway.pools import NoHealthyReplica, ReplicaPool
-from gateway.requests import REPLICA_LIMITS, DsiSettings, GenerationPlan, ModelLimits, parse_generate_request
+from gateway.requests import (
+    AUTO_SPEC,
+    METHOD_DEFAULTS,
+    REPLICA_LIMITS,
+    DsiSettings,
+    GenerationPlan,
+    ModelLimits,
+    parse_generate_request,
+)
 from gateway.retries import RetryBudget, TryTimeouts
 from gateway.rounds import GatewayEnv, GatewayError, SessionRun
 from gateway.session_store import SessionNotFound, SessionStore, StoreError, StoreUnavailable
 from gateway.text import TextStream
-from specmesh.core.adaptive import ForwardCost
+from specmesh.core.adaptive import AdaptivePolicy, ForwardCost, choose_family
 from specmesh.core.ahead import PipelinePolicy
-from specmesh.core.drafting import TreeSpec
 from specmesh.core.dsi import Shape, choose_shape
 from specmesh.core.methods import Method
+from specmesh.core.ngram import prompt_hit_rate
 from specmesh.core.rounds import Pipelining
 from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.server import (
@@ -63,12 +71,14 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # requests are prompts, answers text and to
 NO_DEADLINE = 1e9  # time_remaining() above this (or None): the client set no deadline
 DSI_MAX_LOOKAHEAD = 8  # the longest lookahead the gateway chooses by itself
 DSI_UNKNOWN_DRAFT_SHARE = 0.5  # a drafter's cost relative to the target's, before one is measured
+ADAPTIVE_PRIOR = 0.7  # the draft model's acceptance per level assumed before a session's first round
 READY_RETRY_SECONDS = 5.0  # between attempts to learn the model (a verifier starting, a bad tokenizer)
 
 
 @dataclass(frozen=True)
 class GatewayConfig(ServerConfig):
     drafters: str
+    ngram_drafters: str
     verifiers: str
     redis_url: str
     redis_reconnect_seconds: float
@@ -86,6 +96,7 @@ class GatewayConfig(ServerConfig):
     dsi_max_parallel: int
     dsi_timeline: str
     pipeline: str
+    call_overhead_ms: float
     http_port: int
     served_model_name: str
     max_concurrent_requests: int
@@ -115,6 +126,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "drafters": (
         str,
         "drafter replicas: host:port and/or dns:///name:port, comma-separated (empty: method none only)",
+    ),
+    "ngram_drafters": (
+        str,
+        "model-free n-gram drafters (drafter_service --backend ngram), like --drafters; they serve "
+        "method ngram, which the default may then choose (empty: no ngram)",
     ),
     "verifiers": (str, "verifier replicas: host:port and/or dns:///name:port, comma-separated"),
     "redis_url": (
@@ -162,6 +178,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
         "pipelined rounds: the drafter drafts round r+1 on the likely path while round r is verified. "
         "auto: when the measured costs and acceptance say it pays; on: always; off: serial rounds",
     ),
+    "call_overhead_ms": (
+        float,
+        "what the default's cost model charges per replica call beside the forwards (gRPC, "
+        "serialisation, batching); fixed, so that a seeded request's shape never follows the load",
+    ),
     "http_port": (int, "port of the OpenAI-compatible HTTP API, /health and /metrics (0 = off)"),
     "served_model_name": (str, "the model name of the HTTP API (empty: the verifier's model id)"),
     "max_concurrent_requests": (
@@ -195,6 +216,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
 DEFAULTS: dict[str, Any] = {
     "port": 50051,
     "drafters": "",
+    "ngram_drafters": "",
     "redis_url": "redis://127.0.0.1:6379/0",
     "redis_reconnect_seconds": 30.0,
     "tokenizer": "",
@@ -211,6 +233,7 @@ DEFAULTS: dict[str, Any] = {
     "dsi_max_parallel": 4,
     "dsi_timeline": "",
     "pipeline": "auto",
+    "call_overhead_ms": 2.0,
     "http_port": 8000,
     "served_model_name": "",
     "max_concurrent_requests": 0,
@@ -258,6 +281,8 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         self.metrics = GatewayMetrics()
         pool_options = {"health_interval": config.health_interval, "tls": config.replica_tls()}
         drafters = ReplicaPool(config.drafters, name="drafter", **pool_options) if config.drafters else None
+        ngram = config.ngram_drafters
+        ngram_drafters = ReplicaPool(ngram, name="ngram-drafter", **pool_options) if ngram else None
         self.env = GatewayEnv(
             store=SessionStore(
                 config.redis_url,
@@ -269,6 +294,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
                 else 128,
             ),
             drafters=drafters,
+            ngram_drafters=ngram_drafters,
             verifiers=ReplicaPool(config.verifiers, name="verifier", **pool_options),
             metrics=self.metrics,
             round_timeout=config.round_timeout,
@@ -320,7 +346,8 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         self._parser.shutdown(wait=False)
 
     def _pools(self) -> list[ReplicaPool]:
-        return [p for p in (self.env.drafters, self.env.verifiers) if p is not None]
+        env = self.env
+        return [p for p in (env.drafters, env.ngram_drafters, env.verifiers) if p is not None]
 
     async def _become_ready(self, health_servicer: health.aio.HealthServicer) -> None:
         while self.model is None:
@@ -504,13 +531,45 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         model = self.model
         assert model is not None
         if plan.dsi is None:
-            return SessionRun(plan, self.env, text, deadline, model.forward_cost)
+            plan, policy = self._speculation(plan)
+            return SessionRun(plan, self.env, text, deadline, policy)
         verify = ForwardCost(model.forward_cost, decay=0.0).shape
         shape = await self._dsi_shape(plan.dsi, verify, model.draft_cost)
         return DsiRun(
             plan, self.env, text, deadline, lookahead=shape.lookahead, parallel=shape.parallel,
             ahead=shape.ahead, verify_cost=verify,
         )  # fmt: skip
+
+    def _speculation(self, plan: GenerationPlan) -> tuple[GenerationPlan, AdaptivePolicy | None]:
+        """A request with no speculation field: its family (plain, n-gram or the draft model's
+        chains) chosen by `choose_family`; an adaptive plan: its depth policy. Both reproducible
+        (specmesh.core.adaptive): fixed start-up costs, the prompt, and the session's own rounds."""
+        model = self.served_model()
+        overhead = self.config.call_overhead_ms / 1000.0
+        draft_level = {
+            Method.NGRAM: 0.0,  # a lookup: no forward
+            Method.CHAIN: model.draft_cost.get(1, DSI_UNKNOWN_DRAFT_SHARE * model.forward_cost.get(1, 0.0)),
+        }
+
+        def prior(method: Method) -> float:
+            return prompt_hit_rate(plan.prompt_ids) if method is Method.NGRAM else ADAPTIVE_PRIOR
+
+        if plan.auto:
+            candidates = {}
+            if self.env.ngram_drafters is not None:
+                candidates[METHOD_DEFAULTS[Method.NGRAM]] = prior(Method.NGRAM)
+            if self.env.drafters is not None:
+                candidates[AUTO_SPEC] = prior(Method.CHAIN)
+            spec = choose_family(candidates, model.forward_cost, draft_level, overhead)
+            plan = dataclasses.replace(plan, spec=spec, adaptive=spec.method.drafts)
+        if not plan.adaptive:
+            return plan, None
+        method = plan.spec.method
+        policy = AdaptivePolicy(
+            plan.spec, model.forward_cost, prior_alpha=prior(method),
+            draft_cost=draft_level.get(method, draft_level[Method.CHAIN]), call_overhead=overhead,
+        )  # fmt: skip
+        return plan, policy
 
     async def _dsi_shape(
         self, settings: DsiSettings, verify: Callable[[int], float], draft_cost: dict[int, float]
@@ -543,9 +602,12 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
 
     def _servable(self, plan: GenerationPlan) -> GenerationPlan:
         """The plan this gateway can run: without drafters, its own default is plain decoding."""
-        if self.env.drafters is None and plan.auto:
-            return dataclasses.replace(plan, spec=TreeSpec(Method.NONE), adaptive=False)
-        if plan.spec.method.drafts and self.env.drafters is None:
+        if plan.spec.method is Method.NGRAM and self.env.ngram_drafters is None:
+            raise GatewayError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "speculation.method: 'ngram' needs n-gram drafters; this gateway has none (--ngram-drafters)",
+            )
+        if plan.spec.method.needs_model and self.env.drafters is None:
             raise GatewayError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"speculation.method: {plan.spec.method!r} needs drafters; this gateway has none "

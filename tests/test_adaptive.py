@@ -14,10 +14,12 @@ from specmesh.core.adaptive import (
     ForwardCost,
     Load,
     PolicyMemory,
+    choose_family,
     expected_tokens,
     family_spec,
 )
 from specmesh.core.drafting import TreeSpec, build_tree
+from specmesh.core.methods import Method
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.stats import GenerationStats
 from specmesh.core.verification import autoregressive_step, verify_tree
@@ -262,3 +264,37 @@ def test_measuring_the_forward_cost_leaves_the_runner_as_it_was() -> None:
     cost = measure_forward_cost(runner, rows=(1, 4, 9), repeats=1)
     assert sorted(cost) == [1, 4, 9] and all(t > 0 for t in cost.values())
     assert runner.sessions() == ["user"] and runner.committed_tokens("user") == list(PROMPT)
+
+
+# ---- reproducible mode (the gateway's) ---------------------------------------------------------
+
+CPU = {1: 0.031, 2: 0.047, 4: 0.077, 8: 0.185, 16: 0.187}  # llama.cpp, the 1.5B target on 2 cores
+FLAT = {1: 0.030, 2: 0.0301, 4: 0.0302, 8: 0.0305, 16: 0.031}  # a GPU-like target
+NGRAM, CHAIN = TreeSpec("ngram", depth=4), TreeSpec("chain", depth=3)
+
+
+@pytest.mark.parametrize(
+    ("forward", "draft", "ngram_hits", "want"),
+    [
+        (CPU, 0.020, 0.1, Method.NONE),  # a draft token at 0.65 of a target token, text that does not repeat
+        (CPU, 0.020, 0.9, Method.NGRAM),  # free drafts copied from a repeating context pay even here
+        (FLAT, 0.003, 0.1, Method.CHAIN),  # rows nearly free, a 10x cheaper drafter
+        (FLAT, 0.003, 0.9, Method.NGRAM),
+    ],
+)
+def test_the_default_family_follows_the_costs_and_the_prompt(forward, draft, ngram_hits, want) -> None:
+    costs = {Method.NGRAM: 0.0, Method.CHAIN: draft}
+    spec = choose_family({NGRAM: ngram_hits, CHAIN: 0.7}, forward, costs, call_overhead=0.002)
+    assert spec.method is want
+    assert choose_family({}, forward, costs, 0.002).method is Method.NONE  # nothing to draft with
+
+
+def test_the_reproducible_policy_reads_no_clock() -> None:
+    """Two sessions whose rounds take wildly different times (load) but accept alike choose the
+    same depths; and the first round is chosen from the fixed costs alone."""
+    runs = []
+    for level, per_node in ((0.001, 0.0005), (0.2, 0.05)):
+        policy = AdaptivePolicy(CHAIN, FLAT, draft_cost=0.003, call_overhead=0.002)
+        runs.append(simulate(policy, 0.6, level, per_node, 40))
+    assert runs[0] == runs[1]
+    assert runs[0][0] >= 1  # on from the first round: the fixed costs say it pays

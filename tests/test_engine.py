@@ -18,6 +18,7 @@ SPECS = {
     "rsd_c": TreeSpec("rsd_c", depth=3, branching=(2, 2, 2)),
     "rsd_s": TreeSpec("rsd_s", depth=4, beam_width=3),
     "mtad": TreeSpec("mtad", depth=3, beam_width=4, mtad_threshold=0.2),
+    "ngram": TreeSpec("ngram", depth=4),
 }
 
 

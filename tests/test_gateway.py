@@ -69,9 +69,11 @@ def stack(models, tmp_path_factory) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("gateway-stack")
     with RedisServer() as redis_server:
         drafters = [replica("drafter_service", models["draft"], logs / f"drafter-{i}.log") for i in range(2)]
+        ngram = replica("drafter_service", models["target"], logs / "ngram.log", ["--backend", "ngram"])
         verifier = replica("verifier_service", models["target"], logs / "verifier.log")
         args = [
             *("--drafters", ",".join(d.address for d in drafters), "--verifiers", verifier.address),
+            *("--ngram-drafters", ngram.address),
             *("--redis-url", redis_server.url, "--max-new-tokens-limit", str(LIMIT)),
             *("--health-interval", "0.2", "--round-timeout", "30"),
             # Redis down for longer than this fails a request (a shorter outage is ridden out:
@@ -83,7 +85,7 @@ def stack(models, tmp_path_factory) -> Iterator[Stack]:
             *("--pipeline", "on"),
         ]
         gateway = Server("gateway", args, logs / "gateway.log")
-        servers = [*drafters, verifier, gateway]
+        servers = [*drafters, ngram, verifier, gateway]
         try:
             start_all(*servers)
             yield Stack(redis_server, drafters, verifier, gateway)
@@ -179,7 +181,7 @@ def gateway_metric(stack: Stack, name: str, **labels: str) -> float:
 
 # ---- equality with the engine and the target's greedy decode -----------------------------------
 
-GREEDY_METHODS = ["none", "chain", "mcsd_iid", "mcsd_wor", "rsd_c", "rsd_s", "mtad"]
+GREEDY_METHODS = ["none", "chain", "mcsd_iid", "mcsd_wor", "rsd_c", "rsd_s", "mtad", "ngram"]
 
 
 @pytest.mark.parametrize("method", GREEDY_METHODS)
@@ -223,17 +225,20 @@ def test_adaptive_greedy_through_the_gateway_equals_the_targets_greedy_decode(
     request.speculation.adaptive = True
     response = stub.Generate(request, timeout=60)
     assert list(response.token_ids) == target_greedy[:24]
-    assert response.stats.accepted_tokens > 0
+    # tiny models cost alike, so the policy mostly decodes plainly; its probe rounds still draft
+    assert response.stats.draft_calls > 0 and response.stats.rounds > response.stats.draft_calls
 
 
-def test_a_request_without_speculation_gets_the_gateways_adaptive_chains(stub, target_greedy) -> None:
-    """No speculation field: the gateway chooses (adaptive chains, depths from the verifier's
-    measured costs); the output is still the target's greedy decode."""
+def test_a_request_without_speculation_gets_the_gateways_reproducible_choice(stub, target_greedy) -> None:
+    """No speculation field: the gateway chooses the family and the depths (none, ngram or the
+    draft model's chains, from start-up costs and the session's own acceptance); the output is
+    still the target's greedy decode, and the same request makes the same rounds again."""
     request = make_request(max_new_tokens=24)
     request.ClearField("speculation")
-    response = stub.Generate(request, timeout=60)
-    assert list(response.token_ids) == target_greedy[:24]
-    assert response.stats.draft_calls > 0  # a first round at depth 3, or probe rounds
+    first, second = (stub.Generate(request, timeout=60) for _ in range(2))
+    assert list(first.token_ids) == list(second.token_ids) == target_greedy[:24]
+    fields = ("rounds", "drafted_tokens", "accepted_tokens")
+    assert [getattr(first.stats, f) for f in fields] == [getattr(second.stats, f) for f in fields]
 
 
 def test_any_speculation_field_is_the_clients_choice() -> None:

@@ -58,19 +58,21 @@ def stack(models, tmp_path_factory) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("http-stack")
     with RedisServer() as redis_server:
         drafter = replica("drafter_service", models["draft"], logs / "drafter.log")
+        ngram = replica("drafter_service", models["target"], logs / "ngram.log", ["--backend", "ngram"])
         verifier = replica("verifier_service", models["target"], logs / "verifier.log")
         args = [
             *("--drafters", drafter.address, "--verifiers", verifier.address),
+            *("--ngram-drafters", ngram.address),
             *("--redis-url", redis_server.url, "--max-new-tokens-limit", str(LIMIT)),
             *("--health-interval", "0.2", "--round-timeout", "30", "--served-model-name", "tiny"),
         ]
         http_port = free_port()
         gateway = gateway_server(args, logs / "gateway.log", http_port)
         try:
-            start_all(drafter, verifier, gateway)
-            yield Stack(redis_server, [drafter, verifier], gateway, http_port, "tiny")
+            start_all(drafter, ngram, verifier, gateway)
+            yield Stack(redis_server, [drafter, verifier, ngram], gateway, http_port, "tiny")
         finally:
-            stop_all(drafter, verifier, gateway)
+            stop_all(drafter, ngram, verifier, gateway)
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +84,6 @@ def grpc_request(
     *, prompt: str | None = None, chat: list[dict] | None = None, max_tokens: int = 12, **sampling
 ) -> gateway_pb2.GenerateRequest:
     request = gateway_pb2.GenerateRequest(max_new_tokens=max_tokens)
-    if "seed" in sampling:
-        request.speculation.method, request.speculation.depth = CHAIN["method"], CHAIN["depth"]
     if chat is not None:
         for m in chat:
             request.chat.messages.add(**m)
@@ -114,23 +114,16 @@ def test_models_and_health(stack, client) -> None:
 
 # ---- equality with the gRPC API ----------------------------------------------------------------
 
+# The seeded cases leave the shape to the gateway's default: its choices are reproducible
+# (fixed start-up costs and the session's own acceptance, never the clock).
 SAMPLINGS = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "seed": 11}}
-# At T > 0 a seed fixes the text only with a fixed tree shape (the gateway's adaptive default
-# follows wall-clock timings): the seeded cases fix one.
-CHAIN = {"method": "chain", "depth": 3}
-
-
-def fixed_shape(sampling: str) -> dict:
-    return {"extra_body": {"speculation": CHAIN}} if sampling == "seeded" else {}
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 def test_completions_equal_grpc_generate_streamed_and_not(client, stub, sampling: str) -> None:
     params = SAMPLINGS[sampling]
     want = stub.Generate(grpc_request(prompt=WORDS, max_tokens=16, **params), timeout=60)
-    whole = client.completions.create(
-        model="tiny", prompt=WORDS, max_tokens=16, **params, **fixed_shape(sampling)
-    )
+    whole = client.completions.create(model="tiny", prompt=WORDS, max_tokens=16, **params)
     assert whole.choices[0].text == want.text and whole.choices[0].finish_reason == want.finish_reason
     assert whole.usage.prompt_tokens == want.stats.prompt_tokens == len(PROMPT)
     assert whole.usage.completion_tokens == len(want.token_ids) and whole.usage.total_tokens == len(
@@ -145,7 +138,6 @@ def test_completions_equal_grpc_generate_streamed_and_not(client, stub, sampling
             stream=True,
             stream_options={"include_usage": True},
             **params,
-            **fixed_shape(sampling),
         )
     )
     text_events, usage_event = events[:-1], events[-1]
@@ -160,21 +152,50 @@ def test_chat_completions_equal_grpc_generate_streamed_and_not(client, stub, sam
     params = SAMPLINGS[sampling]
     chat = [{"role": "w1", "content": WORDS}, {"role": "w2", "content": "w3 w4"}]
     want = stub.Generate(grpc_request(chat=chat, max_tokens=16, **params), timeout=60)
-    whole = client.chat.completions.create(
-        model="tiny", messages=chat, max_completion_tokens=16, **params, **fixed_shape(sampling)
-    )
+    whole = client.chat.completions.create(model="tiny", messages=chat, max_completion_tokens=16, **params)
     message = whole.choices[0].message
     assert message.role == "assistant" and message.content == want.text
     assert whole.usage.prompt_tokens == want.stats.prompt_tokens
     assert whole.usage.completion_tokens == len(want.token_ids)
     events = list(
-        client.chat.completions.create(
-            model="tiny", messages=chat, max_tokens=16, stream=True, **params, **fixed_shape(sampling)
-        )
+        client.chat.completions.create(model="tiny", messages=chat, max_tokens=16, stream=True, **params)
     )
     assert events[0].choices[0].delta.role == "assistant"
     assert "".join(e.choices[0].delta.content or "" for e in events) == want.text
     assert events[-1].choices[0].finish_reason == want.finish_reason and events[-1].usage is None
+
+
+REPEATING = " ".join(["w3 w9 w14 w2 w27 w5"] * 8)  # text an n-gram drafter can copy from
+
+
+@pytest.mark.parametrize("prompt", [WORDS, REPEATING], ids=["fresh", "repeating"])
+def test_a_seed_gives_the_same_text_every_time_whatever_the_load(client, stub, stack, prompt: str) -> None:
+    """No speculation field, T = 0.8, a seed: three runs through gRPC and HTTP give one text, the
+    third with eight other streams running beside it (the verifier batches them together)."""
+    params = {"temperature": 0.8, "seed": 5}
+    texts = []
+    for run in range(3):
+        load: list[threading.Thread] = []
+        if run == 2:
+            load = [
+                threading.Thread(
+                    target=stub.Generate,
+                    args=(grpc_request(prompt=REPEATING, max_tokens=40, temperature=1.0, seed=i),),
+                    kwargs={"timeout": 60},
+                )
+                for i in range(8)
+            ]
+            for t in load:
+                t.start()
+        texts.append(stub.Generate(grpc_request(prompt=prompt, max_tokens=32, **params), timeout=60).text)
+        texts.append(
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=32, **params).choices[0].text
+        )
+        for t in load:
+            t.join()
+    assert len(set(texts)) == 1, texts
+    if prompt == REPEATING:  # the default chose the n-gram drafter for text that repeats
+        assert stack.replicas[2].metrics()[("specmesh_drafts_total", ())] > 0
 
 
 def test_speculation_settings_and_stats_travel_in_extra_fields(client, stub) -> None:

@@ -164,6 +164,22 @@ def test_info_reports_model_tokenizer_and_limits(stack, models) -> None:
         assert all(c.seconds > 0 for c in reply.forward_cost)
 
 
+def test_a_model_drafter_leaves_ngram_to_the_ngram_drafters(stack) -> None:
+    """`drafter_service --backend ngram` drafts method ngram (tests/test_ngram_services.py)."""
+
+    async def call() -> grpc.aio.AioRpcError:
+        async with open_channel(stack.drafter.address) as channel:
+            request = pb2.DraftRequest(session_id="s", new_token_ids=PROMPT)
+            request.tree_spec.method, request.tree_spec.depth = "ngram", 2
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await pb2_grpc.DrafterStub(channel).Draft(request)
+            return refused.value
+
+    refused = asyncio.run(call())
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tree_spec.method" in refused.details() and "--backend ngram" in refused.details()
+
+
 # ---- equality with the in-process engine -------------------------------------------------------
 
 CASES = {

@@ -24,6 +24,14 @@ sampling learned, so short sessions need not start cold.
 
 The choice depends only on finished rounds, never on the round being verified, so every round is
 verified exactly as a fixed-shape round would be: adaptivity cannot bias the output.
+
+Reproducible mode (`draft_cost` given; the gateway's): a seeded request must give the same text
+every time, whatever the load, and a round's shape decides which random numbers it draws. The
+policy then reads no clock: d is the drafter's start-up cost of one level, v the verifier's
+start-up curve (never rescaled), o a fixed cost per call (two calls for a speculative round, one
+for a plain one), s = 1; only the session's own acceptance counts move it, and nothing is carried
+over from earlier sessions. `choose_family` picks a session's tree family (none, n-gram, the draft
+model's chains) by the same rate, from the same fixed costs and a prior acceptance per family.
 """
 
 from __future__ import annotations
@@ -120,6 +128,8 @@ class AdaptivePolicy:
     tolerance: float = 0.03
     prior_alpha: float = 0.7
     prior_weight: float = 1.0
+    draft_cost: float | None = None  # seconds per draft level, fixed: reproducible mode (module doc)
+    call_overhead: float = 0.0  # reproducible mode: seconds per replica call beside the forwards
 
     def __post_init__(self, forward_cost: Mapping[int, float] | None) -> None:
         if not self.base.method.drafts:
@@ -131,7 +141,7 @@ class AdaptivePolicy:
         self.tried = [0.0] * self.max_depth  # decayed rounds that reached depth j (could go on)
         self.verify = ForwardCost(forward_cost or {}, self.decay)
         self.sessions = 1.0  # decayed mean of the sessions sharing the target forward
-        self.draft_level: float | None = None  # seconds per draft level
+        self.draft_level: float | None = self.draft_cost  # seconds per draft level
         self.other: float | None = None  # seconds per round outside drafting and verifying
         self.rounds = 0
         self.off_rounds = 0  # since the last probe
@@ -158,8 +168,16 @@ class AdaptivePolicy:
         spec = family_spec(self.base, depth)
         draft = depth * (self.draft_level or 0.0)
         rows = self.sessions * (1 + spec.max_nodes)  # each session's new token and its nodes
-        seconds = (self.other or 0.0) + draft + self.verify(rows)
+        other = (2 if depth else 1) * self.call_overhead if self.reproducible else (self.other or 0.0)
+        seconds = other + draft + self.verify(rows)
         return expected_tokens(self.alphas(), depth) / seconds if seconds > 0 else float("inf")
+
+    @property
+    def reproducible(self) -> bool:
+        return self.draft_cost is not None
+
+    def best_rate(self) -> float:
+        return max(self.predicted_rate(d) for d in self.depths)
 
     def choose_depth(self) -> int:
         """The next round's depth. Not pure: counts off rounds, to probe now and then."""
@@ -191,7 +209,7 @@ class AdaptivePolicy:
         self.rounds += 1
         depth = spec.depth  # 0 for Method.NONE
         load = load or Load(1, 1 + stats.drafted_tokens)
-        if self.rounds > 1:  # the first round's times include both models' prompt prefill
+        if self.rounds > 1 and not self.reproducible:  # the first round's times include the prefills
             self.verify.observe(load.rows, stats.verify_seconds)
             self.sessions = self._mean(self.sessions, load.sessions)
             self.other = self._mean(self.other, stats.network_seconds)
@@ -204,10 +222,38 @@ class AdaptivePolicy:
         self.reached = [r * self.acceptance_decay for r in self.reached]
         self.tried = [t * self.acceptance_decay for t in self.tried]
         accepted = stats.accepted_tokens
-        for j in range(min(accepted + 1, depth)):
+        drafted = len(stats.accepted_per_depth)  # n-gram drafts may be shorter than asked, or none
+        for j in range(min(accepted + 1, depth, drafted)):
             self.tried[j] += 1.0
             if j < accepted:
                 self.reached[j] += 1.0
+
+
+def choose_family(
+    candidates: Mapping[TreeSpec, float],
+    forward_cost: Mapping[int, float],
+    draft_cost: Mapping[Method, float],
+    call_overhead: float,
+) -> TreeSpec:
+    """The family (and first depth) of a session in reproducible mode: for each candidate family
+    (its TreeSpec -> the acceptance assumed before any round), its best predicted rate over its
+    depths, from fixed start-up costs (draft_cost: seconds per level, by method); plain decoding
+    unless a family is predicted faster by more than the policy's tolerance. Deterministic."""
+    best, best_rate = TreeSpec(Method.NONE), 0.0
+    for base, alpha in candidates.items():
+        policy = AdaptivePolicy(
+            base,
+            forward_cost,
+            prior_alpha=alpha,
+            draft_cost=draft_cost[base.method],
+            call_overhead=call_overhead,
+        )
+        if not best_rate:
+            best_rate = policy.predicted_rate(0)
+        rate = policy.best_rate()
+        if rate > (1 + policy.tolerance) * best_rate:
+            best, best_rate = family_spec(base, max(policy.depths, key=policy.predicted_rate)), rate
+    return best
 
 
 class PolicyMemory:

@@ -94,7 +94,7 @@ def build_tree(
             return _build_stochastic_beam(spec, next_logits, params, generator)
         case Method.MTAD:
             return _build_mtad(spec, next_logits, params, generator)
-    raise ValueError(f"method {spec.method!r} drafts no tree")
+    raise ValueError(f"method {spec.method!r} drafts no tree from a draft model")
 
 
 class _TreeBuilder:

@@ -17,6 +17,12 @@ class Method(StrEnum):
     RSD_C = "rsd_c"  # per-level branching, Gumbel-top-k siblings
     RSD_S = "rsd_s"  # stochastic beam search
     MTAD = "mtad"  # beam sampling, the best beam verified by a joint test (not lossless)
+    NGRAM = "ngram"  # a chain copied from the session's own tokens (prompt lookup), no draft model
+
+    @property
+    def needs_model(self) -> bool:
+        """Its drafts come from a draft model's forwards (everything that drafts but NGRAM)."""
+        return self.drafts and self is not Method.NGRAM
 
     @property
     def drafts(self) -> bool:
@@ -36,7 +42,7 @@ class Method(StrEnum):
     @property
     def one_node_per_level(self) -> bool:
         """It sends the verifier a chain."""
-        return self in (Method.CHAIN, Method.MTAD)
+        return self in (Method.CHAIN, Method.MTAD, Method.NGRAM)
 
     @property
     def lossless(self) -> bool:

@@ -29,6 +29,7 @@ class Backend(StrEnum):
     AUTO = "auto"  # llama.cpp for a GGUF model on a machine without a GPU, else torch
     TORCH = "torch"
     LLAMA_CPP = "llama.cpp"
+    NGRAM = "ngram"  # no model: the session's tokens only (the n-gram drafter, specmesh.runtime.token_runner)
 
 
 class UnknownSessionError(KeyError):

@@ -31,6 +31,7 @@ import torch
 from specmesh.core.adaptive import AdaptivePolicy, Load, PolicyMemory
 from specmesh.core.drafting import Path, TreeSpec
 from specmesh.core.methods import Method
+from specmesh.core.ngram import draft_ngram
 from specmesh.core.rounds import Request, draft_round, keep_emitted, session_seed
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.stats import GenerationResult, GenerationStats
@@ -194,7 +195,10 @@ class SpeculativeEngine:
         return _Session(sid, request, seed, [int(t) for t in request.prompt_ids], policy=policy)
 
     def _draft(self, sessions: list[_Session]) -> None:
-        drafting = [s for s in sessions if s.spec.method.drafts]
+        for s in sessions:
+            if s.spec.method is Method.NGRAM:  # no draft model: a lookup in the session's tokens
+                s.tree = draft_ngram(s.tokens, s.spec.depth, self.verifier.vocab_size)
+        drafting = [s for s in sessions if s.spec.method.needs_model]
         if not drafting:
             return
         new_tokens = {s.id: self._resume_draft(s) for s in drafting}
@@ -228,7 +232,7 @@ class SpeculativeEngine:
 
     def _verify(self, sessions: list[_Session]) -> Load:
         """One target forward for every session's round; -> what that forward held."""
-        trees = [s.tree if s.spec.method.drafts else None for s in sessions]
+        trees = [s.tree if s.spec.method.drafts else None for s in sessions]  # None: a plain step
         steps = []
         for s, tree in zip(sessions, trees, strict=True):
             known = len(self.verifier.committed_tokens(s.id) or ())

@@ -264,7 +264,9 @@ def verified_gguf(spec: ChunkedModel, progress: bool = True) -> Path:
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantize a GGUF with transformers and save it as a safetensors folder with its tokenizer.
+    """Dequantize a GGUF with transformers and save it as a bf16 safetensors folder with its
+    tokenizer (half of fp32's size; bf16 is the torch backend's default dtype, and fp32 loads of
+    it are exact bf16 values).
 
     transformers 5.x loads llama/qwen2 GGUFs fully dequantized (fp32) but keeps the GGUF
     quantizer attached, which makes save_pretrained refuse; removing it is safe after loading.
@@ -277,7 +279,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         if getattr(model, "hf_quantizer", None) is not None:
             model.hf_quantizer.remove_quantization_config(model)
-        model.save_pretrained(out_dir)
+        model.to(torch.bfloat16).save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
     del model, tokenizer
     gc.collect()  # the 1.5B conversion peaks near 9 GB; give it back before the next step
@@ -317,7 +319,13 @@ def _provision(spec: ChunkedModel, out: Path, progress: bool) -> None:
     _say(f"{spec.name}: converting {gguf.name} to safetensors (a minute or two)", progress)
     t0 = time.perf_counter()
     convert_gguf(gguf, out)
-    marker = {"name": spec.name, "sha256": spec.sha256, "size": spec.size, "gguf": str(gguf)}
+    marker = {
+        "name": spec.name,
+        "sha256": spec.sha256,
+        "size": spec.size,
+        "gguf": str(gguf),
+        "dtype": "bfloat16",
+    }
     (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")  # last: marks completion
     _say(f"{spec.name}: converted into {out} in {time.perf_counter() - t0:.1f} s", progress)
 

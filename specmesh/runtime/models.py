@@ -14,6 +14,7 @@ model (the default pair included) on a machine without a GPU when llama-cpp-pyth
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from specmesh.runtime import model_store
 from specmesh.runtime.backend import Backend, ModelBackend
 from specmesh.runtime.model_store import cache_dir
 from specmesh.runtime.runner import ModelRunner
+from specmesh.runtime.token_runner import TokenRunner
 from specmesh.runtime.tokenizers import gguf_file, load_tokenizer, resolve_source, tokenizer_fingerprint
 
 __all__ = [
@@ -72,6 +74,8 @@ class LoadedModel:
             from specmesh.runtime.llama_cpp import LlamaCppRunner
 
             return LlamaCppRunner(self.gguf, max_cache_tokens=max_cache_tokens, threads=threads)
+        if self.backend is Backend.NGRAM:
+            return TokenRunner(self.vocab_size, max_cache_tokens)
         return ModelRunner(self.model, max_cache_tokens=max_cache_tokens)
 
 
@@ -102,6 +106,8 @@ def resolve_backend(backend: str | Backend, source: str | Path) -> Backend:
         choice = Backend(backend)
     except ValueError:
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(Backend)}") from None
+    if choice is Backend.NGRAM:
+        return choice
     if choice is Backend.AUTO:
         is_gguf = str(source) in model_store.DEFAULT_SOURCES or Path(str(source)).suffix == ".gguf"
         use_llama = is_gguf and not torch.cuda.is_available() and llama_cpp_available()
@@ -128,8 +134,11 @@ def load_model(
     the draft computes; only the acceptance rate can change."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if resolve_backend(backend, source) is Backend.LLAMA_CPP:
+    chosen = resolve_backend(backend, source)
+    if chosen is Backend.LLAMA_CPP:
         return _load_gguf(source)
+    if chosen is Backend.NGRAM:
+        return _load_vocabulary(source)
     quantize = str(dtype).lower() == "int8"
     torch_dtype = torch.float32 if quantize else resolve_dtype(dtype)
     torch_device = resolve_device("cpu" if quantize and device is None else device)
@@ -180,6 +189,29 @@ def _load_gguf(source: str | Path) -> LoadedModel:
         weights="gguf",
         backend=Backend.LLAMA_CPP,
         gguf=path,
+    )
+
+
+def _load_vocabulary(source: str | Path) -> LoadedModel:
+    """The ngram backend: the model's tokenizer and vocabulary size, no weights (a GGUF's header,
+    or a folder's config): what an n-gram drafter for that model's verifier needs."""
+    if gguf_file(source) is not None:
+        return dataclasses.replace(_load_gguf(source), weights="none", backend=Backend.NGRAM, gguf=None)
+    from transformers import AutoConfig
+
+    tokenizer, _ = load_tokenizer(source)
+    location, extra = resolve_source(source)
+    config = AutoConfig.from_pretrained(location, **extra).get_text_config()
+    return LoadedModel(
+        model=None,
+        tokenizer=tokenizer,
+        source=str(source),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        vocab_size=int(config.vocab_size),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        weights="none",
+        backend=Backend.NGRAM,
     )
 
 

@@ -128,8 +128,9 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "model": (str, "model for load_model: a folder, a .gguf file, a hub id, default-draft / default-target"),
     "backend": (
         str,
-        "torch, llama.cpp or auto (llama.cpp for a GGUF model, the default pair included, on a machine "
-        "without a GPU); llama.cpp is not batch-invariant, see docs/services.md",
+        "auto (llama.cpp for a GGUF model, the default pair included, on a machine without a GPU, "
+        "else torch), torch, llama.cpp, or ngram (drafters: no model, n-gram drafts from the "
+        "session's own tokens; --model then only names the vocabulary)",
     ),
     "dtype": (str, "torch backend: bf16, fp16, fp32, or int8 (int8 weights, CPU; for drafters)"),
     "device": (str, "torch device (empty = cuda when available, else cpu)"),
@@ -156,7 +157,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
 }
 
 COMMON_DEFAULTS: dict[str, Any] = {
-    "backend": "torch",  # until llama.cpp keeps T=0 outputs exact (docs/decisions.md)
+    "backend": "auto",
     "dtype": "bf16",
     "device": "",
     "max_batch_size": 16,
@@ -426,6 +427,7 @@ class ModelService(RpcService):
             max_batch_tokens=c.max_batch_tokens,
             max_message_bytes=c.max_message_bytes,
             forward_cost=[pb2.ForwardCost(rows=r, seconds=t) for r, t in sorted(self.forward_cost.items())],
+            backend=self.model.backend,
         )
 
 

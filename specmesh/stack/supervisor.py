@@ -410,6 +410,7 @@ def plan_stack(
     *,
     backend: str | None = None,
     verifiers: int = 1,
+    ngram_drafters: int = 0,
     http_port: int = 8000,
     host: str = "127.0.0.1",
     python: str = sys.executable,
@@ -421,12 +422,13 @@ def plan_stack(
     certs: CertFiles | None = None,
 ) -> StackPlan:
     """The command lines of the whole stack on loopback: redis (unless redis_url is given),
-    `drafters` drafters, `verifiers` verifiers, and the gateway on `port` (gRPC) and `http_port`
+    `drafters` drafters, `ngram_drafters` model-free n-gram drafters (their --model names the
+    draft's vocabulary), `verifiers` verifiers, and the gateway on `port` (gRPC) and `http_port`
     (its HTTP API and /metrics; 0 = off). Each replica serves /metrics on a free port. With
     `certs` every server listens with TLS, the replicas require the gateway's client certificate
     (mutual TLS), and readiness is asked with the user's client certificate."""
-    if drafters < 0 or verifiers < 1:
-        raise ValueError("need drafters >= 0 and verifiers >= 1")
+    if drafters < 0 or ngram_drafters < 0 or verifiers < 1:
+        raise ValueError("need drafters >= 0, ngram_drafters >= 0 and verifiers >= 1")
     specs: list[ChildSpec] = []
     redis_dir = ""
     if redis_url is None:
@@ -462,6 +464,11 @@ def plan_stack(
         spec, addr = service("drafter", i, draft, drafter_args)
         specs.append(dataclasses.replace(spec, expendable=drafters > 1))
         drafter_addrs.append(addr)
+    ngram_addrs = []
+    for i in range(ngram_drafters):
+        spec, addr = service("drafter", drafters + i, draft, ["--backend", "ngram"])
+        specs.append(dataclasses.replace(spec, name=f"ngram-drafter-{i}", expendable=ngram_drafters > 1))
+        ngram_addrs.append(addr)
     for i in range(verifiers):
         spec, addr = service("verifier", i, target, verifier_args)
         specs.append(dataclasses.replace(spec, expendable=verifiers > 1))
@@ -473,6 +480,8 @@ def plan_stack(
         metrics["gateway"] = http
     if drafter_addrs:
         argv += ["--drafters", ",".join(drafter_addrs)]
+    if ngram_addrs:
+        argv += ["--ngram-drafters", ",".join(ngram_addrs)]
     argv += ["--verifiers", ",".join(verifier_addrs)]
     argv += [*tls_flags, *gateway_tls_flags, *gateway_args]
     ready = grpc_ready(gateway, tls=probe_tls)
