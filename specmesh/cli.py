@@ -213,6 +213,29 @@ def _bench_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_calls(args: argparse.Namespace) -> int:
+    from specmesh.bench.calls import bench_calls
+
+    results = bench_calls(args.verifier, args.drafter, args.calls, args.llama_bench, args.threads)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def _bench_default(args: argparse.Namespace) -> int:
+    from specmesh.bench.default_path import bench_default
+
+    results = bench_default(
+        args.address, args.url, tuple(args.sets), args.prompts, args.max_new_tokens, tuple(args.temperatures),
+        tuple(args.sessions),
+    )  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
 DEMO_PROMPT = 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
 
 
@@ -707,6 +730,34 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--chat", action="store_true", help="the chat questions as user messages, not HumanEval")
     gw.add_argument("--json", help="also write the results here")
     gw.set_defaults(func=_bench_gateway)
+
+    calls = bench.add_parser("calls", help="a model service's call against its bare forward (llama-bench)")
+    calls.add_argument("--verifier", default="127.0.0.1:50062")
+    calls.add_argument("--drafter", default="127.0.0.1:50061")
+    calls.add_argument("--calls", type=int, default=20, help="timed calls per row count (the median is kept)")
+    calls.add_argument(
+        "--llama-bench", help="llama.cpp's llama-bench binary, run on the services' GGUF files"
+    )
+    calls.add_argument(
+        "--threads", type=int, default=0, help="llama-bench's threads (0: all cores, as the services)"
+    )
+    calls.add_argument("--json", help="also write the results here")
+    calls.set_defaults(func=_bench_calls)
+
+    default = bench.add_parser(
+        "default", help="the default path vs method none, and a seed's text under load, on a running stack"
+    )
+    default.add_argument("--address", default="127.0.0.1:50051")
+    default.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's HTTP API")
+    default.add_argument("--sets", nargs="+", default=["chat", "code", "edit"], help="prompt sets")
+    default.add_argument("--prompts", type=int, default=4, help="prompts per set")
+    default.add_argument("--max-new-tokens", type=int, default=64)
+    default.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    default.add_argument(
+        "--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrent chat streams"
+    )
+    default.add_argument("--json", help="also write the results here")
+    default.set_defaults(func=_bench_default)
 
     http = bench.add_parser(
         "http", help="N concurrent streams for a while through the OpenAI HTTP API and through gRPC"

