@@ -1,6 +1,6 @@
 """`specmesh up --exit-after-demo` end to end on the tiny models: Redis, a drafter, an n-gram
-drafter, a verifier and the gateway come up as supervised subprocesses, one demo completion streams through the gateway,
-and everything stops cleanly."""
+drafter, a verifier and the gateway come up as supervised subprocesses, one demo completion
+streams through the gateway, and everything stops cleanly."""
 
 from __future__ import annotations
 

@@ -68,11 +68,16 @@ def chat_questions(n: int) -> list[str]:
 def chat_prompts(n: int, tokenizer) -> list[str]:
     """The first n questions rendered with the model's chat template, ready for the assistant's
     answer: what a chat client sends, as one text every engine tokenizes alike."""
+    return render_chat(chat_questions(n), tokenizer)
+
+
+def render_chat(messages: list[str], tokenizer) -> list[str]:
+    """Each text as a user message in the model's chat template, ready for the assistant's answer."""
     return [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
         )
-        for q in chat_questions(n)
+        for q in messages
     ]
 
 

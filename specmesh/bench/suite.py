@@ -43,7 +43,15 @@ from pathlib import Path
 import torch
 
 from specmesh.bench.anchors import find_llama_server, llama_server, run_llama_server
-from specmesh.bench.measure import chat_prompts, humaneval_prompts, run_engine, run_gateway, stats_fields
+from specmesh.bench.measure import (
+    chat_prompts,
+    code_edit_prompts,
+    humaneval_prompts,
+    render_chat,
+    run_engine,
+    run_gateway,
+    stats_fields,
+)
 from specmesh.bench.report import write_report
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.methods import Method
@@ -401,7 +409,13 @@ FIXED = {
 
 
 def prompt_sets(cfg: SuiteConfig, tokenizer) -> dict[str, list[str]]:
-    return {"code": humaneval_prompts(cfg.prompts), "chat": chat_prompts(cfg.prompts, tokenizer)}
+    """code (HumanEval to complete), chat (questions as user messages) and edit (code to rewrite:
+    the answer copies its context, where n-gram drafts apply), rendered as every engine gets them."""
+    return {
+        "code": humaneval_prompts(cfg.prompts),
+        "chat": chat_prompts(cfg.prompts, tokenizer),
+        "edit": render_chat(code_edit_prompts(cfg.prompts), tokenizer),
+    }
 
 
 def default_rows(cfg: SuiteConfig, llama_server_binary: str | None = None) -> list[dict]:
@@ -592,7 +606,8 @@ def default_goals(rows: list[dict]) -> list[dict]:
     default = [r for r in rows if r["experiment"] == "default" and r["label"] == DEFAULT_LABEL]
     for row in default:
         where = f"{row['prompt_set']}, T={row['temperature']:g}"
-        out.append(_goal(f"default vs llama-server plain, {where}", 1.2, row.get("vs_llama_server"), row))
+        plain = 1.0 if row["prompt_set"] == "edit" else 0.9  # where n-gram drafts apply, speculation must pay
+        out.append(_goal(f"default vs llama-server plain, {where}", plain, row.get("vs_llama_server"), row))
         out.append(_goal(f"default vs transformers assisted, {where}", 1.5, row.get("vs_hf_assisted"), row))
         fixed = [
             r for r in rows
