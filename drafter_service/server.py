@@ -50,7 +50,12 @@ from specmesh.services.batching import ForwardBatcher
 from specmesh.services.metrics import ServiceMetrics
 from specmesh.services.model_service import ModelService, RequestCancelled, Resume, ServiceConfig, main
 
-DEFAULTS = {"model": "default-draft", "port": 50061, "metrics_port": 9091, "max_wait_ms": 10.0}
+DEFAULTS = {
+    "model": "default-draft",
+    "port": 50061,
+    "metrics_port": 9091,
+    "max_wait_ms": 10.0,
+}
 
 
 class _LevelForward:

@@ -27,7 +27,12 @@ from specmesh.runtime.runner import Step
 from specmesh.services.metrics import ServiceMetrics
 from specmesh.services.model_service import ModelService, ServiceConfig, main
 
-DEFAULTS = {"model": "default-target", "port": 50062, "metrics_port": 9092, "max_wait_ms": 2.0}
+DEFAULTS = {
+    "model": "default-target",
+    "port": 50062,
+    "metrics_port": 9092,
+    "max_wait_ms": 2.0,
+}
 
 
 class VerifierService(ModelService, pb2_grpc.VerifierServicer):

@@ -23,9 +23,8 @@ KV cells are bounded by `n_ctx`. Both are budgets: when a call needs more than i
 recently used sessions not in the call lose their KV (their tokens and pending tree are kept) and
 are re-fed in full by the next call that names them, as the torch backend does.
 
-Threads: set OMP_WAIT_POLICY=PASSIVE before llama_cpp is imported (this module does, unless the
-environment says otherwise), so that idle worker threads sleep instead of spinning against the
-other processes of the stack on the same cores.
+Threads: how llama.cpp's OpenMP workers wait between a forward's steps is chosen per process
+before torch or llama.cpp is loaded: specmesh/runtime/threads.py.
 """
 
 from __future__ import annotations
@@ -48,8 +47,6 @@ from specmesh.runtime.backend import (
     check_path,
     ints,
 )
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
 

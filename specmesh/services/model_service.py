@@ -464,6 +464,10 @@ async def _serve_model(config: ServiceConfig, service_cls: type[ModelService]) -
     hf_logging.disable_progress_bar()  # keep stderr to JSON lines
     device = config.device or None
     model = load_model(config.model, dtype=config.dtype, device=device, backend=config.backend)
+    if model.backend is not Backend.TORCH:
+        # torch only does the verification math here; its own OpenMP team beside llama.cpp's
+        # would oversubscribe the cores and make every llama.cpp barrier wait longer
+        torch.set_num_threads(1)
     service = service_cls(config, model, ServiceMetrics())
     await service.start()
     details = {"model": config.model, "backend": model.backend, "weights": model.weights}

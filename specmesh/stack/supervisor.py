@@ -2,7 +2,7 @@
 
     run_stack(plan_stack("default-draft", "default-target", drafters=2, port=50051))  # until Ctrl-C
 
-Children start stage by stage (redis, then the model services, then the gateway); within a stage
+Children start stage by stage (redis, the drafters, the verifiers, then the gateway); within a stage
 they start together and all must be ready (TCP port accepting, gRPC health SERVING, Redis PING)
 before the next stage starts. Their stdout and stderr are copied line by line with a `name |`
 prefix. A child that crashes after it was ready is restarted; its budget is `max_restarts` restarts
@@ -450,6 +450,11 @@ def plan_stack(
 
     metrics: dict[str, str] = {}
 
+    # Verifiers start once the drafters are ready: each replica measures its forward cost at
+    # start-up (what the gateway's default decides from), and two measuring at once on shared
+    # cores would each see the other's load.
+    stages = {"drafter": 1, "verifier": 2}
+
     def service(kind: str, index: int, model: str, extra: Sequence[str]) -> tuple[ChildSpec, str]:
         address, name, metrics_port = f"{host}:{free_port(host)}", f"{kind}-{index}", free_port(host)
         argv = [python, "-m", f"{kind}_service", "--model", model, "--host", host]
@@ -457,7 +462,7 @@ def plan_stack(
         argv += [*model_flags, *tls_flags, *replica_tls_flags, *extra]
         metrics[name] = f"{host}:{metrics_port}"
         ready = grpc_ready(address, tls=probe_tls)
-        return ChildSpec(name, argv, ready, stage=1, ready_timeout=ready_timeout), address
+        return ChildSpec(name, argv, ready, stage=stages[kind], ready_timeout=ready_timeout), address
 
     drafter_addrs, verifier_addrs = [], []
     for i in range(drafters):
@@ -486,7 +491,7 @@ def plan_stack(
     argv += [*tls_flags, *gateway_tls_flags, *gateway_args]
     ready = grpc_ready(gateway, tls=probe_tls)
     env = {**(gateway_env or {}), "SPECMESH_REDIS_URL": redis_url}  # --redis-url: may hold a password
-    specs.append(ChildSpec("gateway", argv, ready, stage=2, env=env, ready_timeout=120.0))
+    specs.append(ChildSpec("gateway", argv, ready, stage=3, env=env, ready_timeout=120.0))
     plan = StackPlan(specs, gateway, drafter_addrs, verifier_addrs, redis_url, http, metrics, certs)
     plan.redis_dir = redis_dir
     return plan
