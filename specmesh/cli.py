@@ -228,7 +228,7 @@ def _bench_default(args: argparse.Namespace) -> int:
 
     results = bench_default(
         args.address, args.url, tuple(args.sets), args.prompts, args.max_new_tokens, tuple(args.temperatures),
-        tuple(args.sessions),
+        tuple(args.sessions), args.llama_server,
     )  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
@@ -755,6 +755,9 @@ def build_parser() -> argparse.ArgumentParser:
     default.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     default.add_argument(
         "--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrent chat streams"
+    )
+    default.add_argument(
+        "--llama-server", help="llama.cpp's llama-server binary: also plain decoding through it"
     )
     default.add_argument("--json", help="also write the results here")
     default.set_defaults(func=_bench_default)

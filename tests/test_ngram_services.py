@@ -84,16 +84,3 @@ def test_the_ngram_drafter_serves_ngram_only(backend_stack) -> None:
     assert info.backend == "ngram" and [c.rows for c in info.forward_cost] == [1, 2, 4, 8, 16]
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "tree_spec.method" in refused.details() and "ngram" in refused.details()
-
-
-def test_a_llama_cpp_verifier_runs_one_session_per_forward_by_default(backend_stack) -> None:
-    """--batch-invariant (the default): llama.cpp rounds a row by the rows beside it, so its
-    forwards hold one session; torch batches (LIMIT_FLAGS: 8)."""
-    stack, _ = backend_stack
-
-    async def info() -> pb2.InfoResponse:
-        async with open_channel(stack.verifier.address) as channel:
-            return await pb2_grpc.VerifierStub(channel).Info(pb2.InfoRequest())
-
-    reply = asyncio.run(info())
-    assert reply.max_batch_size == (1 if reply.model_id.endswith(".gguf") else 8)

@@ -14,12 +14,21 @@ n-gram drafter or the draft model, or none.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
-from specmesh.bench.measure import chat_questions, code_edit_prompts, humaneval_prompts, run_gateway
+from specmesh.bench.anchors import llama_server, run_llama_server
+from specmesh.bench.measure import (
+    chat_questions,
+    code_edit_prompts,
+    humaneval_prompts,
+    render_chat,
+    run_gateway,
+)
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.methods import Method
 from specmesh.rpc.proto import load
@@ -27,34 +36,41 @@ from specmesh.rpc.proto import load
 NONE = TreeSpec(Method.NONE)
 
 
-def prompt_set(name: str, n: int) -> tuple[list[str], bool]:
-    """(texts, whether they are chat messages)."""
+def prompt_set(name: str, n: int, tokenizer) -> list[str]:
+    """The set's texts as every engine gets them: chat and edit as user messages in the target's
+    chat template, code as it is."""
     if name == "chat":
-        return chat_questions(n), True
+        return render_chat(chat_questions(n), tokenizer)
     if name == "code":
-        return humaneval_prompts(n), False
+        return humaneval_prompts(n)
     if name == "edit":
-        return code_edit_prompts(n), True
+        return render_chat(code_edit_prompts(n), tokenizer)
     raise ValueError(f"unknown prompt set {name!r}; use chat, code or edit")
 
 
 def compare(
-    address: str, texts: list[str], chat: bool, temperature: float, max_new: int, sessions: int
+    address: str, texts: list[str], temperature: float, max_new: int, sessions: int, llama_url: str | None
 ) -> dict:
-    """method none, then the default, on the same prompts and seeds; tokens/s of each."""
+    """method none, then the default, on the same prompts and seeds; tokens/s of each; with
+    llama_url (and one session), llama-server plain on the same texts."""
     row: dict = {}
+    if llama_url and sessions == 1:
+        measured = run_llama_server(llama_url, texts, temperature, max_new)
+        row["llama_server"] = dict(measured, tokens_per_second=measured["tokens"] / measured["seconds"])
     for name, spec in (("none", NONE), ("default", None)):
-        measured = asyncio.run(
-            run_gateway(address, texts, spec, False, temperature, max_new, sessions, chat=chat)
-        )
+        measured = asyncio.run(run_gateway(address, texts, spec, False, temperature, max_new, sessions))
         row[name] = {k: measured[k] for k in ("tokens", "seconds", "accepted_tokens", "block_efficiency")}
         row[name]["drafted_tokens"] = measured.get("drafted_tokens")
         row[name]["tokens_per_second"] = measured["tokens"] / measured["seconds"]
     row["default_over_none"] = row["default"]["tokens_per_second"] / row["none"]["tokens_per_second"]
+    if "llama_server" in row:
+        plain = row["llama_server"]["tokens_per_second"]
+        row["default_over_llama_server"] = row["default"]["tokens_per_second"] / plain
+        row["none_over_llama_server"] = row["none"]["tokens_per_second"] / plain
     return row
 
 
-def seed_runs(address: str, url: str, text: str, max_new: int, load_streams: int) -> dict:
+def seed_runs(address: str, url: str, text: str, load_text: str, max_new: int, load_streams: int) -> dict:
     """A seeded T = 0.8 request with no speculation field, three times through gRPC and the HTTP
     completions API; the third time `load_streams` other streams run beside it."""
     import grpc
@@ -69,9 +85,12 @@ def seed_runs(address: str, url: str, text: str, max_new: int, load_streams: int
         with grpc.insecure_channel(address) as channel:
             return pb2_grpc.GatewayStub(channel).Generate(request, timeout=600).text
 
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=60) as response:
+        model = json.load(response)["data"][0]["id"]
+
     def http_text() -> str:
         body = json.dumps(
-            {"model": "default", "prompt": text, "max_tokens": max_new, "temperature": 0.8, "seed": 5}
+            {"model": model, "prompt": text, "max_tokens": max_new, "temperature": 0.8, "seed": 5}
         ).encode()
         request = urllib.request.Request(f"{url}/v1/completions", body, {"content-type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as response:
@@ -81,7 +100,7 @@ def seed_runs(address: str, url: str, text: str, max_new: int, load_streams: int
         others = []
         if run == 2:
             others = [
-                threading.Thread(target=grpc_text, args=(100 + i, 1.0, text), daemon=True)
+                threading.Thread(target=grpc_text, args=(100 + i, 1.0, load_text), daemon=True)
                 for i in range(load_streams)
             ]
             for t in others:
@@ -101,27 +120,37 @@ def bench_default(
     max_new: int = 64,
     temperatures: tuple[float, ...] = (0.0, 1.0),
     sessions: tuple[int, ...] = (1, 2, 4, 8),
+    llama_server_binary: str | None = None,
+    target: str = "default-target",
 ) -> dict:
+    """llama_server_binary: also llama-server plain on `target`'s GGUF file, the same texts."""
+    from specmesh.runtime.tokenizers import gguf_file, load_tokenizer
+
+    tokenizer, _ = load_tokenizer(gguf_file(target) or target)
     rows = []
-    for name in sets:
-        texts, chat = prompt_set(name, prompts)
-        for temperature in temperatures:
-            row = dict(
-                set=name,
-                temperature=temperature,
-                sessions=1,
-                **compare(address, texts, chat, temperature, max_new, 1),
-            )
-            rows.append(row)
-            _print(row)
+    with contextlib.ExitStack() as stack:
+        llama_url = None
+        if llama_server_binary:
+            llama_url = stack.enter_context(llama_server(Path(llama_server_binary), gguf_file(target)))
+        for name in sets:
+            texts = prompt_set(name, prompts, tokenizer)
+            for temperature in temperatures:
+                measured = compare(address, texts, temperature, max_new, 1, llama_url)
+                row = dict(set=name, temperature=temperature, sessions=1, **measured)
+                rows.append(row)
+                _print(row)
     for s in sessions:
         if s == 1:
             continue
-        texts, chat = prompt_set("chat", s)
-        row = dict(set="chat", temperature=0.0, sessions=s, **compare(address, texts, chat, 0.0, max_new, s))
+        texts = prompt_set("chat", s, tokenizer)
+        row = dict(set="chat", temperature=0.0, sessions=s, **compare(address, texts, 0.0, max_new, s, None))
         rows.append(row)
         _print(row)
-    seeded = seed_runs(address, url, humaneval_prompts(1)[0], max_new, load_streams=4)
+    chat = prompt_set("chat", 1, tokenizer)[0]
+    try:
+        seeded = seed_runs(address, url, chat, chat, max_new, load_streams=4)
+    except Exception as exc:  # reported, not lost with the rows above
+        seeded = {"identical": None, "error": repr(exc)}
     print(
         f"seed 5, T=0.8, 3 runs x (gRPC, HTTP), 4 streams beside the third: identical={seeded['identical']}"
     )
@@ -131,8 +160,10 @@ def bench_default(
 def _print(row: dict) -> None:
     d, n = row["default"], row["none"]
     head = f"{row['set']:<5} T={row['temperature']:<3} sessions={row['sessions']}"
+    plain = row.get("llama_server")
+    vs = f"  llama-server {plain['tokens_per_second']:6.2f} tok/s" if plain else ""
     print(
-        f"{head}  none {n['tokens_per_second']:6.2f} tok/s  default {d['tokens_per_second']:6.2f} tok/s  "
+        f"{head}{vs}  none {n['tokens_per_second']:6.2f} tok/s  default {d['tokens_per_second']:6.2f} tok/s  "
         f"x{row['default_over_none']:.2f}  (default: {d['accepted_tokens']} accepted tokens, "
         f"block efficiency {d['block_efficiency'] or 0:.2f})",
         flush=True,

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import functools
 import hashlib
 import logging
@@ -111,7 +110,6 @@ class ServiceConfig(ServerConfig):
     torch_threads: int
     forward_latency_ms: float
     forward_ms_per_row: float
-    batch_invariant: bool
 
     @property
     def forward_floor(self) -> ForwardFloor:
@@ -146,12 +144,6 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "max_cache_tokens": (int, "KV positions over all sessions before LRU eviction (0 = no limit)"),
     "max_message_bytes": (int, "largest request / response; larger requests get RESOURCE_EXHAUSTED"),
     "torch_threads": (int, "compute threads: torch intra-op or llama.cpp (0 = the backend's default)"),
-    "batch_invariant": (
-        bool,
-        "on a backend whose kernels round a row differently with the rows beside it (llama.cpp), "
-        "every forward holds one session, so that a seeded request's text never depends on the "
-        "load; --no-batch-invariant batches sessions for throughput (torch is batch-invariant: no effect)",
-    ),
     "forward_latency_ms": (
         float,
         "benchmarks only: every forward takes at least this long, the rest slept (emulates a slower "
@@ -179,7 +171,6 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "torch_threads": 0,
     "forward_latency_ms": 0.0,
     "forward_ms_per_row": 0.0,
-    "batch_invariant": True,
 }
 
 _AT_LEAST_ONE = (
@@ -243,14 +234,10 @@ class ModelService(RpcService):
         self.limits = config.limits
         self.loop = asyncio.get_running_loop()
         self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="model")
-        limits = config.batch_limits
-        if config.batch_invariant and model.backend is Backend.LLAMA_CPP:
-            limits = dataclasses.replace(limits, max_batch_size=1)  # docs/services.md, "Backends"
-        self.batcher_limits = limits
         self.batcher = ForwardBatcher(
             self.runner,
             self.model_thread,
-            limits,
+            config.batch_limits,
             metrics,
             config.forward_floor,
         )
@@ -436,7 +423,7 @@ class ModelService(RpcService):
             max_depth=c.max_depth,
             max_branching=c.max_branching,
             max_beam_width=c.max_beam_width,
-            max_batch_size=self.batcher_limits.max_batch_size,
+            max_batch_size=c.max_batch_size,
             max_batch_tokens=c.max_batch_tokens,
             max_message_bytes=c.max_message_bytes,
             forward_cost=[pb2.ForwardCost(rows=r, seconds=t) for r, t in sorted(self.forward_cost.items())],
