@@ -21,6 +21,14 @@ if TYPE_CHECKING:
     from specmesh.stack.supervisor import StackPlan
 
 
+def _write_json(path: str | None, results: dict) -> int:
+    """A benchmark's --json: its results, also written there."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
 def _provision(sources: set[str], backend: str | None, progress: bool) -> dict[str, Path]:
     """The default pair's files for the backend that will run them: the GGUF files for llama.cpp
     (nothing converted), bf16 safetensors folders for torch (converted once, then cached)."""
@@ -48,20 +56,14 @@ def _bench_verify(args: argparse.Namespace) -> int:
 
     results = bench_verify(vocab=args.vocab, repeats=args.repeats, threads=args.threads)
     print_table(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0
+    return _write_json(args.json, results)
 
 
 def _bench_dsi(args: argparse.Namespace) -> int:
     from specmesh.bench.dsi import bench_dsi
 
     results = bench_dsi(Path(args.out), repeats=args.repeats, seed=args.seed)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0
+    return _write_json(args.json, results)
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
@@ -76,10 +78,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
         tuple(args.temperatures),
         backend=args.backend,
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0
+    return _write_json(args.json, results)
 
 
 def _bench_report(args: argparse.Namespace) -> int:
@@ -207,20 +206,14 @@ def _bench_gateway(args: argparse.Namespace) -> int:
         args.address, args.prompts, args.max_new_tokens, tuple(args.temperatures), args.engine_json, args.dsi,
         chat=args.chat,
     )  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0
+    return _write_json(args.json, results)
 
 
 def _bench_calls(args: argparse.Namespace) -> int:
     from specmesh.bench.calls import bench_calls
 
     results = bench_calls(args.verifier, args.drafter, args.calls, args.llama_bench, args.threads)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0
+    return _write_json(args.json, results)
 
 
 def _bench_default(args: argparse.Namespace) -> int:
@@ -230,10 +223,7 @@ def _bench_default(args: argparse.Namespace) -> int:
         args.address, args.url, tuple(args.sets), args.prompts, args.max_new_tokens, tuple(args.temperatures),
         tuple(args.sessions), args.llama_server,
     )  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0
+    return _write_json(args.json, results)
 
 
 DEMO_PROMPT = 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
