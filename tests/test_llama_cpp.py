@@ -250,3 +250,21 @@ def test_a_call_longer_than_one_decode_is_fed_in_parts(gguf_path) -> None:
         assert runner.stats["decodes"] > 3
     finally:
         runner.close()
+
+
+def test_a_converted_gguf_is_a_bf16_folder_that_loads(gguf_path, tmp_path) -> None:
+    """model_store.convert_gguf, what the torch backend runs the default pair from: bf16 weights
+    (half of fp32), the tokenizer beside them, the GGUF's values rounded to bf16."""
+    from safetensors import safe_open
+
+    from specmesh.runtime import model_store
+
+    out = tmp_path / "converted"
+    model_store.convert_gguf(gguf_path, out)
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # noqa: SIM118 (no __iter__)
+    loaded = load_model(out, dtype="fp32", device="cpu")
+    torch.manual_seed(0)
+    original = tiny_lm("llama", len(vocabulary(N_WORDS)), bos_token_id=1, eos_token_id=2)
+    for name, p in original.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[name], p.to(torch.bfloat16).float()), name
