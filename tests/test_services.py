@@ -278,9 +278,14 @@ def test_concurrent_sessions_equal_sequential_ones_and_share_forwards(stack, ref
             await asyncio.gather(*(s.release() for s in sessions))
             return results
 
-    concurrent = asyncio.run(together())
-    for request, alone, with_others in zip(requests, sequential, concurrent, strict=True):
-        assert with_others.token_ids == alone.token_ids == reference(request).token_ids
+    # Merging is opportunistic (a Verify goes straight to an idle model): up to three concurrent
+    # runs, each of them equal to the sessions run alone, until both services have merged.
+    for _ in range(3):
+        concurrent = asyncio.run(together())
+        for request, alone, with_others in zip(requests, sequential, concurrent, strict=True):
+            assert with_others.token_ids == alone.token_ids == reference(request).token_ids
+        if batches_above_one(stack.verifier) > before[0] and batches_above_one(stack.drafter) > before[1]:
+            break
     assert batches_above_one(stack.verifier) > before[0]  # Verify calls of different sessions merged
     assert batches_above_one(stack.drafter) > before[1]  # and so did tree levels
 
