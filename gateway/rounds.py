@@ -134,7 +134,7 @@ class GatewayEnv:
         self.deferred.add(task)
         task.add_done_callback(self.deferred.discard)
 
-    def pool(self, role: Role, method: Method = Method.CHAIN) -> ReplicaPool:
+    def pool(self, role: Role, method: Method) -> ReplicaPool:
         """The replicas of a role; a session of method ngram drafts on the model-free drafters."""
         if role is Role.VERIFIER:
             return self.verifiers

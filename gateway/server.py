@@ -531,7 +531,9 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         model = self.model
         assert model is not None
         if plan.dsi is None:
-            plan, policy = self._speculation(plan)
+            # off the event loop: the prompt's n-gram hit rate is a pass over the whole prompt
+            loop = asyncio.get_running_loop()
+            plan, policy = await loop.run_in_executor(self._parser, self._speculation, plan)
             return SessionRun(plan, self.env, text, deadline, policy)
         verify = ForwardCost(model.forward_cost, decay=0.0).shape
         shape = await self._dsi_shape(plan.dsi, verify, model.draft_cost)
@@ -543,7 +545,8 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
     def _speculation(self, plan: GenerationPlan) -> tuple[GenerationPlan, AdaptivePolicy | None]:
         """A request with no speculation field: its family (plain, n-gram or the draft model's
         chains) chosen by `choose_family`; an adaptive plan: its depth policy. Both reproducible
-        (specmesh.core.adaptive): fixed start-up costs, the prompt, and the session's own rounds."""
+        (specmesh.core.adaptive): fixed start-up costs, the prompt, and the session's own rounds.
+        Runs in the parse thread."""
         model = self.served_model()
         overhead = self.config.call_overhead_ms / 1000.0
         draft_level = {
@@ -551,8 +554,10 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             Method.CHAIN: model.draft_cost.get(1, DSI_UNKNOWN_DRAFT_SHARE * model.forward_cost.get(1, 0.0)),
         }
 
+        ngram_hits = functools.cache(lambda: prompt_hit_rate(plan.prompt_ids))  # once, if asked
+
         def prior(method: Method) -> float:
-            return prompt_hit_rate(plan.prompt_ids) if method is Method.NGRAM else ADAPTIVE_PRIOR
+            return ngram_hits() if method is Method.NGRAM else ADAPTIVE_PRIOR
 
         if plan.auto:
             candidates = {}

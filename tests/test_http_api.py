@@ -355,9 +355,13 @@ def test_a_client_that_disconnects_cancels_its_session_everywhere(stack, raw_red
 
 
 def test_metrics_show_latency_histograms_and_spec_decode_counters(stack, client) -> None:
-    # 40 tokens: the default (adaptive) depths follow measured timings, and with the tiny noisy
-    # draft 12 tokens could pass with no draft accepted under a loaded machine (seen with -n 2)
-    client.completions.create(model="tiny", prompt=WORDS, max_tokens=40, temperature=0)
+    # a fixed shape: the default may decode plainly on these tiny models (its choice follows the
+    # replicas' start-up costs), and the draft counters must move; 40 tokens, so that the tiny
+    # noisy draft surely has some accepted
+    speculation = {"speculation": {"method": "chain", "depth": 3}}
+    client.completions.create(
+        model="tiny", prompt=WORDS, max_tokens=40, temperature=0, extra_body=speculation
+    )
     text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value

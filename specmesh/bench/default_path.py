@@ -22,30 +22,12 @@ import urllib.request
 from pathlib import Path
 
 from specmesh.bench.anchors import llama_server, run_llama_server
-from specmesh.bench.measure import (
-    chat_questions,
-    code_edit_prompts,
-    humaneval_prompts,
-    render_chat,
-    run_gateway,
-)
+from specmesh.bench.measure import PROMPT_SETS, prompt_set, run_gateway
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.methods import Method
 from specmesh.rpc.proto import load
 
 NONE = TreeSpec(Method.NONE)
-
-
-def prompt_set(name: str, n: int, tokenizer) -> list[str]:
-    """The set's texts as every engine gets them: chat and edit as user messages in the target's
-    chat template, code as it is."""
-    if name == "chat":
-        return render_chat(chat_questions(n), tokenizer)
-    if name == "code":
-        return humaneval_prompts(n)
-    if name == "edit":
-        return render_chat(code_edit_prompts(n), tokenizer)
-    raise ValueError(f"unknown prompt set {name!r}; use chat, code or edit")
 
 
 def compare(
@@ -115,7 +97,7 @@ def seed_runs(address: str, url: str, text: str, load_text: str, max_new: int, l
 def bench_default(
     address: str,
     url: str,
-    sets: tuple[str, ...] = ("chat", "code", "edit"),
+    sets: tuple[str, ...] = PROMPT_SETS,
     prompts: int = 4,
     max_new: int = 64,
     temperatures: tuple[float, ...] = (0.0, 1.0),

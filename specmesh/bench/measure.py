@@ -65,10 +65,20 @@ def chat_questions(n: int) -> list[str]:
     return [json.loads(line)["prompt"] for line in lines[:n]]
 
 
-def chat_prompts(n: int, tokenizer) -> list[str]:
-    """The first n questions rendered with the model's chat template, ready for the assistant's
-    answer: what a chat client sends, as one text every engine tokenizes alike."""
-    return render_chat(chat_questions(n), tokenizer)
+PROMPT_SETS = ("code", "chat", "edit")
+
+
+def prompt_set(name: str, n: int, tokenizer) -> list[str]:
+    """n texts of a set as every engine gets them (one text each engine tokenizes alike): code
+    (HumanEval to complete) as it is; chat (questions) and edit (code to rewrite: the answer copies
+    its context, where n-gram drafts apply) as user messages in the model's chat template."""
+    if name == "code":
+        return humaneval_prompts(n)
+    if name == "chat":
+        return render_chat(chat_questions(n), tokenizer)
+    if name == "edit":
+        return render_chat(code_edit_prompts(n), tokenizer)
+    raise ValueError(f"unknown prompt set {name!r}; use one of {', '.join(PROMPT_SETS)}")
 
 
 def render_chat(messages: list[str], tokenizer) -> list[str]:

@@ -44,10 +44,9 @@ import torch
 
 from specmesh.bench.anchors import find_llama_server, llama_server, run_llama_server
 from specmesh.bench.measure import (
-    chat_prompts,
-    code_edit_prompts,
+    PROMPT_SETS,
     humaneval_prompts,
-    render_chat,
+    prompt_set,
     run_engine,
     run_gateway,
     stats_fields,
@@ -409,13 +408,7 @@ FIXED = {
 
 
 def prompt_sets(cfg: SuiteConfig, tokenizer) -> dict[str, list[str]]:
-    """code (HumanEval to complete), chat (questions as user messages) and edit (code to rewrite:
-    the answer copies its context, where n-gram drafts apply), rendered as every engine gets them."""
-    return {
-        "code": humaneval_prompts(cfg.prompts),
-        "chat": chat_prompts(cfg.prompts, tokenizer),
-        "edit": render_chat(code_edit_prompts(cfg.prompts), tokenizer),
-    }
+    return {name: prompt_set(name, cfg.prompts, tokenizer) for name in PROMPT_SETS}
 
 
 def default_rows(cfg: SuiteConfig, llama_server_binary: str | None = None) -> list[dict]:

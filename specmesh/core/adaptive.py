@@ -239,20 +239,24 @@ def choose_family(
     (its TreeSpec -> the acceptance assumed before any round), its best predicted rate over its
     depths, from fixed start-up costs (draft_cost: seconds per level, by method); plain decoding
     unless a family is predicted faster by more than the policy's tolerance. Deterministic."""
-    best, best_rate = TreeSpec(Method.NONE), 0.0
-    for base, alpha in candidates.items():
-        policy = AdaptivePolicy(
+    policies = [
+        AdaptivePolicy(
             base,
             forward_cost,
             prior_alpha=alpha,
             draft_cost=draft_cost[base.method],
             call_overhead=call_overhead,
         )
-        if not best_rate:
-            best_rate = policy.predicted_rate(0)
+        for base, alpha in candidates.items()
+    ]
+    best = TreeSpec(Method.NONE)
+    if not policies:
+        return best
+    best_rate = policies[0].predicted_rate(0)  # plain decoding: the same whatever the family
+    for policy in policies:
         rate = policy.best_rate()
         if rate > (1 + policy.tolerance) * best_rate:
-            best, best_rate = family_spec(base, max(policy.depths, key=policy.predicted_rate)), rate
+            best, best_rate = family_spec(policy.base, max(policy.depths, key=policy.predicted_rate)), rate
     return best
 
 
