@@ -53,9 +53,12 @@ class TryTimeouts:
         seconds += max(levels - 1, 0) * forward_seconds(self.draft_cost, 1)
         return max(self.floor, self.factor * seconds)
 
-    def verify(self, new_tokens: int, nodes: int) -> float:
-        """A Verify: one forward of the new tokens and the tree's nodes."""
-        return max(self.floor, self.factor * forward_seconds(self.verify_cost, new_tokens + nodes))
+    def verify(self, new_tokens: int, nodes: int, plain_steps: int = 1) -> float:
+        """A Verify: one forward of the new tokens and the tree's nodes, then a one-row forward per
+        further plain step."""
+        seconds = forward_seconds(self.verify_cost, new_tokens + nodes)
+        seconds += (plain_steps - 1) * forward_seconds(self.verify_cost, 1)
+        return max(self.floor, self.factor * seconds)
 
 
 class RetryBudget:

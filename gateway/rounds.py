@@ -118,6 +118,7 @@ class GatewayEnv:
     dsi_forward_scale: dict[tuple[bool, int], float] = dataclasses.field(default_factory=dict)
     dsi_timeline: Path | None = None  # a folder: each DSI session writes its blocks' timeline there
     ngram_drafters: ReplicaPool | None = None  # model-free drafters (drafter_service --backend ngram)
+    plain_steps: int = 1  # plain decoding: tokens per Verify call after the first (--plain-steps)
 
     def dsi_overlap_slowdown(self, parallel: int) -> float:
         """A forward's slowdown drafting ahead with `parallel` in flight, over SI's schedule. Not
@@ -169,8 +170,9 @@ class SessionRun:
         self.key = secrets.token_hex(16)  # the replicas serve this session only to callers with it
         self.roles = (Role.DRAFTER, Role.VERIFIER) if plan.spec.method.drafts else (Role.VERIFIER,)
         self.client = RoundClient(
-            self.id, plan.params, plan.spec, policy=policy, key=self.key, pipeline=env.pipeline
-        )
+            self.id, plan.params, plan.spec, policy=policy, key=self.key, pipeline=env.pipeline,
+            stop_token_ids=plan.stop_token_ids,
+        )  # fmt: skip
         self.tokens = list(plan.prompt_ids)  # committed, as in Redis
         self.round = 0
         self.stats = GenerationStats()
@@ -382,7 +384,7 @@ class SessionRun:
         for _ in range(self.env.max_attempts):
             placement = await self._place()
             try:
-                result = await self.client.round(tokens, placement)
+                result = await self.client.round(tokens, placement, self._plain_steps(tokens))
             except ReplicaFailure as exc:
                 self._remember_lengths(exc.held)
                 failure = exc
@@ -394,6 +396,15 @@ class SessionRun:
             grpc.StatusCode.UNAVAILABLE,
             f"round {self.round} failed {self.env.max_attempts} times; last error: {failure}",
         )
+
+    def _plain_steps(self, tokens: list[int]) -> int:
+        """Tokens a plain round after `tokens` may decode in one Verify call: one for the first round
+        (the prompt's: its token is the time to first token), then --plain-steps, within
+        max_new_tokens. Rounds that draft (or follow an adaptive policy) decode one round anyway."""
+        generated = len(tokens) - len(self.plan.prompt_ids)
+        if generated == 0:
+            return 1
+        return max(1, min(self.env.plain_steps, self.plan.max_new_tokens - generated))
 
     async def _release_later(self, role: Role, address: str, stub: Any) -> None:
         """Release on a replica that could not be reached at the end: once it is healthy again
@@ -480,13 +491,13 @@ class SessionRun:
         slow call is waited for: a slow replica is better than none)."""
         return any(a != self.addresses.get(role) for a in self.pool(role).healthy())
 
-    def _per_try(self, role: Role, new_tokens: int, work: int) -> float:
+    def _per_try(self, role: Role, new_tokens: int, work: int, plain_steps: int) -> float:
         """A call's per-try timeout (gateway/retries.py)."""
         timeouts = self.env.try_timeouts
         assert timeouts is not None
         if role is Role.DRAFTER:
             return timeouts.draft(new_tokens, work)
-        return timeouts.verify(new_tokens, work)
+        return timeouts.verify(new_tokens, work, plain_steps)
 
     async def _pick(self, role: Role) -> str:
         pool = self.pool(role)

@@ -62,7 +62,7 @@ from specmesh.rpc.server import (
     serve,
 )
 from specmesh.rpc.tls import ClientTls, client_tls
-from specmesh.rpc.wire import Limits
+from specmesh.rpc.wire import MAX_PLAIN_STEPS, Limits
 from specmesh.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger("specmesh.gateway")
@@ -97,6 +97,7 @@ class GatewayConfig(ServerConfig):
     dsi_timeline: str
     pipeline: str
     call_overhead_ms: float
+    plain_steps: int
     http_port: int
     served_model_name: str
     max_concurrent_requests: int
@@ -120,6 +121,8 @@ class GatewayConfig(ServerConfig):
         super().check()
         self.replica_tls()
         Pipelining.parse(self.pipeline)
+        if self.plain_steps > MAX_PLAIN_STEPS:
+            raise ValueError(f"--plain-steps must be at most {MAX_PLAIN_STEPS}")
 
 
 _FLAGS: dict[str, tuple[type, str]] = {
@@ -183,6 +186,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
         "what the default's cost model charges per replica call beside the forwards (gRPC, "
         "serialisation, batching); fixed, so that a seeded request's shape never follows the load",
     ),
+    "plain_steps": (
+        int,
+        "plain decoding (no drafts): tokens the verifier decodes per call after the first (one call "
+        "per token costs a round trip each; more per call streams in larger pieces), at most 64",
+    ),
     "http_port": (int, "port of the OpenAI-compatible HTTP API, /health and /metrics (0 = off)"),
     "served_model_name": (str, "the model name of the HTTP API (empty: the verifier's model id)"),
     "max_concurrent_requests": (
@@ -234,6 +242,7 @@ DEFAULTS: dict[str, Any] = {
     "dsi_timeline": "",
     "pipeline": "auto",
     "call_overhead_ms": 2.0,
+    "plain_steps": 4,
     "http_port": 8000,
     "served_model_name": "",
     "max_concurrent_requests": 0,
@@ -252,7 +261,8 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         "python -m gateway", GatewayConfig, _FLAGS, DEFAULTS, argv,
         at_least_one=(
             "max_new_tokens_limit", "default_max_new_tokens", "max_attempts", "dsi_max_parallel", "max_depth",
-            "max_tree_nodes", "max_branching", "max_beam_width", "max_stop_length", "max_prompt_bytes",
+            "plain_steps", "max_tree_nodes", "max_branching", "max_beam_width", "max_stop_length",
+            "max_prompt_bytes",
         ),
         positive=("session_ttl", "round_timeout", "health_interval", "try_timeout_floor"),
         non_negative=(
@@ -302,6 +312,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             retries=RetryBudget(ratio=config.retry_budget),
             pipeline=PipelinePolicy(Pipelining.parse(config.pipeline)),
             dsi_timeline=Path(config.dsi_timeline) if config.dsi_timeline else None,
+            plain_steps=config.plain_steps,
         )
         self.model: ServedModel | None = None
         self._not_ready = "waiting for a healthy verifier to learn the model"
@@ -565,7 +576,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
                 candidates[METHOD_DEFAULTS[Method.NGRAM]] = prior(Method.NGRAM)
             if self.env.drafters is not None:
                 candidates[AUTO_SPEC] = prior(Method.CHAIN)
-            spec = choose_family(candidates, model.forward_cost, draft_level, overhead)
+            spec = choose_family(candidates, model.forward_cost, draft_level, overhead, self.env.plain_steps)
             plan = dataclasses.replace(plan, spec=spec, adaptive=spec.method.drafts)
         if not plan.adaptive:
             return plan, None

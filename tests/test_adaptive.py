@@ -289,6 +289,19 @@ def test_the_default_family_follows_the_costs_and_the_prompt(forward, draft, ngr
     assert choose_family({}, forward, costs, 0.002).method is Method.NONE  # nothing to draft with
 
 
+def test_plain_decoding_that_pays_one_call_per_several_tokens_raises_the_bar_for_drafts() -> None:
+    """With 4 tokens per plain call, plain decoding's overhead per token is a quarter: a hit rate
+    that beats one call per token no longer beats it."""
+    costs = {Method.NGRAM: 0.0, Method.CHAIN: 0.020}
+    rates = [h / 100 for h in range(50, 100)]
+    chosen = [
+        [choose_family({NGRAM: a}, CPU, costs, 0.004, steps).method is Method.NGRAM for a in rates]
+        for steps in (1, 4)
+    ]
+    threshold = [rates[row.index(True)] for row in chosen]
+    assert threshold[1] > threshold[0]
+
+
 def test_the_reproducible_policy_reads_no_clock() -> None:
     """Two sessions whose rounds take wildly different times (load) but accept alike choose the
     same depths; and the first round is chosen from the fixed costs alone."""

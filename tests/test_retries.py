@@ -27,6 +27,8 @@ def test_a_try_gets_a_multiple_of_its_forwards_but_never_less_than_the_floor() -
     assert timeouts.draft(1, 4) == 0.5
     assert timeouts.draft(400, 4) == pytest.approx(10 * (0.040 * 400 / 16 + 3 * 0.010))
     assert TryTimeouts(floor=2.0, factor=10.0).verify(1000, 64) == 2.0  # nothing measured: the floor
+    # plain decoding of 60 tokens in one call: one more one-row forward per step
+    assert timeouts.verify(1, 0, plain_steps=60) == pytest.approx(10 * 60 * 0.010)
 
 
 def test_the_retry_budget_allows_a_share_of_recent_rounds_plus_a_minimum() -> None:

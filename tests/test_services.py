@@ -293,6 +293,42 @@ def test_concurrent_sessions_equal_sequential_ones_and_share_forwards(stack, ref
 # ---- sessions: release, resync, restarts --------------------------------------------------------
 
 
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(0.8, top_k=20, seed=7)], ids=["greedy", "seeded"])
+def test_plain_steps_in_one_call_equal_one_call_per_token_and_stop_at_a_stop_token(
+    stack, params: SamplingParams
+) -> None:
+    """VerifyRequest.plain_steps: 4 tokens per call give the tokens of 12 one-token calls (each
+    step's randomness is its position's); the verifier holds all but the last; a stop token ends
+    the call early."""
+
+    async def decode(session_id: str, steps: int, total: int, stops: Sequence[int] = ()) -> list[list[int]]:
+        calls, tokens, position, new = [], [], 0, list(PROMPT)
+        async with Stubs(stack) as stubs:
+            while len(tokens) < total:
+                request = wire.verify_request(session_id, position, new, params, None, steps, stops)
+                reply = await stubs.verifier.Verify(request)
+                emitted = [*reply.plain_token_ids, reply.next_token]
+                assert not reply.accepted_token_ids
+                calls.append(emitted)
+                tokens += emitted
+                position, new = position + len(new) + len(reply.plain_token_ids), [reply.next_token]
+                if stops:
+                    break
+            # the verifier holds what it said: one more step from there continues the session
+            await stubs.verifier.Verify(wire.verify_request(session_id, position, new, params, None))
+            await stubs.verifier.Release(pb2.ReleaseRequest(session_id=session_id))
+        return calls
+
+    one = asyncio.run(decode("plain-1", 1, 12))
+    four = asyncio.run(decode("plain-4", 4, 12))
+    expected = [t for call in one for t in call]
+    assert [len(c) for c in one] == [1] * 12 and [len(c) for c in four] == [4, 4, 4]
+    assert [t for call in four for t in call] == expected
+    k = next((i for i in range(1, 12) if expected[i] not in expected[:i]), 0)  # a token not seen before
+    stopped = asyncio.run(decode("plain-stop", 12, 12, stops=[expected[k]]))
+    assert stopped == [expected[: k + 1]]
+
+
 def test_release_forgets_the_session_and_the_next_round_resyncs(stack, reference) -> None:
     request = Request(PROMPT, SPECS["rsd_c"], SamplingParams(1.0, seed=21), 14)
 
@@ -644,6 +680,14 @@ BAD_INPUT: dict[str, tuple[str, Callable, str]] = {
         lambda r: r.new_token_ids.extend([1] * 15_000),
         "new_token_ids: position + new tokens",
     ),
+    # plain decoding of several tokens per call: never with a tree, within the limit
+    "plain-steps-with-a-tree": ("Verify", put("plain_steps", 2), "plain_steps: "),
+    "plain-steps-limit": (
+        "Verify",
+        lambda r: (r.ClearField("tree"), setattr(r, "plain_steps", wire.MAX_PLAIN_STEPS + 1)),
+        "plain_steps: ",
+    ),
+    "stop-token-outside-vocab": ("Verify", lambda r: r.stop_token_ids.append(VOCAB), "stop_token_ids[0]: "),
 }
 
 

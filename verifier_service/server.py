@@ -10,7 +10,9 @@ request in flight (a second gets ABORTED), which keeps its rounds in order.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -53,28 +55,15 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
     ) -> pb2.VerifyResponse:
         v = wire.parse_verify_request(request, self.vocab_size, self.limits)
         resume = self.begin(v, context)
-        tree = v.tree
-        nodes, parents = (tree.tokens.tolist(), tree.parents.tolist()) if tree is not None else ([], [])
-        work = self.batcher.enqueue(
-            Step(v.session_id, v.new_tokens, nodes, parents),
-            before=self.reset(v.session_id, resume, v.position),
-            finish=functools.partial(self._decide, v),
-        )
-        withdraw = functools.partial(self.batcher.withdraw, work)
-        verdict, batch = await self.settle(v.session_id, resume, context, work, withdraw)
-        self._record(tree, verdict)
-        return wire.verdict_to_proto(
-            verdict,
-            batch_size=batch.size,
-            batch_tokens=batch.tokens,
-            forward_seconds=batch.forward_seconds,
-            queue_seconds=batch.queue_seconds,
-        )
+        run = _Run(self, v, self.reset(v.session_id, resume, v.position))
+        work = asyncio.ensure_future(run())
+        outcome = await self.settle(v.session_id, resume, context, work, run.withdraw)
+        return wire.verdict_to_proto(outcome.verdict, outcome.plain_tokens, **outcome.batch_stats)
 
-    def _decide(self, v: wire.VerifyInput, logits: torch.Tensor) -> Verdict:
+    def _decide(self, v: wire.VerifyInput, committed_length: int, logits: torch.Tensor) -> Verdict:
         """On the model thread, right after the forward: the verdict, then KV compaction."""
         return verify_and_commit(
-            self.runner, v.session_id, v.tree, logits, v.params, v.params.seed, v.committed_length
+            self.runner, v.session_id, v.tree, logits, v.params, v.params.seed, committed_length
         )
 
     def _record(self, tree: DraftTree | None, verdict: Verdict) -> None:
@@ -85,3 +74,64 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
 
 def run(argv: list[str] | None = None) -> None:
     main(VerifierService, "python -m verifier_service", DEFAULTS, argv)
+
+
+@dataclass
+class _Outcome:
+    verdict: Verdict  # the call's last step
+    plain_tokens: list[int]  # tokens decoded by the steps before it (plain decoding)
+    batch_stats: dict[str, float]
+
+
+class _Run:
+    """One Verify call's forwards: the round, then, for plain decoding with plain_steps > 1, more
+    plain steps, each fed the token the step before decoded, until plain_steps tokens, a stop
+    token or the model's context. While it runs it is a participant of the batcher, so that
+    every session's next step makes the same batch. `withdraw` stops it before its next forward."""
+
+    def __init__(self, service: VerifierService, v: wire.VerifyInput, before) -> None:
+        self.service, self.v, self.before = service, v, before
+        context = service.runner.max_context
+        room = v.plain_steps if context is None else context - v.committed_length + 1
+        self.steps = max(1, min(v.plain_steps, room))
+        self.stopped = False
+        self._item: asyncio.Future | None = None
+
+    def withdraw(self) -> None:
+        self.stopped = True
+        if self._item is not None:
+            self.service.batcher.withdraw(self._item)
+
+    async def __call__(self) -> _Outcome:
+        batcher, v = self.service.batcher, self.v
+        tokens, new, forward_s, queue_s = [], v.new_tokens, 0.0, 0.0
+        if self.stopped:  # withdrawn before it began: nothing happened
+            raise asyncio.CancelledError
+        participant = self.steps > 1
+        if participant:
+            batcher.join()
+        try:
+            for i in range(self.steps):
+                self._item = batcher.enqueue(
+                    Step(v.session_id, new, *_tree_lists(v.tree)),
+                    before=self.before if i == 0 else None,
+                    finish=functools.partial(self.service._decide, v, v.committed_length + i),
+                )
+                verdict, batch = await self._item
+                self.service._record(v.tree, verdict)
+                forward_s, queue_s = forward_s + batch.forward_seconds, queue_s + batch.queue_seconds
+                tokens.append(verdict.next_token)
+                new = [verdict.next_token]
+                if self.stopped or verdict.next_token in v.stop_token_ids:
+                    break
+        finally:
+            if participant:
+                batcher.leave()
+        stats = dict(
+            batch_size=batch.size, batch_tokens=batch.tokens, forward_seconds=forward_s, queue_seconds=queue_s
+        )
+        return _Outcome(verdict, tokens[:-1], stats)
+
+
+def _tree_lists(tree: DraftTree | None) -> tuple[list[int], list[int]]:
+    return (tree.tokens.tolist(), tree.parents.tolist()) if tree is not None else ([], [])

@@ -234,11 +234,13 @@ def choose_family(
     forward_cost: Mapping[int, float],
     draft_cost: Mapping[Method, float],
     call_overhead: float,
+    plain_steps: int = 1,
 ) -> TreeSpec:
     """The family (and first depth) of a session in reproducible mode: for each candidate family
     (its TreeSpec -> the acceptance assumed before any round), its best predicted rate over its
     depths, from fixed start-up costs (draft_cost: seconds per level, by method); plain decoding
-    unless a family is predicted faster by more than the policy's tolerance. Deterministic."""
+    unless a family is predicted faster by more than the policy's tolerance. Plain decoding pays
+    one call per `plain_steps` tokens (the verifier decodes that many per call). Deterministic."""
     policies = [
         AdaptivePolicy(
             base,
@@ -252,7 +254,8 @@ def choose_family(
     best = TreeSpec(Method.NONE)
     if not policies:
         return best
-    best_rate = policies[0].predicted_rate(0)  # plain decoding: the same whatever the family
+    plain = policies[0]  # plain decoding costs the same whatever the family
+    best_rate = 1.0 / (plain.verify(1) + call_overhead / plain_steps)
     for policy in policies:
         rate = policy.best_rate()
         if rate > (1 + policy.tolerance) * best_rate:

@@ -38,15 +38,17 @@ class GenerationStats:
         draft_seconds: float = 0.0,
         verify_seconds: float = 0.0,
         total_seconds: float = 0.0,
+        plain_steps: int = 1,
     ) -> GenerationStats:
-        """The delta of one round; network time is what the round took beyond both services' compute."""
+        """The delta of one round; network time is what the round took beyond both services' compute.
+        plain_steps: a plain call that decoded that many tokens counts as that many rounds."""
         depth = max(tree_depth, accepted_tokens)
         return cls(
-            rounds=1,
+            rounds=plain_steps,
             draft_calls=draft_calls,
             drafted_tokens=drafted_tokens,
             accepted_tokens=accepted_tokens,
-            round_tokens=accepted_tokens + 1,
+            round_tokens=accepted_tokens + plain_steps,
             accepted_per_depth=[1] * accepted_tokens + [0] * (depth - accepted_tokens),
             draft_seconds=draft_seconds,
             verify_seconds=verify_seconds,

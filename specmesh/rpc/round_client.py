@@ -99,15 +99,15 @@ class Placement:
 
     held: committed tokens the caller believes each replica holds (0 or missing: nothing, it gets
     everything with position 0). drafter None: method "none" only. timeout: what the round may
-    take in all. per_try(role, new tokens, levels drafted or nodes verified): how long a call
-    runs before the caller is asked, spare(role), whether to give it up for a spare replica
+    take in all. per_try(role, new tokens, levels drafted or nodes verified, plain steps): how long
+    a call runs before the caller is asked, spare(role), whether to give it up for a spare replica
     (asked again after every such period; None: a call may take the whole timeout)."""
 
     verifier: pb2_grpc.VerifierStub | RelayVerifierStub
     drafter: pb2_grpc.DrafterStub | RelayDrafterStub | None = None
     held: Mapping[Role, int] = field(default_factory=dict)
     timeout: float | None = 60.0
-    per_try: Callable[[Role, int, int], float] | None = None
+    per_try: Callable[[Role, int, int, int], float] | None = None
     spare: Callable[[Role], bool] = lambda role: False
 
 
@@ -119,11 +119,13 @@ class RoundResult:
     resyncs: int  # replicas that answered "resync" and were sent everything
     call_seconds: dict[Role, float] = field(default_factory=dict)  # what the round waited for each role
     pre_draft_hit: bool | None = None  # a pre-draft was judged: it applied (True) or was dropped
+    plain: list[int] = field(default_factory=list)  # plain steps: the tokens decoded before the verdict's
 
     @property
     def tokens(self) -> list[int]:
-        """Accepted tokens plus the recovered or bonus token, before any stop / length cut."""
-        return self.verdict.emitted_tokens
+        """Accepted tokens plus the recovered or bonus token (after a plain call's earlier steps),
+        before any stop / length cut."""
+        return [*self.plain, *self.verdict.emitted_tokens]
 
 
 class ReplicaFailure(Exception):
@@ -155,18 +157,24 @@ class RoundClient:
         policy: AdaptivePolicy | None = None,
         key: str = "",
         pipeline: PipelinePolicy | None = None,
+        stop_token_ids: Sequence[int] = (),
     ) -> None:
         """params: with the session's seed fixed. policy: adaptive speculation; `spec` is then only
         its family and first depth. key: the session's secret, sent with every call (replicas
         serve the session only to callers that send it). pipeline: whether rounds pre-draft (None:
-        never); the gateway shares one among its sessions, so that what one learnt holds for all."""
+        never); the gateway shares one among its sessions, so that what one learnt holds for all.
+        stop_token_ids: where a plain call of several steps stops."""
         self.id, self.params, self.spec, self.policy = session_id, params, spec, policy
+        self.stop_token_ids = list(stop_token_ids)
         self.metadata = wire.session_metadata(key)
         self.pipeline = pipeline or PipelinePolicy(Pipelining.OFF)
         self._ahead: _Ahead | None = None  # the next round's pre-draft, in flight or done
 
-    async def round(self, tokens: Sequence[int], placement: Placement) -> RoundResult:
+    async def round(self, tokens: Sequence[int], placement: Placement, plain_steps: int = 1) -> RoundResult:
         """Draft and verify after the committed `tokens`; commits nothing on the caller's side.
+
+        plain_steps: where the round drafts nothing (method none, no adaptive policy), the verifier
+        may decode up to that many tokens in this one call (VerifyRequest.plain_steps).
 
         Pipelined (specmesh.core.ahead): the tree may come from the pre-draft the previous round
         sent beside its Verify, if it assumed exactly these tokens; this round may send the next
@@ -198,10 +206,11 @@ class RoundClient:
                 self._ahead = self._pre_draft(tokens, spec, placement, drafted.likely_token_ids)
         # a relayed tree (DraftResponseRelay) goes on as the drafter's bytes, never decoded here
         tree = drafted.tree if drafted is not None else None
-        make_verify = functools.partial(self._verify_request, tokens, tree)
+        steps = plain_steps if drafted is None and self.policy is None else 1
+        make_verify = functools.partial(self._verify_request, tokens, tree, steps)
         nodes = drafted.tree_nodes if drafted is not None else 0
         try:
-            verified = await call(Role.VERIFIER, placement.verifier.Verify, make_verify, nodes)
+            verified = await call(Role.VERIFIER, placement.verifier.Verify, make_verify, nodes, steps)
         except BaseException:
             if self._ahead is not None:  # the round is redone from the committed tokens
                 self._ahead.cancel()
@@ -214,8 +223,9 @@ class RoundClient:
             levels=drafted.draft_calls if serial_draft is not None else 0,
             hit=hit,
         )
-        verdict = wire.verdict_from_proto(verified)
-        call.held[Role.VERIFIER] += len(verdict.accepted_tokens)  # it committed the accepted path itself
+        verdict, plain = wire.verdict_from_proto(verified), list(verified.plain_token_ids)
+        # it committed the accepted path (a plain call: the tokens before the last) itself
+        call.held[Role.VERIFIER] += len(plain) + len(verdict.accepted_tokens)
         stats = GenerationStats.for_round(
             drafted_tokens=nodes,
             accepted_tokens=len(verdict.accepted_tokens),
@@ -224,12 +234,13 @@ class RoundClient:
             draft_seconds=drafted.draft_seconds if drafted is not None else 0.0,
             verify_seconds=verified.forward_seconds,
             total_seconds=time.perf_counter() - start,
+            plain_steps=len(plain) + 1,
         )
         if self.policy:
             # batch_tokens 0: a replica that does not say; the policy then counts this session alone
             load = Load(verified.batch_size, verified.batch_tokens) if verified.batch_tokens else None
             self.policy.observe(spec, stats, load)
-        return RoundResult(verdict, stats, dict(call.held), call.resyncs, dict(call.seconds), hit)
+        return RoundResult(verdict, stats, dict(call.held), call.resyncs, dict(call.seconds), hit, plain)
 
     def _draft_request(
         self, tokens: Sequence[int], spec: TreeSpec, guess_next: bool, position: int
@@ -256,9 +267,10 @@ class RoundClient:
             self._ahead = None
 
     def _verify_request(
-        self, tokens: Sequence[int], tree: pb2.DraftTree | bytes | None, position: int
+        self, tokens: Sequence[int], tree: pb2.DraftTree | bytes | None, plain_steps: int, position: int
     ) -> pb2.VerifyRequest | pb2.VerifyRequestRelay:
-        return wire.verify_request(self.id, position, list(tokens[position:]), self.params, tree)
+        new, stops = list(tokens[position:]), self.stop_token_ids
+        return wire.verify_request(self.id, position, new, self.params, tree, plain_steps, stops)
 
 
 @dataclass
@@ -278,7 +290,7 @@ class _Ahead:
         if spec != self.spec or held != self.pre.base or not self.pre.applies(tokens):
             self.cancel()
             return None
-        period = placement.per_try(Role.DRAFTER, 1, spec.depth) if placement.per_try else None
+        period = placement.per_try(Role.DRAFTER, 1, spec.depth, 1) if placement.per_try else None
         done, _ = await asyncio.wait({self.call}, timeout=period)
         if not done or self.call.cancelled() or self.call.exception() is not None:
             self.cancel()
@@ -309,10 +321,16 @@ class _Calls:
         self.seconds: dict[Role, float] = {}
 
     async def __call__(
-        self, role: Role, method: Callable[..., Awaitable[Any]], make: Callable[[int], Any], work: int
+        self,
+        role: Role,
+        method: Callable[..., Awaitable[Any]],
+        make: Callable[[int], Any],
+        work: int,
+        steps: int = 1,
     ) -> Any:
         """method(make(position)); on a resync answer, once more with position 0 (all tokens).
-        work: the tree levels a Draft builds / the nodes a Verify checks (for the per-try timeout).
+        work: the tree levels a Draft builds / the nodes a Verify checks, steps: the plain steps a
+        Verify may decode (both for the per-try timeout).
 
         With nothing new for the replica (a round retried after its Verify failed), restart the
         session there: new_token_ids may not be empty, they produce the root distribution."""
@@ -321,12 +339,12 @@ class _Calls:
         start = time.perf_counter()
         try:
             try:
-                response = await self._try(role, method, make(position), position, work)
+                response = await self._try(role, method, make(position), position, work, steps)
             except grpc.aio.AioRpcError as error:
                 if position == 0 or not needs_resync(error):
                     raise
                 self.resyncs += 1
-                response = await self._try(role, method, make(0), 0, work)
+                response = await self._try(role, method, make(0), 0, work, steps)
         except _GivenUp as given_up:
             raise ReplicaFailure(role, given_up.error, self.held, per_try=True) from None
         except grpc.aio.AioRpcError as error:
@@ -341,14 +359,14 @@ class _Calls:
         self.seconds[role] = seconds
 
     async def _try(
-        self, role: Role, method: Callable[..., Any], request: Any, position: int, work: int
+        self, role: Role, method: Callable[..., Any], request: Any, position: int, work: int, steps: int
     ) -> Any:
         """One call, with the round's timeout; every per-try period it runs past, the caller is
         asked whether a spare replica could take it (then it is cancelled: _GivenUp)."""
         call = method(request, timeout=self.timeout, metadata=self.metadata)
         if self.per_try is None:
             return await call
-        period = self.per_try(role, self.committed - position, work)
+        period = self.per_try(role, self.committed - position, work, steps)
         task = asyncio.ensure_future(call)
         try:
             while True:

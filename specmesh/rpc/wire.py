@@ -14,6 +14,7 @@ from, and the tokens outside the support are exactly 0.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from specmesh.core.verification import Verdict
 from specmesh.rpc.proto import pb2
 
 MAX_SESSION_ID_BYTES = 256
+MAX_PLAIN_STEPS = 64  # tokens one plain Verify call may decode (VerifyRequest.plain_steps)
 # Trailing metadata of a FAILED_PRECONDITION answer: resend all committed tokens with position 0.
 RESYNC_KEY = "specmesh-resync"
 # Request metadata: the caller's secret for one session; a replica serves the session only to it.
@@ -301,6 +303,8 @@ class DraftInput(RoundInput):
 @dataclass(frozen=True)
 class VerifyInput(RoundInput):
     tree: DraftTree | None  # None: a plain autoregressive step
+    plain_steps: int = 1  # no tree: tokens to decode in this call (VerifyRequest.plain_steps)
+    stop_token_ids: frozenset[int] = frozenset()  # no tree: decoding stops after one of these
 
 
 def session_id_from_proto(value: str, field: str = "session_id") -> str:
@@ -311,9 +315,11 @@ def session_id_from_proto(value: str, field: str = "session_id") -> str:
     return value
 
 
-def token_ids_from_proto(values, vocab_size: int, field: str = "new_token_ids") -> list[int]:
-    """Non-empty token ids inside the vocabulary (the first one outside is named)."""
-    if not values:
+def token_ids_from_proto(
+    values, vocab_size: int, field: str = "new_token_ids", *, empty: bool = False
+) -> list[int]:
+    """Token ids inside the vocabulary (the first one outside is named); non-empty unless `empty`."""
+    if not values and not empty:
         raise WireError(field, "must not be empty (the new tokens produce the root distribution)")
     tokens = [int(t) for t in values]
     for i, t in enumerate(tokens):
@@ -349,7 +355,13 @@ def parse_verify_request(req: pb2.VerifyRequest, vocab_size: int, limits: Limits
             tree.check_drawable()
         except ValueError as exc:
             raise core_error("tree", exc) from None
-    return VerifyInput(**fields, tree=tree)
+    steps = max(req.plain_steps, 1)
+    if steps > 1 and tree is not None:
+        raise WireError("plain_steps", "is for plain decoding only; a request with a tree decodes one round")
+    if steps > MAX_PLAIN_STEPS:
+        raise WireError("plain_steps", f"must be at most {MAX_PLAIN_STEPS}, got {steps}")
+    stops = frozenset(token_ids_from_proto(req.stop_token_ids, vocab_size, "stop_token_ids", empty=True))
+    return VerifyInput(**fields, tree=tree, plain_steps=steps, stop_token_ids=stops)
 
 
 def _round_message(session_id: str, position: int, new_tokens: list[int], params: SamplingParams) -> dict:
@@ -378,22 +390,31 @@ def verify_request(
     new_tokens: list[int],
     params: SamplingParams,
     tree: pb2.DraftTree | bytes | None,
+    plain_steps: int = 1,
+    stop_token_ids: Sequence[int] = (),
 ) -> pb2.VerifyRequest | pb2.VerifyRequestRelay:
-    """tree None (or empty): a plain autoregressive step; bytes: a tree relayed as the drafter
-    encoded it (a VerifyRequestRelay, the same bytes on the wire)."""
+    """tree None (or empty): a plain autoregressive step, or `plain_steps` of them in one call
+    (stopping after a stop token); bytes: a tree relayed as the drafter encoded it (a
+    VerifyRequestRelay, the same bytes on the wire)."""
     fields = _round_message(session_id, position, new_tokens, params)
+    if plain_steps > 1:
+        fields.update(plain_steps=plain_steps, stop_token_ids=list(stop_token_ids))
     if isinstance(tree, bytes):
         return pb2.VerifyRequestRelay(**fields, tree=tree)
     return pb2.VerifyRequest(**fields, tree=tree)
 
 
-def verdict_to_proto(verdict: Verdict, **stats: float) -> pb2.VerifyResponse:
-    """stats: batch_size, batch_tokens, forward_seconds, queue_seconds."""
+def verdict_to_proto(
+    verdict: Verdict, plain_tokens: Sequence[int] = (), **stats: float
+) -> pb2.VerifyResponse:
+    """plain_tokens: tokens decoded by earlier plain steps of the call; stats: batch_size,
+    batch_tokens, forward_seconds, queue_seconds."""
     return pb2.VerifyResponse(
         accepted_token_ids=verdict.accepted_tokens,
         accepted_nodes=verdict.accepted_nodes,
         next_token=verdict.next_token,
         bonus=verdict.bonus,
+        plain_token_ids=plain_tokens,
         **stats,
     )
 

@@ -1,13 +1,14 @@
 """Dynamic batching of model steps: concurrent requests' steps become one runner forward.
 
 Continuous batching: when the model is free it takes what is queued, at once, unless a step is
-known to be coming: a registered participant (the drafter's running tree builders) that has not
-asked for its next level yet. Then it waits for them, at most --max-wait-ms, or until the batch is
-full (--max-batch-size sessions or --max-batch-tokens tokens). Nothing else ever waits: a Verify,
-or a Draft with no other builder running, goes straight to the model when it is free. While a
-forward runs, new steps accumulate, so under load batches form without any waiting. A step that
-does not fit waits for the next batch, in arrival order. Every forward runs on ONE model thread,
-so the runner never sees two calls at once and the event loop never blocks on the model.
+known to be coming: a registered participant (the drafter's running tree builders, the verifier's
+plain runs of several steps) that has not asked for its next step yet. Then it waits for them, at
+most --max-wait-ms, or until the batch is full (--max-batch-size sessions or --max-batch-tokens
+tokens). Nothing else ever waits: a Verify, or a Draft with no other builder running, goes straight
+to the model when it is free. While a forward runs, new steps accumulate, so under load batches
+form without any waiting. A step that does not fit waits for the next batch, in arrival order.
+Every forward runs on ONE model thread, so the runner never sees two calls at once and the event
+loop never blocks on the model.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ class ForwardBatcher:
             return True
         if sum(item.tokens for item in self._queue) >= self._limits.max_batch_tokens:
             return True
-        return self._participants <= queued  # no participant (the verifier): nothing to wait for
+        return self._participants <= queued  # no participant: nothing to wait for
 
     def _deadline(self) -> float:
         oldest = self._queue[0].queued_at
@@ -208,7 +209,9 @@ class ForwardBatcher:
                 item.future.set_exception(outcome)
             else:
                 item.future.set_result((outcome, BatchInfo(len(batch), tokens, waited, forward_s)))
-        self._poke()
+        # one loop turn later: the callers these results wake (a plain run's next token, a level's
+        # next forward) enqueue their next steps first, and make the next batch together
+        self._loop.call_soon(self._poke)
 
     # ---- model thread --------------------------------------------------------------------------
 
