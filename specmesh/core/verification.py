@@ -63,8 +63,11 @@ def autoregressive_step(
 ) -> Verdict:
     """No tree (method "none", the baseline): the next token from q after the committed context.
 
-    One rule for the engine and the verifier service. Greedy gives the argmax (warp is one-hot).
+    One rule for the engine and the verifier service. Greedy gives the argmax: what sampling the
+    one-hot warp gives, without a vocabulary-wide CDF per token (~0.4 ms at V = 152k).
     """
+    if params.greedy:
+        return Verdict([], [], int(root_logits.argmax()), bonus=True)
     return Verdict([], [], sample(warp(root_logits, params), generator), bonus=True)
 
 
