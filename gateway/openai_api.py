@@ -22,7 +22,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from http import HTTPStatus
 from typing import Annotated, Any, Literal, Protocol, TypeVar
 
@@ -34,11 +34,13 @@ from google.protobuf import json_format
 from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.api import gateway_pb2
 
 T = TypeVar("T")
 INT32 = 2**31 - 1
+RETRY_AFTER_SECONDS = "1"
 
 HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -277,10 +279,19 @@ def validation_param(loc: Any) -> str | None:
 # ---- responses ---------------------------------------------------------------------------------
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> Response:
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Response:
     kind = _ERROR_TYPE.get(status, "server_error" if status >= 500 else "invalid_request_error")
     error = {"message": message, "type": kind, "param": param, "code": code or HTTPStatus(status).phrase}
-    return JSONResponse({"error": error}, status_code=status)
+    headers = dict(headers or {})
+    if status == 429:  # the concurrency limit: a slot frees when a generation ends (TGI and vLLM send it)
+        headers.setdefault("Retry-After", RETRY_AFTER_SECONDS)
+    return JSONResponse({"error": error}, status_code=status, headers=headers)
 
 
 def _usage(stats: Any) -> dict[str, int]:
@@ -372,6 +383,13 @@ def create_app(gateway: Gateway) -> Any:
     """The FastAPI app, wrapped in OpenTelemetry's ASGI middleware (a span per request)."""
     app = _fastapi()
     registry: CollectorRegistry = gateway.metrics.registry
+
+    @app.exception_handler(StarletteHTTPException)
+    async def routing(request: Request, exc: StarletteHTTPException) -> Response:
+        """Unknown routes (404) and methods (405) in OpenAI's error shape, not FastAPI's `detail`."""
+        where = f"{request.method} {request.url.path}"
+        message = f"Invalid URL ({where})" if exc.status_code == 404 else f"{where}: {exc.detail}"
+        return error_response(exc.status_code, message, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> Response:

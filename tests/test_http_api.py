@@ -318,6 +318,17 @@ def test_invalid_json_is_400(stack) -> None:
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_unknown_routes_and_methods_answer_in_openais_error_shape(stack) -> None:
+    missing = httpx.post(f"{stack.base_url}/v1/embeddings", json={"input": "x"})
+    assert missing.status_code == 404
+    error = missing.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["message"] == "Invalid URL (POST /v1/embeddings)"
+    wrong = httpx.get(f"{stack.base_url}/v1/chat/completions")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["message"].startswith("GET /v1/chat/completions: ")
+
+
 # ---- disconnects ---------------------------------------------------------------------------------
 
 
@@ -429,9 +440,11 @@ def test_past_the_concurrency_limit_a_request_is_refused_at_once_with_429(guarde
     running = client.completions.create(**body, stream=True, extra_body={"speculation": {"method": "rsd_c"}})
     first = next(iter(running))
     start = time.monotonic()
-    with pytest.raises(openai.RateLimitError):
+    with pytest.raises(openai.RateLimitError) as refused:
         client.completions.create(**body)
     assert time.monotonic() - start < 2.0
+    assert refused.value.response.headers["retry-after"] == "1"
+    assert refused.value.body["type"] == "rate_limit_error"
     running.close()
     assert first.choices[0].text
 
