@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -26,6 +27,7 @@ from specmesh.rpc.server import rpc
 from specmesh.runtime.models import LoadedModel
 from specmesh.runtime.rounds import verify_and_commit
 from specmesh.runtime.runner import Step
+from specmesh.services.batching import ForwardBatcher
 from specmesh.services.metrics import ServiceMetrics
 from specmesh.services.model_service import ModelService, ServiceConfig, main
 
@@ -55,8 +57,9 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
     ) -> pb2.VerifyResponse:
         v = wire.parse_verify_request(request, self.vocab_size, self.limits)
         resume = self.begin(v, context)
-        run = _Run(self, v, self.reset(v.session_id, resume, v.position))
-        work = asyncio.ensure_future(run())
+        run = _Run(self.batcher, v, self.runner.max_context)
+        before = self.reset(v.session_id, resume, v.position)
+        work = asyncio.ensure_future(run(before, self._decide, self._record))
         outcome = await self.settle(v.session_id, resume, context, work, run.withdraw)
         return wire.verdict_to_proto(outcome.verdict, outcome.plain_tokens, **outcome.batch_stats)
 
@@ -89,10 +92,10 @@ class _Run:
     token or the model's context. While it runs it is a participant of the batcher, so that
     every session's next step makes the same batch. `withdraw` stops it before its next forward."""
 
-    def __init__(self, service: VerifierService, v: wire.VerifyInput, before) -> None:
-        self.service, self.v, self.before = service, v, before
-        context = service.runner.max_context
-        room = v.plain_steps if context is None else context - v.committed_length + 1
+    def __init__(self, batcher: ForwardBatcher, v: wire.VerifyInput, max_context: int | None) -> None:
+        """max_context: the model's; the call decodes no token past it."""
+        self.batcher, self.v = batcher, v
+        room = v.plain_steps if max_context is None else max_context - v.committed_length + 1
         self.steps = max(1, min(v.plain_steps, room))
         self.stopped = False
         self._item: asyncio.Future | None = None
@@ -100,25 +103,33 @@ class _Run:
     def withdraw(self) -> None:
         self.stopped = True
         if self._item is not None:
-            self.service.batcher.withdraw(self._item)
+            self.batcher.withdraw(self._item)
 
-    async def __call__(self) -> _Outcome:
-        batcher, v = self.service.batcher, self.v
+    async def __call__(
+        self,
+        before: Callable[[], None] | None,
+        decide: Callable[[wire.VerifyInput, int, torch.Tensor], Verdict],
+        record: Callable[[DraftTree | None, Verdict], None],
+    ) -> _Outcome:
+        """before: on the model thread before the first forward; decide(v, committed length,
+        logits): a step's verdict, on the model thread; record: a step's metrics."""
+        batcher, v = self.batcher, self.v
         tokens, new, forward_s, queue_s = [], v.new_tokens, 0.0, 0.0
+        nodes, parents = (v.tree.tokens.tolist(), v.tree.parents.tolist()) if v.tree is not None else ([], [])
         if self.stopped:  # withdrawn before it began: nothing happened
             raise asyncio.CancelledError
         participant = self.steps > 1
         if participant:
             batcher.join()
         try:
-            for i in range(self.steps):
+            for i in range(self.steps):  # a tree comes with one step only (wire.parse_verify_request)
                 self._item = batcher.enqueue(
-                    Step(v.session_id, new, *_tree_lists(v.tree)),
-                    before=self.before if i == 0 else None,
-                    finish=functools.partial(self.service._decide, v, v.committed_length + i),
+                    Step(v.session_id, new, nodes, parents),
+                    before=before if i == 0 else None,
+                    finish=functools.partial(decide, v, v.committed_length + i),
                 )
                 verdict, batch = await self._item
-                self.service._record(v.tree, verdict)
+                record(v.tree, verdict)
                 forward_s, queue_s = forward_s + batch.forward_seconds, queue_s + batch.queue_seconds
                 tokens.append(verdict.next_token)
                 new = [verdict.next_token]
@@ -131,7 +142,3 @@ class _Run:
             batch_size=batch.size, batch_tokens=batch.tokens, forward_seconds=forward_s, queue_seconds=queue_s
         )
         return _Outcome(verdict, tokens[:-1], stats)
-
-
-def _tree_lists(tree: DraftTree | None) -> tuple[list[int], list[int]]:
-    return (tree.tokens.tolist(), tree.parents.tolist()) if tree is not None else ([], [])
