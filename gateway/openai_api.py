@@ -23,7 +23,6 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from http import HTTPStatus
 from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import grpc
@@ -60,6 +59,13 @@ _ERROR_TYPE = {
     404: "invalid_request_error",
     429: "rate_limit_error",
 }
+# The error's `code` as OpenAI writes it, where the status alone decides it; 5xx and a plain 400
+# from the gateway get theirs in `error_code`.
+_STATUS_CODE = {
+    401: "invalid_api_key", 404: "unknown_url", 405: "method_not_allowed", 429: "rate_limit_exceeded",
+}  # fmt: skip
+# pydantic's error type -> OpenAI's code for a body that does not parse
+_VALIDATION_CODE = {"extra_forbidden": "unknown_parameter", "missing": "missing_required_parameter"}
 
 
 class Gateway(Protocol):
@@ -157,7 +163,7 @@ def _unsupported(body: _Body) -> None:
         allowed = neutral if isinstance(neutral, tuple) else (neutral,)
         if value not in allowed:
             what = "only n = 1 is supported" if name == "n" else "is not supported by specmesh"
-            raise ApiError(400, f"{name}: {what} (got {value!r})", name)
+            raise ApiError(400, f"{name}: {what} (got {value!r})", name, "unsupported_parameter")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", "stream_options")
 
@@ -279,6 +285,21 @@ def validation_param(loc: Any) -> str | None:
 # ---- responses ---------------------------------------------------------------------------------
 
 
+def error_code(status: int, message: str) -> str | None:
+    """OpenAI's `code` for an error the gateway raised: a prompt or length that does not fit the
+    context is `context_length_exceeded` (clients trim and retry on it), another bad value
+    `invalid_value`; server errors have none."""
+    if status == 400:
+        return "context_length_exceeded" if "the model's context" in message else "invalid_value"
+    return _STATUS_CODE.get(status)
+
+
+def validation_code(error_type: str) -> str:
+    if error_type in _VALIDATION_CODE:
+        return _VALIDATION_CODE[error_type]
+    return "invalid_type" if error_type.endswith(("_type", "_parsing")) else "invalid_value"
+
+
 def error_response(
     status: int,
     message: str,
@@ -287,7 +308,7 @@ def error_response(
     headers: Mapping[str, str] | None = None,
 ) -> Response:
     kind = _ERROR_TYPE.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    error = {"message": message, "type": kind, "param": param, "code": code or HTTPStatus(status).phrase}
+    error = {"message": message, "type": kind, "param": param, "code": code or error_code(status, message)}
     headers = dict(headers or {})
     if status == 429:  # the concurrency limit: a slot frees when a generation ends (TGI and vLLM send it)
         headers.setdefault("Retry-After", RETRY_AFTER_SECONDS)
@@ -395,10 +416,11 @@ def create_app(gateway: Gateway) -> Any:
     async def invalid(_: Request, exc: RequestValidationError) -> Response:
         error = exc.errors()[0]
         if error.get("type") == "json_invalid":
-            return error_response(400, f"the body is not valid JSON: {error.get('ctx', {}).get('error')}")
+            message = f"the body is not valid JSON: {error.get('ctx', {}).get('error')}"
+            return error_response(400, message, code="invalid_json")
         param = validation_param(error.get("loc", ()))
         message = f"{param}: {error.get('msg')}" if param else f"request body: {error.get('msg')}"
-        return error_response(400, message, param)
+        return error_response(400, message, param, validation_code(error.get("type", "")))
 
     @app.get("/health")
     async def health() -> Response:
@@ -530,6 +552,7 @@ async def _events(
                 code, details, _ = gateway.status("stream", first.session_id, exc)
                 status = HTTP_STATUS.get(code, 500)
                 kind = _ERROR_TYPE.get(status, "server_error")
-                yield _sse({"error": {"message": details, "type": kind, "param": None, "code": status}})
+                error = {"message": details, "type": kind, "param": None, "code": error_code(status, details)}
+                yield _sse({"error": error})
                 break
     yield b"data: [DONE]\n\n"

@@ -260,6 +260,7 @@ BAD: dict[str, tuple[str, dict, int, str | None]] = {
     "stop-too-many": ("completions", {**BASE, "stop": [f"w{i}" for i in range(17)]}, 400, "stop"),
     "stop-too-long": ("completions", {**BASE, "stop": "w1 " * 100}, 400, "stop[0]"),
     "prompt-too-large": ("completions", {**BASE, "prompt": "w1 " * 400_000}, 400, "prompt"),
+    "prompt-beyond-context": ("completions", {**BASE, "prompt": "w1 " * 5000}, 400, "prompt"),
     "speculation-depth-3000": ("completions", {**BASE, "speculation": {"method": "mcsd", "depth": 3000,
                                "adaptive": True}}, 400, "speculation.depth"),
     "prompt-missing": ("completions", {"model": "tiny"}, 400, "prompt"),
@@ -289,6 +290,18 @@ BAD: dict[str, tuple[str, dict, int, str | None]] = {
 }  # fmt: skip
 
 
+# OpenAI's `code` of some of the cases above (the others: invalid_value)
+CODES = {
+    "max-tokens-string": "invalid_type", "temperature-string": "invalid_type", "stop-number": "invalid_type",
+    "unknown-field": "unknown_parameter", "prompt-missing": "missing_required_parameter",
+    "model-missing": "missing_required_parameter", "model-unknown": "model_not_found",
+    "frequency-penalty": "unsupported_parameter", "echo": "unsupported_parameter",
+    "n-two": "unsupported_parameter", "logprobs": "unsupported_parameter",
+    "message-without-role": "missing_required_parameter", "message-image-part": "invalid_type",
+    "prompt-beyond-context": "context_length_exceeded",
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("case", BAD)
 def test_bad_parameters_are_400_naming_the_parameter(stack, raw_redis, case: str) -> None:
     endpoint, body, status, param = BAD[case]
@@ -300,6 +313,7 @@ def test_bad_parameters_are_400_naming_the_parameter(stack, raw_redis, case: str
     assert error["param"] == param, error
     assert error["message"].startswith(f"{param}:") or param == "model", error
     assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == CODES.get(case, "invalid_value"), error
     assert not session_keys(raw_redis)
 
 
@@ -316,6 +330,7 @@ def test_invalid_json_is_400(stack) -> None:
         f"{stack.base_url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    assert response.json()["error"]["code"] == "invalid_json"
 
 
 def test_unknown_routes_and_methods_answer_in_openais_error_shape(stack) -> None:
@@ -323,9 +338,10 @@ def test_unknown_routes_and_methods_answer_in_openais_error_shape(stack) -> None
     assert missing.status_code == 404
     error = missing.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
-    assert error["message"] == "Invalid URL (POST /v1/embeddings)"
+    assert error["message"] == "Invalid URL (POST /v1/embeddings)" and error["code"] == "unknown_url"
     wrong = httpx.get(f"{stack.base_url}/v1/chat/completions")
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["code"] == "method_not_allowed"
     assert wrong.json()["error"]["message"].startswith("GET /v1/chat/completions: ")
 
 
