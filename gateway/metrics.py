@@ -1,16 +1,16 @@
 """The gateway's Prometheus metrics (docs/gateway.md, "Metrics"), named like vLLM's under the
 `specmesh:` namespace: per request (latencies, tokens, running / waiting) and per committed round
 (specmesh.rpc.metrics.RoundMetrics with the prefix "specmesh:"). A "draft token" there is a tree
-node; emitted tokens are the accepted ones plus one per round."""
+node; emitted tokens are the accepted ones plus one per round. `model_name` on every sample: the
+model's name in the HTTP API."""
 
 from __future__ import annotations
 
 import time
 
 from specmesh.core.stats import GenerationStats
-from specmesh.rpc.metrics import TIME_BUCKETS, RoundMetrics, RpcMetrics
+from specmesh.rpc.metrics import NS, TIME_BUCKETS, RoundMetrics, RpcMetrics
 
-NS = "specmesh:"
 _ROUND_BUCKETS = (*TIME_BUCKETS, 10.0, 30.0)
 _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _PHASES = (
@@ -21,8 +21,11 @@ _PHASES = (
 
 
 class GatewayMetrics(RpcMetrics):
-    def __init__(self) -> None:
-        super().__init__()
+    """model_name: --served-model-name; empty until the gateway has learnt its model (then set to
+    the name the HTTP API reports)."""
+
+    def __init__(self, model_name: str) -> None:
+        super().__init__(model_name)
         self.round_counts = RoundMetrics(self, NS)
         self.running = self.gauge(f"{NS}num_requests_running", "requests generating (a session in Redis)")
         self.waiting = self.gauge(
@@ -34,6 +37,11 @@ class GatewayMetrics(RpcMetrics):
             f"{NS}request_success", "requests that finished, by finish reason", "finished_reason"
         )
         h = self.histogram
+        self.queue_time = h(
+            f"{NS}request_queue_time_seconds",
+            "arrival to the first round starting (tokenizing, waiting for a healthy replica, placing)",
+            _REQUEST_BUCKETS,
+        )
         self.ttft = h(f"{NS}time_to_first_token_seconds", "arrival to the first token", _REQUEST_BUCKETS)
         self.itl = h(
             f"{NS}inter_token_latency_seconds",
@@ -75,6 +83,10 @@ class RequestClock:
         self.start = self.last = time.perf_counter()
         self.first: float | None = None
         self.tokens = 0
+
+    def started(self) -> None:
+        """The request leaves the waiting ones: its first round starts."""
+        self.metrics.queue_time.observe(time.perf_counter() - self.start)
 
     def chunk(self, tokens: int) -> None:
         if not tokens:

@@ -19,6 +19,7 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from specmesh.bench.tiny import save_tiny_pair
 from specmesh.rpc.proto import load
@@ -91,13 +92,17 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-    def metrics(self) -> dict[tuple[str, tuple], float]:
+    def samples(self) -> list[Sample]:
+        """Every sample of its /metrics, as scraped."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         text = urllib.request.urlopen(url, timeout=5).read().decode()
+        return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """{(sample name, its sorted labels but model_name, on every sample): value}"""
         return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
+            (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for s in self.samples()
         }
 
 

@@ -38,14 +38,14 @@ def test_the_split_adds_up_to_the_round() -> None:
         **_histogram(phase, 0.200, 10, phase="verifier_call"),
     }
     drafter = {
-        **_histogram("specmesh_rpc_handler_seconds", 0.170, 10, method="Draft"),
-        **_histogram("specmesh_queue_wait_seconds", 0.004, 40),
-        **_histogram("specmesh_forward_seconds", 0.160, 40),
+        **_histogram("specmesh:rpc_handler_seconds", 0.170, 10, method="Draft"),
+        **_histogram("specmesh:queue_wait_seconds", 0.004, 40),
+        **_histogram("specmesh:forward_seconds", 0.160, 40),
     }
     verifier = {
-        **_histogram("specmesh_rpc_handler_seconds", 0.185, 10, method="Verify"),
-        **_histogram("specmesh_queue_wait_seconds", 0.001, 10),
-        **_histogram("specmesh_forward_seconds", 0.165, 10),
+        **_histogram("specmesh:rpc_handler_seconds", 0.185, 10, method="Verify"),
+        **_histogram("specmesh:queue_wait_seconds", 0.001, 10),
+        **_histogram("specmesh:forward_seconds", 0.165, 10),
     }
     ms = split({"gateway": gateway, "drafter-0": drafter, "verifier-0": verifier}, levels_per_round=4)
     assert ms["round"] == pytest.approx(40.0)

@@ -171,7 +171,7 @@ def assert_finished_and_released(stack: Stack, raw_redis: redis.Redis) -> None:
     assert session_keys(raw_redis) == []
     for server in (*stack.drafters, stack.verifier):
         wait_until(
-            lambda s=server: s.metrics()[("specmesh_sessions", ())] == 0, what=f"{server.module} release"
+            lambda s=server: s.metrics()[("specmesh:num_sessions", ())] == 0, what=f"{server.module} release"
         )
 
 
@@ -674,7 +674,7 @@ BAD_BYTES: dict[str, tuple[bytes, str]] = {
 @pytest.mark.parametrize("case", list(BAD_BYTES))
 def test_bad_bytes_are_invalid_argument_naming_the_field_and_counted(stack, raw_redis, case: str) -> None:
     data, prefix = BAD_BYTES[case]
-    counted = {m: gateway_metric(stack, "specmesh_requests_total", method=m, code="INVALID_ARGUMENT")
+    counted = {m: gateway_metric(stack, "specmesh:rpc_requests_total", method=m, code="INVALID_ARGUMENT")
                for m in ("Generate", "GenerateStream")}  # fmt: skip
     with grpc.insecure_channel(stack.gateway.address) as channel:
         for method in ("Generate", "GenerateStream"):
@@ -685,8 +685,10 @@ def test_bad_bytes_are_invalid_argument_naming_the_field_and_counted(stack, raw_
                 list(call(data, timeout=30)) if method == "GenerateStream" else call(data, timeout=30)
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
             assert error.value.details().startswith(prefix), error.value.details()
-            after = gateway_metric(stack, "specmesh_requests_total", method=method, code="INVALID_ARGUMENT")
-            assert after == counted[method] + 1
+            code = "INVALID_ARGUMENT"
+            assert gateway_metric(stack, "specmesh:rpc_requests_total", method=method, code=code) == (
+                counted[method] + 1
+            )
         # the same call with good bytes is served: the gateway is fine
         good = gateway_pb2.GenerateResponse.FromString(
             channel.unary_unary("/specmesh.v1.Gateway/Generate")(VALID, timeout=60)

@@ -123,7 +123,7 @@ def dsi_request(
 def assert_released(stack: DsiStack, raw_redis: redis.Redis) -> None:
     assert session_keys(raw_redis) == []
     for server in (stack.drafter, *stack.verifiers):
-        idle = lambda s=server: s.metrics()[("specmesh_sessions", ())] == 0  # noqa: E731
+        idle = lambda s=server: s.metrics()[("specmesh:num_sessions", ())] == 0  # noqa: E731
         wait_until(idle, what=f"{server.module} release")
 
 

@@ -13,7 +13,7 @@ round split by where it went, from the Prometheus metrics of the gateway and the
 over the run, means per session-round):
 
   redis         the gateway's commit (phase "commit")
-  queue         batching waits: a Verify's, and a Draft's level steps' (specmesh_queue_wait_seconds)
+  queue         batching waits: a Verify's, and a Draft's level steps' (specmesh:queue_wait_seconds)
   grpc          replica call wall seen by the gateway minus the replica's handler time:
                 transport, the client's serialisation, gRPC's own threads
   replica_cpu   handler time minus queue waits and forwards: request decoding and validation,
@@ -81,7 +81,7 @@ class MeshBenchConfig:
 
 
 def scrape(addresses: dict[str, str]) -> dict[str, dict[tuple, float]]:
-    """child name -> {(sample name, sorted labels): value} of its /metrics."""
+    """child name -> {(sample name, sorted labels but model_name): value} of its /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {}
@@ -90,7 +90,8 @@ def scrape(addresses: dict[str, str]) -> dict[str, dict[tuple, float]]:
         samples = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+                labels = sorted((k, v) for k, v in s.labels.items() if k != "model_name")
+                samples[(s.name, tuple(labels))] = s.value
         out[name] = samples
     return out
 
@@ -125,14 +126,14 @@ def split(delta: dict[str, dict], levels_per_round: float) -> dict[str, float]:
     out = {p: _mean(gw, phase, phase=p) for p in ("round", "commit", "drafter_call", "verifier_call")}
 
     def replica(samples: list[dict], method: str, steps_per_call: float) -> dict[str, float]:
-        calls = sum(_get(s, "specmesh_rpc_handler_seconds_count", method=method) for s in samples)
+        calls = sum(_get(s, "specmesh:rpc_handler_seconds_count", method=method) for s in samples)
         if not calls:
             return dict(handler=0.0, queue=0.0, forward=0.0)
-        handler = sum(_get(s, "specmesh_rpc_handler_seconds_sum", method=method) for s in samples)
-        queue = sum(_get(s, "specmesh_queue_wait_seconds_sum") for s in samples)
-        forwards = sum(_get(s, "specmesh_forward_seconds_count") for s in samples)
+        handler = sum(_get(s, "specmesh:rpc_handler_seconds_sum", method=method) for s in samples)
+        queue = sum(_get(s, "specmesh:queue_wait_seconds_sum") for s in samples)
+        forwards = sum(_get(s, "specmesh:forward_seconds_count") for s in samples)
         forward = (
-            sum(_get(s, "specmesh_forward_seconds_sum") for s in samples) / forwards if forwards else 0.0
+            sum(_get(s, "specmesh:forward_seconds_sum") for s in samples) / forwards if forwards else 0.0
         )
         return dict(handler=handler / calls, queue=queue / calls, forward=forward * steps_per_call)
 
@@ -222,8 +223,8 @@ def bench_stack(
                     tokens_per_s=m["tokens"] / m["seconds"], ideal_tokens_per_s=m["tokens"] / ideal,
                     per_round_ms=split(delta, levels),
                     queue_wait_buckets=dict(
-                        verifier=_buckets(verifier, "specmesh_queue_wait_seconds"),
-                        drafter=_buckets(drafter, "specmesh_queue_wait_seconds"),
+                        verifier=_buckets(verifier, "specmesh:queue_wait_seconds"),
+                        drafter=_buckets(drafter, "specmesh:queue_wait_seconds"),
                     ),
                     pipelined=_get(delta["gateway"], "specmesh:pipelined_rounds_total", outcome="hit"),
                     pipeline_misses=_get(delta["gateway"], "specmesh:pipelined_rounds_total", outcome="miss"),

@@ -2,31 +2,83 @@
 adds up to (`RoundMetrics`, in vLLM's spec-decode vocabulary), one definition for the verifier and
 the gateway. A "draft token" is a tree node: a tree of 9 nodes whose path accepts 3 counts 9 draft
 tokens and 3 accepted tokens, and emits 4 (the accepted ones plus the recovered or bonus token).
+
+Like vLLM's `vllm:` series, every server's are named `specmesh:…` (a replica's that would mean
+something else than the gateway's of the same name carry their role: `specmesh:verifier_rounds`)
+and every sample carries `model_name`, the model the process serves. No `_created` series.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.metrics_core import Metric
 
+NS = "specmesh:"  # the namespace of every series, the gateway's and the replicas'
 TIME_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-class RpcMetrics:
-    """The registry and the per-RPC counter every specmesh server exports."""
+class ModelRegistry(CollectorRegistry):
+    """A registry whose every sample carries `model_name` (vLLM's label): the served model, set at
+    construction or later (a gateway without --served-model-name learns it from a verifier; until
+    then it is empty). Added when scraped, so the metrics themselves need no such label."""
 
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, model_name: str) -> None:
+        super().__init__()
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        return _with_model_name(super().collect(), self)
+
+    def restricted_registry(self, names: Iterable[str]) -> _Restricted:
+        """What a scrape with `name[]=` parameters reads: those series, labelled the same."""
+        return _Restricted(super().restricted_registry(names), self)
+
+
+class _Restricted:
+    def __init__(self, restricted: Any, registry: ModelRegistry) -> None:
+        self._restricted, self._registry = restricted, registry
+
+    def collect(self) -> Iterator[Metric]:
+        return _with_model_name(self._restricted.collect(), self._registry)
+
+
+def _with_model_name(families: Iterable[Metric], registry: ModelRegistry) -> Iterator[Metric]:
+    for family in families:
+        labelled = Metric(family.name, family.documentation, family.type, family.unit)
+        labelled.samples = [
+            s._replace(labels={"model_name": registry.model_name, **s.labels}) for s in family.samples
+        ]
+        yield labelled
+
+
+class RpcMetrics:
+    """The registry and the per-RPC counter every specmesh server exports. `model_name`: the
+    model the process serves, on every sample (a property: a gateway sets it once it has learnt
+    its model)."""
+
+    def __init__(self, model_name: str) -> None:
+        disable_created_metrics()  # no `<name>_created` series beside the counters and histograms
+        self.registry = ModelRegistry(model_name)
         self.requests = self.counter(
-            "specmesh_requests", "RPCs answered, by method and status code", "method", "code"
+            f"{NS}rpc_requests", "calls answered, by method and status code", "method", "code"
         )
         self.handler_time = self.histogram(
-            "specmesh_rpc_handler_seconds", "time inside an RPC's handler, by method", TIME_BUCKETS, "method"
+            f"{NS}rpc_handler_seconds", "time inside a call's handler, by method", TIME_BUCKETS, "method"
         )
+
+    @property
+    def model_name(self) -> str:
+        return self.registry.model_name
+
+    @model_name.setter
+    def model_name(self, name: str) -> None:
+        self.registry.model_name = name
 
     def counter(self, name: str, doc: str, *labels: str) -> Counter:
         return Counter(name, doc, labels, registry=self.registry)
@@ -49,7 +101,7 @@ class RoundMetrics:
     gateway's public series are "specmesh:" (specmesh:spec_decode_num_draft_tokens, ...), the
     verifier's "specmesh:verifier_", so both can be scraped side by side without double counting."""
 
-    def __init__(self, metrics: RpcMetrics, prefix: str = "specmesh:verifier_") -> None:
+    def __init__(self, metrics: RpcMetrics, prefix: str = f"{NS}verifier_") -> None:
         c = metrics.counter
         self.rounds = c(f"{prefix}rounds", "verified rounds (one per session per target forward)")
         self.emitted = c(

@@ -2,29 +2,48 @@
 
 from __future__ import annotations
 
-from specmesh.rpc.metrics import SIZE_BUCKETS, TIME_BUCKETS, TOKEN_BUCKETS, RpcMetrics
+from specmesh.rpc.metrics import NS, SIZE_BUCKETS, TIME_BUCKETS, TOKEN_BUCKETS, RpcMetrics
 from specmesh.runtime.backend import ModelBackend
 
 
 class ServiceMetrics(RpcMetrics):
-    """The Prometheus metrics both model services export; each adds its own to `registry`."""
+    """The Prometheus metrics both model services export; each adds its own to `registry`.
+    `model_name`: the replica's model id (InfoResponse.model_id)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.batch_size = self.histogram("specmesh_batch_size", "sessions in one model forward", SIZE_BUCKETS)
+    def __init__(self, model_name: str) -> None:
+        super().__init__(model_name)
+        self.batch_size = self.histogram(f"{NS}batch_size", "sessions in one model forward", SIZE_BUCKETS)
         self.batch_tokens = self.histogram(
-            "specmesh_batch_tokens", "query tokens in one model forward", TOKEN_BUCKETS
+            f"{NS}batch_tokens", "query tokens in one model forward", TOKEN_BUCKETS
         )
         self.queue_wait = self.histogram(
-            "specmesh_queue_wait_seconds", "how long a step waited before its forward started", TIME_BUCKETS
+            f"{NS}queue_wait_seconds", "how long a step waited before its forward started", TIME_BUCKETS
         )
         self.forward_time = self.histogram(
-            "specmesh_forward_seconds", "duration of one batched model forward", TIME_BUCKETS
+            f"{NS}forward_seconds", "duration of one batched model forward", TIME_BUCKETS
         )
-        self.sessions = self.gauge("specmesh_sessions", "sessions the model runner holds")
-        self.cached_tokens = self.gauge("specmesh_cached_tokens", "KV positions held over all sessions")
+        self.sessions = self.gauge(f"{NS}num_sessions", "sessions the model runner holds")
+        self.cached_tokens = self.gauge(f"{NS}kv_cache_tokens", "KV positions held over all sessions")
+        self.kv_usage = self.gauge(
+            f"{NS}kv_cache_usage_perc",
+            "KV positions held / the runner's cache budget (--max-cache-tokens; 1 = full); 0 without one",
+        )
+        self.preemptions = self.counter(
+            f"{NS}num_preemptions",
+            "sessions whose KV the runner evicted (least recently used first) to fit a forward in its "
+            "cache budget; such a session re-feeds its tokens on its next forward",
+        )
+        self._evictions = 0  # the runner's eviction count at the last observation
 
     def observe_runner(self, runner: ModelBackend) -> None:
         """Call on the model thread (the only thread that changes the runner)."""
+        cached = runner.cached_positions()
         self.sessions.set(len(runner.sessions()))
-        self.cached_tokens.set(runner.cached_positions())
+        self.cached_tokens.set(cached)
+        budget = runner.max_cache_tokens
+        self.kv_usage.set(cached / budget if budget else 0.0)
+        # every backend counts its evictions in `stats` (not part of the ModelBackend protocol)
+        evictions = getattr(runner, "stats", {}).get("evictions", 0)
+        if evictions > self._evictions:
+            self.preemptions.inc(evictions - self._evictions)
+        self._evictions = evictions
