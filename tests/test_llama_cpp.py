@@ -268,3 +268,31 @@ def test_a_converted_gguf_is_a_bf16_folder_that_loads(gguf_path, tmp_path) -> No
     original = tiny_lm("llama", len(vocabulary(N_WORDS)), bos_token_id=1, eos_token_id=2)
     for name, p in original.state_dict().items():
         assert torch.equal(loaded.model.state_dict()[name], p.to(torch.bfloat16).float()), name
+
+
+def test_a_gguf_replica_saves_its_tokenizer_for_gateways_without_torch(tmp_path) -> None:
+    """transformers reads a GGUF's tokenizer only with torch: loading a GGUF saves it beside the
+    file as a tokenizer folder, which the gateway's load_tokenizer then reads (same fingerprint and
+    context length as the GGUF's own); a folder of another tokenizer is replaced."""
+    from transformers import AutoTokenizer
+
+    from specmesh.runtime.tokenizers import (
+        _context_length,
+        load_tokenizer,
+        save_tokenizer_folder,
+        tokenizer_fingerprint,
+        tokenizer_folder,
+    )
+
+    gguf = save_tiny_gguf(tmp_path / "tiny.gguf", n_words=N_WORDS)
+    folder = tokenizer_folder(gguf)
+    own = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=gguf.name)
+    stale = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=gguf.name)
+    stale.add_tokens(["<another>"])
+    assert save_tokenizer_folder(gguf, stale) == folder
+    lm = load_model(gguf, backend="llama.cpp")
+    assert folder.is_dir() and not [p for p in tmp_path.iterdir() if p.name.endswith((".tmp", ".stale"))]
+    tokenizer, context = load_tokenizer(gguf)
+    assert tokenizer_fingerprint(tokenizer) == lm.tokenizer_fingerprint == tokenizer_fingerprint(own)
+    assert context == _context_length(str(tmp_path), {"gguf_file": gguf.name}) is not None
+    assert tokenizer("w1 w2 w3")["input_ids"] == own("w1 w2 w3")["input_ids"]

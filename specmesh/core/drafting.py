@@ -20,14 +20,19 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
+from specmesh.core.extras import missing
 from specmesh.core.methods import METHODS, Method
 from specmesh.core.sampling import SamplingParams, gumbel_like, gumbel_top_k, sample_iid, warp
 from specmesh.core.tree import DraftTree, SamplingMode
 
+try:
+    import torch
+except ModuleNotFoundError as exc:  # a gateway-only install (specmesh.core.extras)
+    torch = missing(exc)
+
 Path = tuple[int, ...]
-NextLogits = Callable[[list[Path]], torch.Tensor]  # paths below the committed context -> raw logits [len, V]
+# paths below the committed context -> raw logits [len, V] (a string: torch may be missing)
+NextLogits = Callable[[list[Path]], "torch.Tensor"]
 
 
 @dataclass(frozen=True)

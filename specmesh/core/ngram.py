@@ -24,9 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
+from specmesh.core.extras import missing
 from specmesh.core.tree import DraftTree, SamplingMode
+
+try:
+    import torch
+except ModuleNotFoundError as exc:  # a gateway-only install (specmesh.core.extras)
+    torch = missing(exc)
 
 MAX_NGRAM = 3
 MIN_NGRAM = 1

@@ -11,7 +11,12 @@ import hashlib
 import math
 from dataclasses import dataclass
 
-import torch
+from specmesh.core.extras import missing
+
+try:
+    import torch
+except ModuleNotFoundError as exc:  # a gateway-only install (specmesh.core.extras)
+    torch = missing(exc)
 
 # A top-p cut over the whole vocabulary needs a full sort (about 11 ms at V = 152k on this CPU).
 # The kept set is almost always small, so look at the top candidates first and sort everything

@@ -10,7 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-import torch
+from specmesh.core.extras import missing
+
+try:
+    import torch
+except ModuleNotFoundError as exc:  # a gateway-only install (specmesh.core.extras)
+    torch = missing(exc)
 
 # |sum - 1| allowed for a draft row: fp32 rounding over a vocabulary of ~10^5 stays far below it
 DISTRIBUTION_TOLERANCE = 1e-3

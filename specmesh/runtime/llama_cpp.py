@@ -64,7 +64,7 @@ def _lib() -> Any:
         import llama_cpp
     except ImportError as exc:
         raise RuntimeError(
-            "the llama.cpp backend needs llama-cpp-python (pip install llama-cpp-python; it builds "
+            "the llama.cpp backend needs llama-cpp-python: pip install 'specmesh[llama]' (it builds "
             "llama.cpp from source with cmake and a C++ compiler)"
         ) from exc
     _quiet(llama_cpp)

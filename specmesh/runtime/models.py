@@ -27,7 +27,13 @@ from specmesh.runtime.backend import Backend, ModelBackend
 from specmesh.runtime.model_store import cache_dir
 from specmesh.runtime.runner import ModelRunner
 from specmesh.runtime.token_runner import TokenRunner
-from specmesh.runtime.tokenizers import gguf_file, load_tokenizer, resolve_source, tokenizer_fingerprint
+from specmesh.runtime.tokenizers import (
+    gguf_file,
+    load_tokenizer,
+    resolve_source,
+    save_tokenizer_folder,
+    tokenizer_fingerprint,
+)
 
 __all__ = [
     "LoadedModel",
@@ -176,6 +182,7 @@ def _load_gguf(source: str | Path) -> LoadedModel:
     path = gguf_file(source)
     assert path is not None
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    save_tokenizer_folder(path, tokenizer)  # for gateways without torch (specmesh.runtime.tokenizers)
     reader = gguf_lib.GGUFReader(str(path))
     vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
     return LoadedModel(
