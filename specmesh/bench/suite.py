@@ -51,6 +51,7 @@ from specmesh.bench.measure import (
     run_gateway,
     stats_fields,
 )
+from specmesh.bench.progress import Progress
 from specmesh.bench.report import write_report
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.methods import Method
@@ -112,6 +113,8 @@ def exp1_specs(depth: int) -> list[tuple[str, TreeSpec]]:
         (f"rsd_s {k_large}x{depth}", TreeSpec("rsd_s", depth=depth, beam_width=k_large)),
     ]
 
+
+EXP1_DEPTHS = (2, 3, 4, 5)
 
 # App. C.3.2: budget -> RSD-S (beam, depth) shapes and the first RSD-C shape; SD drafts B tokens.
 EXP2 = {
@@ -210,7 +213,7 @@ def sweeps(cfg: SuiteConfig, draft, target, texts: list[str]) -> list[dict]:
             rows.append(row)
             _log(row)
 
-        for depth in (2, 3, 4, 5):
+        for depth in EXP1_DEPTHS:
             for label, spec in exp1_specs(depth):
                 measure("exp1", label, spec)
         for budget in EXP2:
@@ -422,8 +425,8 @@ def default_rows(cfg: SuiteConfig, llama_server_binary: str | None = None) -> li
     binary = find_llama_server(llama_server_binary)
     pair = [DEFAULT_SOURCES.get(source) for source in (cfg.draft, cfg.target)]
     if binary is None or None in pair:
-        print("[default ] no llama-server binary (scripts/build_llama_server.sh) or not the default pair: "
-              "llama.cpp rows skipped", flush=True)  # fmt: skip
+        _note("default: no llama-server binary (scripts/build_llama_server.sh) or not the default pair: "
+              "llama.cpp rows skipped")  # fmt: skip
     else:
         draft_gguf, target_gguf = (gguf_path(spec) for spec in pair)
         rows += _llama_server_rows(cfg, sets, binary, target_gguf, draft_gguf)
@@ -501,15 +504,73 @@ def _gateway_row(experiment: str, label: str, t: float, spec: TreeSpec | None, m
 # ---- the whole run -----------------------------------------------------------------------------
 
 
-def _log(row: dict) -> None:
+PHASE_OF = {  # a row's experiment -> the phase that measures it
+    "baseline": "baselines",
+    **dict.fromkeys(("exp1", "exp2", "mcsd", "mtad"), "sweeps"),
+    "headline": "gateway",
+    "scaling": "scaling",
+    **dict.fromkeys(("default", "default_scaling"), "default"),
+}
+_progress: Progress | None = None  # run_suite's bar; without one (a phase run alone), a line per row
+
+
+def plan(cfg: SuiteConfig) -> dict[str, int]:
+    """Phase -> the rows it measures (one `_log` each), in run order: the progress bar's total."""
+    from specmesh.runtime.model_store import DEFAULT_SOURCES
+
+    temps = len(cfg.temperatures)
+    stacks = [1 + len(cfg.headline)] + [
+        1 + sum(label in SECOND_DTYPE for label in cfg.headline) for _ in cfg.draft_dtypes[1:]
+    ]
+    per_phase = {
+        "baselines": 2 * temps,
+        "sweeps": temps * (
+            1 + sum(len(exp1_specs(d)) for d in EXP1_DEPTHS) + sum(len(exp2_specs(b)) for b in EXP2)
+            + len(mcsd_specs()) + len(MTAD)
+        ),
+        "gateway": temps * sum(stacks),
+        "scaling": temps * len(cfg.scaling) * len(SCALING),
+    }  # fmt: skip
+    if "default" in cfg.phases:
+        sets = len(PROMPT_SETS)
+        llama = find_llama_server(cfg.llama_server) is not None
+        llama = llama and cfg.draft in DEFAULT_SOURCES and cfg.target in DEFAULT_SOURCES
+        per_phase["default"] = (
+            (2 * sets * temps if llama else 0)  # llama-server, plain and -md
+            + 2 * sets * temps  # transformers, plain and assisted
+            + sets * temps * (2 + len(FIXED))  # the stack: its default, none, the fixed shapes
+            + 2 * temps * len(cfg.scaling)  # none and the default, concurrent
+        )
+    return {phase: n for phase, n in per_phase.items() if phase in cfg.phases}
+
+
+def _summary(row: dict) -> str:
     eta = row.get("block_efficiency")
-    print(
-        f"[{row['experiment']:<8}] T={row['temperature']:<3} {row['label']:<26} "
+    return (
+        f"T={row['temperature']:<3} {row['label']:<26} "
         f"{row.get('tokens_per_second', 0):6.2f} tok/s  x{row.get('speedup') or 0:4.2f}  "
         f"eta {eta if eta is not None else float('nan'):4.2f}"
-        + (f"  c={row['concurrency']}" if row.get("concurrency") else ""),
-        flush=True,
+        + (f"  c={row['concurrency']}" if row.get("concurrency") else "")
     )
+
+
+def _log(row: dict) -> None:
+    if _progress is not None:
+        _progress.advance(PHASE_OF.get(row["experiment"], row["experiment"]), " ".join(_summary(row).split()))
+    else:
+        print(f"[{row['experiment']:<8}] {_summary(row)}", flush=True)
+
+
+def _note(text: str) -> None:
+    if _progress is not None:
+        _progress.note(text)
+    else:
+        print(text, flush=True)
+
+
+def _phase(name: str) -> None:
+    if _progress is not None:
+        _progress.phase(name)
 
 
 def _model_name(source: str) -> str:
@@ -623,18 +684,15 @@ def _goal(name: str, target: float, measured: float | None, row: dict | None) ->
     return dict(name=name, target=target, measured=measured, met=met, detail=detail)
 
 
-def run_suite(cfg: SuiteConfig) -> dict:
-    """Run the phases, merge with the rows of phases not re-run, write JSON + the report."""
+def _measure(cfg: SuiteConfig) -> tuple[list[dict], set[str]]:
+    """The phases' rows, and the experiments they measured."""
     from specmesh.runtime.models import load_model
 
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    path = cfg.out / "results.json"
-    old = json.loads(path.read_text()) if path.exists() else {"rows": []}
-    started = time.perf_counter()
     texts = humaneval_prompts(max(cfg.prompts, cfg.sweep_prompts, *cfg.scaling))
     rows: list[dict] = []
     redone: set[str] = set()
     if "sweeps" in cfg.phases or "baselines" in cfg.phases:
+        _phase("baselines" if "baselines" in cfg.phases else "sweeps")
         target = load_model(cfg.target, dtype=cfg.dtype)
         if "baselines" in cfg.phases:
             draft_bf16 = load_model(cfg.draft, dtype=cfg.dtype)
@@ -642,16 +700,38 @@ def run_suite(cfg: SuiteConfig) -> dict:
             redone.add("baseline")
             del draft_bf16
         if "sweeps" in cfg.phases:
+            _phase("sweeps")
             draft = load_model(cfg.draft, dtype=cfg.draft_dtypes[0])
             rows += sweeps(cfg, draft, target, texts)
             redone |= {"exp1", "exp2", "mcsd", "mtad"}
             del draft
         del target
         gc.collect()
-    rows += gateway_rows(cfg, texts, cfg.phases)
+    if "gateway" in cfg.phases or "scaling" in cfg.phases:
+        _phase("gateway" if "gateway" in cfg.phases else "scaling")
+        rows += gateway_rows(cfg, texts, cfg.phases)
     if "default" in cfg.phases:
+        _phase("default")
         rows += default_rows(cfg, cfg.llama_server)
         redone |= {"default", "default_scaling"}
+    return rows, redone
+
+
+def run_suite(cfg: SuiteConfig) -> dict:
+    """Run the phases, merge with the rows of phases not re-run, write JSON + the report."""
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    path = cfg.out / "results.json"
+    old = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    started = time.perf_counter()
+    global _progress
+    planned = plan(cfg)
+    _progress = Progress(planned) if any(planned.values()) else None  # a bar with an ETA, on stderr
+    try:
+        rows, redone = _measure(cfg)
+    finally:
+        progress, _progress = _progress, None
+        if progress is not None:
+            progress.close()
     redone |= {"headline"} if "gateway" in cfg.phases else set()
     redone |= {"scaling"} if "scaling" in cfg.phases else set()
     rows = [r for r in old["rows"] if r["experiment"] not in redone] + rows
