@@ -34,6 +34,7 @@ import torch
 
 from specmesh.core.ahead import likely_path
 from specmesh.core.drafting import Path
+from specmesh.core.grammar import TokenMask, constrain_draft
 from specmesh.core.methods import Method
 from specmesh.core.ngram import draft_ngram
 from specmesh.core.rounds import draft_round
@@ -85,14 +86,14 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         self._pending: dict[str, dict[Path, int]] = {}  # session -> its pending tree: path -> node
         # session -> its speculative or supersedable Draft in flight: (its cancel flag, its work)
         self._supersedable: dict[str, tuple[threading.Event, asyncio.Future]] = {}
-        self._drafts = metrics.counter("specmesh_drafts", "trees drafted")
+        self._drafts = metrics.counter("specmesh:drafter_drafts", "trees drafted")
         self._per_depth = metrics.counter(
-            "specmesh_draft_tokens_per_depth",
+            "specmesh:drafter_draft_tokens_per_depth",
             "drafted tree nodes by depth (1 = children of the root)",
             "depth",
         )
         self._reused = metrics.counter(
-            "specmesh_draft_reused_tokens", "committed tokens whose KV was kept from the pending tree"
+            "specmesh:drafter_reused_tokens", "committed tokens whose KV was kept from the pending tree"
         )
 
     async def close(self) -> None:
@@ -107,6 +108,8 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
     async def Draft(self, request: pb2.DraftRequest, context: grpc.aio.ServicerContext) -> pb2.DraftResponse:
         draft = wire.parse_draft_request(request, self.vocab_size, self.limits)
         self._check_method(draft.spec.method)
+        # n-gram drafts are not masked: the verifier's mask rejects what leaves the grammar
+        masks = await self.grammar_masks(draft) if draft.spec.method is not Method.NGRAM else None
         await self._supersede(draft.session_id, context)
         resume = self.begin(draft, context)
         if draft.speculative and resume is not Resume.CONTINUE:
@@ -116,7 +119,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
             return pb2.DraftResponse(superseded=True)
         cancelled = threading.Event()
         try:
-            job = self._builders.submit(self._draft, draft, resume, cancelled)
+            job = self._builders.submit(self._draft, draft, resume, cancelled, masks)
         except BaseException:
             self.slots.free(draft.session_id)
             raise
@@ -159,10 +162,15 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
                 "'ngram' is drafted by drafters started with --backend ngram, not this one",
             )
 
-    def _draft(self, d: wire.DraftInput, resume: Resume, cancelled: threading.Event) -> pb2.DraftResponse:
-        """In a builder thread: compact, build the tree level by level, encode it."""
+    def _draft(
+        self, d: wire.DraftInput, resume: Resume, cancelled: threading.Event, masks: TokenMask | None
+    ) -> pb2.DraftResponse:
+        """In a builder thread: compact, build the tree level by level, encode it. masks: the
+        session's grammar, applied to every level's rows."""
         start = time.perf_counter()
         sid = d.session_id
+        # what the tree drafts after, for the grammar: before this call's forwards change the runner
+        committed = (self.runner.committed_tokens(sid) or [])[: d.position] + d.new_tokens
         pending = self._pending.pop(sid, {})
         fed, compact = self._resume(d, resume, pending)
         if d.spec.method is Method.NGRAM:
@@ -172,6 +180,8 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         self.loop.call_soon_threadsafe(self.batcher.join)
         try:
             next_logits = level_forwards(forward, sid, d.new_tokens[fed:], nodes)
+            if masks is not None and d.grammar is not None:
+                next_logits = constrain_draft(next_logits, masks, committed[d.grammar.start :])
             tree = draft_round(d.spec, next_logits, d.params, d.params.seed, d.committed_length)
             likely = _guess_next(forward, sid, tree, nodes) if d.guess_next else []
         except RequestCancelled:

@@ -1,10 +1,12 @@
 """The public API's generated code (proto/specmesh/v1/gateway.proto) and what the gateway builds
-from core types: GenerationStats -> specmesh.v1.GenerationStats."""
+from core types: GenerationStats -> specmesh.v1.GenerationStats, TokenLogprob -> its message."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from specmesh.core.logprobs import TokenLogprob
 from specmesh.core.stats import GenerationStats
 from specmesh.rpc.proto import load
 
@@ -28,3 +30,14 @@ def stats_to_proto(stats: GenerationStats, *, prompt_tokens: int = 0, generated_
         prompt_tokens=prompt_tokens,
         generated_tokens=generated_tokens,
     )
+
+
+def logprobs_to_proto(logprobs: Sequence[TokenLogprob]) -> list[Any]:
+    """`specmesh.v1.TokenLogprob` messages (the public API's logprobs)."""
+    top = gateway_pb2.TopLogprob
+    return [
+        gateway_pb2.TokenLogprob(
+            token_id=t.token, logprob=t.logprob, top=[top(token_id=a, logprob=v) for a, v in t.top]
+        )
+        for t in logprobs
+    ]

@@ -22,7 +22,8 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import grpc
@@ -39,6 +40,8 @@ from gateway.api import gateway_pb2
 
 T = TypeVar("T")
 INT32 = 2**31 - 1
+# choices per request (`n`): each is a session, counted against --max-concurrent-requests
+MAX_CHOICES = 16
 RETRY_AFTER_SECONDS = "1"
 
 HTTP_STATUS: dict[grpc.StatusCode, int] = {
@@ -76,6 +79,7 @@ class Gateway(Protocol):
     def authorize(self, authorization: str | None) -> None: ...
     def served_model(self) -> Any: ...
     def model_name(self) -> str: ...
+    def token_text(self, token_id: int) -> str: ...
     def generate(self, request: Any, deadline: float | None) -> AsyncIterator[Any]: ...
     def status(self, method: str, session: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple]: ...
     def answered(
@@ -89,6 +93,20 @@ class Gateway(Protocol):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Body(BaseModel):
@@ -109,6 +127,8 @@ class _Body(BaseModel):
     n: int = 1
     user: str | None = None
     speculation: dict[str, Any] | None = None  # specmesh.v1.Speculation as JSON (extra_body)
+    response_format: ResponseFormat | None = None
+    constraint: dict[str, Any] | None = None  # specmesh.v1.Constraint as JSON (extra_body): regex, lark
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -133,6 +153,33 @@ class Message(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer to one
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatBody(_Body):
@@ -140,12 +187,15 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # Fields accepted only at these values (what OpenAI means by leaving them out).
 _NEUTRAL: dict[str, Any] = {
-    "n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None, "logprobs": (None, False),
-    "echo": False, "best_of": (None, 1), "suffix": None, "top_logprobs": None,
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None,
+    "echo": False, "best_of": (None, 1), "suffix": None,
 }  # fmt: skip
 
 
@@ -162,8 +212,11 @@ def _unsupported(body: _Body) -> None:
         value = getattr(body, name)
         allowed = neutral if isinstance(neutral, tuple) else (neutral,)
         if value not in allowed:
-            what = "only n = 1 is supported" if name == "n" else "is not supported by specmesh"
-            raise ApiError(400, f"{name}: {what} (got {value!r})", name, "unsupported_parameter")
+            raise ApiError(
+                400, f"{name}: is not supported by specmesh (got {value!r})", name, "unsupported_parameter"
+            )
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise ApiError(400, f"n: must be in [1, {MAX_CHOICES}], got {body.n}", "n")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", "stream_options")
 
@@ -176,7 +229,7 @@ def generate_request(body: _Body) -> Any:
     _unsupported(body)
     request = gateway_pb2.GenerateRequest()
     if isinstance(body, ChatBody):
-        _set_chat(request, body.messages)
+        _set_chat(request, body)
     else:
         _set_prompt(request, body.prompt)  # type: ignore[attr-defined]
     _set_max_tokens(request, body)
@@ -197,7 +250,56 @@ def generate_request(body: _Body) -> Any:
             json_format.ParseDict(body.speculation, request.speculation)
         except json_format.ParseError as exc:
             raise ApiError(400, f"speculation: {exc}", "speculation") from None
+    _set_logprobs(request, body)
+    _set_constraint(request, body)
     return request
+
+
+def _set_constraint(request: Any, body: _Body) -> None:
+    """`response_format` (OpenAI's) or `constraint` (specmesh's, for a regex or a Lark grammar)."""
+    fmt = body.response_format
+    if fmt is not None and body.constraint is not None and fmt.type != "text":
+        raise ApiError(400, "constraint: send response_format or constraint, not both", "constraint")
+    calls = forced_tools(body)
+    if calls:
+        if body.constraint is not None or (fmt is not None and fmt.type != "text"):
+            message = "tool_choice: a forced call fixes the output; drop response_format / constraint"
+            raise ApiError(400, message, "tool_choice")
+        request.constraint.json_schema = json.dumps(call_schema(calls))
+        return
+    if body.constraint is not None:
+        try:
+            json_format.ParseDict(body.constraint, request.constraint)
+        except json_format.ParseError as exc:
+            raise ApiError(400, f"constraint: {exc}", "constraint") from None
+    if fmt is None or fmt.type == "text":
+        return
+    if fmt.type == "json_object":
+        request.constraint.json_object = True
+        return
+    if fmt.json_schema is None:
+        raise ApiError(400, "response_format.json_schema: required when type is json_schema",
+                       "response_format.json_schema", "missing_required_parameter")  # fmt: skip
+    request.constraint.json_schema = json.dumps(fmt.json_schema.schema_ or {})
+
+
+def _set_logprobs(request: Any, body: _Body) -> None:
+    """Chat: `logprobs: true` and `top_logprobs` alternatives; completions: `logprobs` = alternatives.
+    The gateway checks the upper limit (`api_param` maps its field to the body's)."""
+    if isinstance(body, ChatBody):
+        top, param = body.top_logprobs, "top_logprobs"
+        if top is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs set to true", param)
+        if not body.logprobs:
+            return
+        top = top or 0
+    else:
+        top, param = body.logprobs, "logprobs"  # type: ignore[attr-defined]
+        if top is None:
+            return
+    if not 0 <= top < 2**32:
+        raise ApiError(400, f"{param}: must be >= 0, got {top}", param)
+    request.logprobs = top
 
 
 def _set_prompt(request: Any, prompt: Any) -> None:
@@ -214,12 +316,81 @@ def _set_prompt(request: Any, prompt: Any) -> None:
     _set_prompt(request, prompt[0])
 
 
-def _set_chat(request: Any, messages: list[Message]) -> None:
-    for i, m in enumerate(messages):
+def _set_chat(request: Any, body: ChatBody) -> None:
+    for i, m in enumerate(body.messages):
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        if m.content is None:
+        if m.content is None and not m.tool_calls:
             raise ApiError(400, f"messages[{i}].content: must be set", f"messages[{i}].content")
-        request.chat.messages.add(role=m.role, content=content)
+        message = request.chat.messages.add(role=m.role, content=content, tool_call_id=m.tool_call_id or "")
+        if m.tool_calls:
+            message.tool_calls_json = json.dumps(m.tool_calls)
+    if body.tools:
+        request.chat.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools])
+
+
+# ---- tools ---------------------------------------------------------------------------------------
+
+
+def forced_tools(body: _Body) -> list[Tool]:
+    """The tools one of which the answer must call (tool_choice "required": any; a named function:
+    that one); [] when the model answers in text. tool_choice "auto" (the default with tools) would
+    need the model's own tool-call syntax parsed out of free text; it is refused (docs/http_api.md)."""
+    if not isinstance(body, ChatBody):
+        return []
+    tools, choice = body.tools or [], body.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise ApiError(400, "tool_choice: needs tools", "tool_choice")
+        return []
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ApiError(400, "tools: function names must be unique", "tools")
+    if choice in (None, "auto"):
+        raise ApiError(
+            400, "tool_choice: 'auto' is not supported (specmesh does not parse a model's own tool-call "
+            "syntax); send 'required' or a named function to force a call, or 'none'", "tool_choice",
+            "unsupported_value",
+        )  # fmt: skip
+    if choice == "none":
+        return []
+    if choice == "required":
+        return list(tools)
+    assert isinstance(choice, NamedToolChoice)
+    if choice.function.name not in names:
+        message = f"tool_choice.function.name: {choice.function.name!r} is not among the tools"
+        raise ApiError(400, message, "tool_choice.function.name")
+    return [t for t in tools if t.function.name == choice.function.name]
+
+
+def call_schema(tools: Sequence[Tool]) -> dict[str, Any]:
+    """The JSON the output must be: {"name": <one of the tools>, "arguments": <its parameters>},
+    written compactly (no whitespace between JSON tokens): the call is parsed, never shown, and a
+    model cannot spend its tokens on layout."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": t.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+
+
+def tool_call(text: str) -> dict[str, Any] | None:
+    """The generated call as OpenAI's `tool_calls[i]`; None if it did not finish (max_tokens)."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return None
+    arguments = json.dumps(call["arguments"], ensure_ascii=False)
+    function = {"name": call["name"], "arguments": arguments}
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
 
 
 def _length_param(body: Any) -> str:
@@ -262,6 +433,12 @@ def api_param(details: str, body: Any) -> str | None:
         return "prompt"
     if base == "chat":
         return "messages" + rest.removeprefix("messages")
+    if base == "logprobs" and isinstance(body, ChatBody):
+        return "top_logprobs"
+    if base == "constraint" and forced_tools(body):
+        return "tools"
+    if base == "constraint" and getattr(body, "response_format", None) is not None:
+        return "response_format.json_schema.schema" if rest == "json_schema" else "response_format"
     return field
 
 
@@ -315,12 +492,11 @@ def error_response(
     return JSONResponse({"error": error}, status_code=status, headers=headers)
 
 
-def _usage(stats: Any) -> dict[str, int]:
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.generated_tokens,
-        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-    }
+def _usage(stats: Sequence[Any]) -> dict[str, int]:
+    """The choices' stats -> `usage`: the prompt counted once (the choices share it, as OpenAI
+    counts it), the completions summed."""
+    prompt, completion = stats[0].prompt_tokens, sum(s.generated_tokens for s in stats)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _stats(stats: Any) -> dict[str, Any]:
@@ -330,38 +506,126 @@ def _stats(stats: Any) -> dict[str, Any]:
 
 
 class _Shape:
-    """How one endpoint writes its objects: choices of a whole response and of a stream chunk."""
+    """How one endpoint writes its objects: choices of a whole response and of a stream chunk.
+    token_text: a token's text (logprobs asked for), None (not asked for). calls: the output is a
+    forced tool call (`forced_tools`), answered as `tool_calls`, not `content`."""
 
-    def __init__(self, chat: bool, session_id: str, model: str) -> None:
-        self.chat = chat
+    def __init__(
+        self,
+        chat: bool,
+        session_id: str,
+        model: str,
+        token_text: Callable[[int], str] | None = None,
+        calls: bool = False,
+    ) -> None:
+        self.chat, self.token_text, self.calls = chat, token_text, calls
         prefix = "chatcmpl" if chat else "cmpl"
         self.id, self.model, self.created = f"{prefix}-{session_id}", model, int(time.time())
+        self._offset: dict[int, int] = {}  # completions, per choice: where its next token's text starts
+        self._call_text: dict[int, str] = {}  # forced calls, per choice: the text so far (streamed)
+
+    def _message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """A chat choice's message (or final delta) and finish_reason: a forced call that finished
+        becomes `tool_calls` with finish_reason "tool_calls" (OpenAI's); text stays text."""
+        call = tool_call(text) if self.calls and finish == "stop" else None
+        if call is None:
+            return {"role": "assistant", "content": text}, finish
+        return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+
+    def logprobs(self, entries: Sequence[Any], index: int = 0) -> dict[str, Any] | None:
+        """specmesh.v1.TokenLogprob messages -> the choice's `logprobs`, in the endpoint's form:
+        chat `{"content": [{token, logprob, bytes, top_logprobs}]}`, completions the legacy
+        `{tokens, token_logprobs, top_logprobs, text_offset}`."""
+        if self.token_text is None:
+            return None
+        text = self.token_text
+        if self.chat:
+
+            def item(token_id: int, logprob: float) -> dict[str, Any]:
+                s = text(token_id)
+                return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+
+            content = [
+                {**item(e.token_id, e.logprob), "top_logprobs": [item(t.token_id, t.logprob) for t in e.top]}
+                for e in entries
+            ]
+            return {"content": content, "refusal": None}
+        tokens = [text(e.token_id) for e in entries]
+        offsets, at = [], self._offset.get(index, 0)
+        for s in tokens:
+            offsets.append(at)
+            at += len(s)
+        self._offset[index] = at
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text(t.token_id): t.logprob for t in e.top} for e in entries],
+            "text_offset": offsets,
+        }
 
     def _object(self, kind: str, choices: list[dict], **more: Any) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices, **more}  # fmt: skip
 
-    def whole(self, text: str, last: Any) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+    def whole(self, choices: Sequence[list[Any]]) -> dict[str, Any]:
+        """choices: each choice's GenerateChunks, in order."""
+        out, lasts = [], [chunks[-1] for chunks in choices]
+        for index, chunks in enumerate(choices):
+            text = "".join(c.text for c in chunks)
+            logprobs = self.logprobs([e for c in chunks for e in c.logprobs], index)
+            choice: dict[str, Any] = {
+                "index": index,
+                "logprobs": logprobs,
+                "finish_reason": lasts[index].finish_reason,
+            }
+            if self.chat:
+                choice["message"], choice["finish_reason"] = self._message(text, choice["finish_reason"])
+            else:
+                choice["text"] = text
+            out.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
-        return self._object(kind, [choice], usage=_usage(last.stats), stats=_stats(last.stats))
+        return self._object(kind, out, usage=_usage([c.stats for c in lasts]), **self._stats(lasts, out))
 
-    def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
-        if self.chat:
+    def chunk(self, index: int, chunk: Any, first: bool = False) -> dict[str, Any]:
+        """One GenerateChunk of choice `index` as a stream event; the last has `stats`."""
+        finish, text = chunk.finish_reason or None, chunk.text
+        choice: dict[str, Any] = {
+            "index": index,
+            "logprobs": self.logprobs(chunk.logprobs, index),
+            "finish_reason": finish,
+        }
+        if self.chat and self.calls:  # the call is sent whole, once it is complete
+            so_far = self._call_text[index] = self._call_text.get(index, "") + text
+            delta = {"role": "assistant", "content": None} if first else {}
+            if finish:
+                message, choice["finish_reason"] = self._message(so_far, finish)
+                calls = message.get("tool_calls")
+                delta |= {"tool_calls": [{"index": 0, **calls[0]}]} if calls else {"content": so_far}
+            choice["delta"] = delta
+        elif self.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice["delta"] = delta if (text or first or not finish_reason) else {}
+            choice["delta"] = delta if (text or first or not finish) else {}
         else:
             choice["text"] = text
-        return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        event = self._object("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        if finish:
+            event["stats"] = _stats(chunk.stats)
+        return event
 
-    def usage_chunk(self, stats: Any) -> dict[str, Any]:
+    def usage_chunk(self, lasts: Sequence[Any]) -> dict[str, Any]:
+        """The usage chunk; with several choices their stats were in each one's last chunk."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._object(kind, [], usage=_usage(stats), stats=_stats(stats))
+        more = {"stats": _stats(lasts[0].stats)} if len(lasts) == 1 else {}
+        return self._object(kind, [], usage=_usage([c.stats for c in lasts]), **more)
+
+    @staticmethod
+    def _stats(lasts: Sequence[Any], choices: list[dict]) -> dict[str, Any]:
+        """One choice: the response's `stats`; several: each choice's own (`choices[i].stats`)."""
+        if len(lasts) == 1:
+            return {"stats": _stats(lasts[0].stats)}
+        for choice, last in zip(choices, lasts, strict=True):
+            choice["stats"] = _stats(last.stats)
+        return {}
 
 
 def _sse(obj: Any) -> bytes:
@@ -502,57 +766,133 @@ async def _completion(gateway: Gateway, request: Request, body: _Body) -> Respon
         raise ApiError(404, f"The model `{body.model}` does not exist (this gateway serves `{name}`)",
                        "model", "model_not_found")  # fmt: skip
     grpc_request = generate_request(body)
-    chunks = gateway.generate(grpc_request, None)
+    streams = [gateway.generate(r, None) for r in choice_requests(grpc_request, body.n)]
     chat = isinstance(body, ChatBody)
+    token_text = gateway.token_text if grpc_request.HasField("logprobs") else None
+    calls = bool(forced_tools(body))
     if not body.stream:
-        async with contextlib.aclosing(chunks):
-            got = await until_disconnect(request, _collect(chunks))
-        shape = _Shape(chat, got[-1].session_id, name)
-        return JSONResponse(shape.whole("".join(c.text for c in got), got[-1]))
-    # The first chunk before the response starts: a bad request still gets its HTTP status.
-    try:
-        first = await until_disconnect(request, anext(chunks))
-    except BaseException:
-        await chunks.aclose()
-        raise
+        got = await until_disconnect(request, _collect(streams))
+        shape = _Shape(chat, got[0][-1].session_id, name, token_text, calls)
+        return JSONResponse(shape.whole(got))
+    # Every choice's first chunk before the response starts: a bad request still gets its status.
+    firsts = await until_disconnect(request, _firsts(streams))
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    shape = _Shape(chat, first.session_id, name)
+    shape = _Shape(chat, firsts[0].session_id, name, token_text, calls)
     return StreamingResponse(
-        _events(shape, first, chunks, include_usage, gateway),
+        _events(shape, firsts, streams, include_usage, gateway),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
 
-async def _collect(chunks: AsyncIterator[Any]) -> list[Any]:
-    return [c async for c in chunks]
+def choice_requests(request: Any, n: int) -> list[Any]:
+    """`n` choices are `n` sessions of one request, run side by side (the verifier batches them).
+    With a seed, choice i draws with seed + i, so each is reproducible and they differ; without
+    one, each session draws its own."""
+    if n == 1:
+        return [request]
+    out = []
+    for i in range(n):
+        choice = gateway_pb2.GenerateRequest()
+        choice.CopyFrom(request)
+        if request.sampling.HasField("seed"):
+            choice.sampling.seed = (request.sampling.seed + i) % 2**64
+        out.append(choice)
+    return out
+
+
+async def _all(work: Sequence[Awaitable[T]]) -> list[T]:
+    """Every result, or the first failure once the others are cancelled (a failed choice or a
+    client that left ends every choice's session)."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect(streams: Sequence[AsyncIterator[Any]]) -> list[list[Any]]:
+    async def one(chunks: AsyncIterator[Any]) -> list[Any]:
+        async with contextlib.aclosing(chunks):
+            return [c async for c in chunks]
+
+    return await _all([one(s) for s in streams])
+
+
+async def _firsts(streams: Sequence[AsyncIterator[Any]]) -> list[Any]:
+    """Each choice's first chunk; on any failure every stream is closed."""
+    try:
+        return await _all([anext(s) for s in streams])
+    except BaseException:
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+        raise
+
+
+async def _merged(streams: Sequence[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, chunk) as each choice's chunks come; a choice's failure ends them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, chunks: AsyncIterator[Any]) -> None:
+        async with contextlib.aclosing(chunks):
+            try:
+                async for chunk in chunks:
+                    await queue.put((index, chunk, None))
+            except Exception as exc:
+                await queue.put((index, None, exc))
+                return
+        await queue.put((index, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        for _ in range(len(streams)):
+            while True:
+                index, chunk, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                if chunk is None:
+                    break
+                yield index, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _events(
-    shape: _Shape, first: Any, chunks: AsyncIterator[Any], include_usage: bool, gateway: Gateway
+    shape: _Shape,
+    firsts: Sequence[Any],
+    streams: Sequence[AsyncIterator[Any]],
+    include_usage: bool,
+    gateway: Gateway,
 ) -> AsyncIterator[bytes]:
-    """Server-sent events: a chunk per round, the last with finish_reason and `stats`, the usage
-    chunk if asked for, then `data: [DONE]`. A failure after the first chunk is an error event."""
-    async with contextlib.aclosing(chunks):
-        chunk, is_first = first, True
-        while True:
-            finish = chunk.finish_reason or None
-            event = shape.chunk(chunk.text, finish, first=is_first)
-            if finish:
-                event["stats"] = _stats(chunk.stats)
-            yield _sse(event)
-            if finish:
-                if include_usage:
-                    yield _sse(shape.usage_chunk(chunk.stats))
-                break
-            is_first = False
-            try:
-                chunk = await anext(chunks)
-            except Exception as exc:
-                code, details, _ = gateway.status("stream", first.session_id, exc)
-                status = HTTP_STATUS.get(code, 500)
-                kind = _ERROR_TYPE.get(status, "server_error")
-                error = {"message": details, "type": kind, "param": None, "code": error_code(status, details)}
-                yield _sse({"error": error})
-                break
+    """Server-sent events: a chunk per round of each choice, each choice's last with its
+    finish_reason and `stats`, the usage chunk if asked for, then `data: [DONE]`. A failure after
+    the first chunk is an error event."""
+    lasts: list[Any] = list(firsts)
+    for index, first in enumerate(firsts):
+        yield _sse(shape.chunk(index, first, first=True))
+    going = [i for i, c in enumerate(firsts) if not c.finish_reason]
+    rest = _merged([streams[i] for i in going])
+    async with contextlib.aclosing(rest):
+        try:
+            async for k, chunk in rest:
+                index = going[k]
+                lasts[index] = chunk
+                yield _sse(shape.chunk(index, chunk))
+        except Exception as exc:
+            code, details, _ = gateway.status("stream", firsts[0].session_id, exc)
+            status = HTTP_STATUS.get(code, 500)
+            kind = _ERROR_TYPE.get(status, "server_error")
+            error = {"message": details, "type": kind, "param": None, "code": error_code(status, details)}
+            yield _sse({"error": error})
+            yield b"data: [DONE]\n\n"
+            return
+        finally:
+            for i, stream in enumerate(streams):  # the finished ones: their generators' cleanup
+                if i not in going:
+                    await stream.aclose()
+    if include_usage:
+        yield _sse(shape.usage_chunk(lasts))
     yield b"data: [DONE]\n\n"

@@ -7,12 +7,15 @@ gateway answers it with INVALID_ARGUMENT before anything is stored or sent to a 
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from specmesh.core.drafting import TreeSpec
+from specmesh.core.grammar import Grammar
+from specmesh.core.logprobs import MAX_TOP_LOGPROBS
 from specmesh.core.methods import METHODS, Method
 from specmesh.core.rounds import session_seed
 from specmesh.core.sampling import SamplingParams
@@ -81,6 +84,8 @@ class GenerationPlan:
     adaptive: bool = False  # spec is then the tree family and the first round's depth
     auto: bool = False  # the request asked for no speculation: the gateway chose (AUTO_SPEC)
     dsi: DsiSettings | None = None  # DSI mode; spec is then a chain of the lookahead's depth
+    top_logprobs: int | None = None  # logprobs asked for, with this many alternatives (None: not)
+    grammar: Grammar | None = None  # structured output (Constraint), for the tokens after the prompt
 
 
 def parse_generate_request(request: Any, tokenizer: Any, limits: ModelLimits) -> GenerationPlan:
@@ -90,14 +95,57 @@ def parse_generate_request(request: Any, tokenizer: Any, limits: ModelLimits) ->
     stop_ids = tuple(_token_ids(request.stop_token_ids, limits.vocab_size, "stop_token_ids"))
     if limits.eos_token_id is not None and limits.eos_token_id not in stop_ids:
         stop_ids += (limits.eos_token_id,)
+    shape = speculation(request.speculation, limits.tree)
+    dsi = shape.get("dsi") is not None
     return GenerationPlan(
         prompt_ids=prompt_ids,
         max_new_tokens=_max_new_tokens(request, len(prompt_ids), limits),
         stop=_stop_strings(request.stop, limits),
         stop_token_ids=stop_ids,
         params=sampling_params(request.sampling),
-        **speculation(request.speculation, limits.tree),
+        top_logprobs=_top_logprobs(request, dsi),
+        grammar=_grammar(request.constraint, len(prompt_ids), dsi),
+        **shape,
     )
+
+
+def _grammar(constraint: Any, prompt_len: int, dsi: bool) -> Grammar | None:
+    """A specmesh.v1.Constraint -> its llguidance grammar, checked here (a grammar that does not
+    compile is refused before any replica sees it), for the tokens after the prompt."""
+    kind = constraint.WhichOneof("kind")
+    if kind is None:
+        return None
+    field = f"constraint.{kind}"
+    if dsi:
+        raise wire.WireError(field, "not available with speculation.dsi")
+    from llguidance import LLMatcher
+
+    value = getattr(constraint, kind)
+    try:
+        if kind == "json_schema":
+            text = LLMatcher.grammar_from_json_schema(json.loads(value))
+        elif kind == "json_object":
+            text = LLMatcher.grammar_from_json_schema({"type": "object"})
+        elif kind == "regex":
+            text = LLMatcher.grammar_from_regex(value)
+        else:
+            text = LLMatcher.grammar_from_lark(value)
+    except ValueError as exc:  # json.JSONDecodeError is one
+        raise wire.WireError(field, f"not a valid JSON schema: {exc}") from None
+    error = LLMatcher.validate_grammar(text)
+    if error:
+        raise wire.WireError(field, error.strip())
+    return Grammar(text, prompt_len)
+
+
+def _top_logprobs(request: Any, dsi: bool) -> int | None:
+    if not request.HasField("logprobs"):
+        return None
+    if request.logprobs > MAX_TOP_LOGPROBS:
+        raise wire.WireError("logprobs", f"at most {MAX_TOP_LOGPROBS} alternatives, got {request.logprobs}")
+    if dsi:  # DSI's verifications run outside the round client; they do not carry them (yet)
+        raise wire.WireError("logprobs", "not available with speculation.dsi")
+    return request.logprobs
 
 
 # ---- prompt ------------------------------------------------------------------------------------
@@ -109,7 +157,9 @@ def _check_prompt_bytes(request: Any, limit: int) -> None:
     if kind == "prompt":
         size, field = len(request.prompt.encode()), "prompt"
     elif kind == "chat":
-        size = sum(len(m.content.encode()) + len(m.role.encode()) for m in request.chat.messages)
+        chat = request.chat
+        parts = [chat.tools_json] + [m.content + m.role + m.tool_calls_json for m in chat.messages]
+        size = sum(len(p.encode()) for p in parts)
         field = "chat.messages"
     else:
         return
@@ -150,14 +200,37 @@ def _chat_token_ids(chat: Any, tokenizer: Any) -> list[int]:
             )
     if not getattr(tokenizer, "chat_template", None):
         raise wire.WireError("chat", "the model's tokenizer has no chat template; send prompt instead")
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    messages = [_chat_message(i, m) for i, m in enumerate(chat.messages)]
+    tools = _json_field(chat.tools_json, "chat.tools_json", list) if chat.tools_json else None
     try:
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+        rendered = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, return_dict=True
+        )
     except Exception as exc:  # the template's own checks (e.g. roles must alternate)
         raise wire.WireError("chat.messages", f"the chat template refused them: {exc}") from None
     if not rendered["input_ids"]:  # would reach the replicas as an empty prompt
         raise wire.WireError("chat.messages", "render to no tokens with the model's chat template")
     return list(rendered["input_ids"])
+
+
+def _chat_message(i: int, m: Any) -> dict[str, Any]:
+    """A ChatMessage as the chat template takes it (OpenAI's message shape)."""
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls_json:
+        message["tool_calls"] = _json_field(m.tool_calls_json, f"chat.messages[{i}].tool_calls_json", list)
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def _json_field(text: str, field: str, kind: type) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise wire.WireError(field, f"not valid JSON: {exc}") from None
+    if not isinstance(value, kind):
+        raise wire.WireError(field, f"must be a JSON {kind.__name__}")
+    return value
 
 
 def _token_ids(values: Sequence[int], vocab_size: int, field: str) -> list[int]:

@@ -49,6 +49,7 @@ from gateway.session_store import SessionExists, SessionStore, StoreError
 from gateway.text import TextStream
 from specmesh.core.adaptive import AdaptivePolicy
 from specmesh.core.ahead import PipelinePolicy
+from specmesh.core.logprobs import TokenLogprob
 from specmesh.core.methods import Method
 from specmesh.core.rounds import keep_emitted
 from specmesh.core.stats import GenerationStats
@@ -151,6 +152,7 @@ class Piece:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # of token_ids, if asked
 
 
 class SessionRun:
@@ -171,7 +173,7 @@ class SessionRun:
         self.roles = (Role.DRAFTER, Role.VERIFIER) if plan.spec.method.drafts else (Role.VERIFIER,)
         self.client = RoundClient(
             self.id, plan.params, plan.spec, policy=policy, key=self.key, pipeline=env.pipeline,
-            stop_token_ids=plan.stop_token_ids,
+            stop_token_ids=plan.stop_token_ids, top_logprobs=plan.top_logprobs, grammar=plan.grammar,
         )  # fmt: skip
         self.tokens = list(plan.prompt_ids)  # committed, as in Redis
         self.round = 0
@@ -285,6 +287,8 @@ class SessionRun:
             # Stale: Redis is at another round (only possible if an earlier commit that seemed to
             # fail went through). Its tokens are the truth; the replicas resync to them.
             piece = await self._resume_from_store()
+            if piece.token_ids == kept:  # the commit that seemed to fail was this round's
+                piece = dataclasses.replace(piece, logprobs=result.logprobs[: len(kept)])
             if piece.token_ids or piece.finish_reason:
                 return piece
         raise GatewayError(
@@ -321,7 +325,8 @@ class SessionRun:
         self.round += 1
         self.stats += stats
         self.finish_reason = finish
-        return Piece(kept, self.text.push(kept, final=finish is not None), finish)
+        logprobs = result.logprobs[: len(kept)] if result is not None else []
+        return Piece(kept, self.text.push(kept, final=finish is not None), finish, logprobs)
 
     def _cut(self, tokens: list[int]) -> tuple[list[int], str | None]:
         """What of a round's tokens the session keeps, and whether it finished."""

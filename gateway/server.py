@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from gateway.api import gateway_pb2, gateway_pb2_grpc
+from gateway.api import gateway_pb2, gateway_pb2_grpc, logprobs_to_proto
 from gateway.dsi import DsiRun
 from gateway.http_server import HttpServer
 from gateway.metrics import GatewayMetrics, RequestClock
@@ -288,7 +288,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(config.served_model_name)  # else the verifier's, once learnt
         pool_options = {"health_interval": config.health_interval, "tls": config.replica_tls()}
         drafters = ReplicaPool(config.drafters, name="drafter", **pool_options) if config.drafters else None
         ngram = config.ngram_drafters
@@ -364,6 +364,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         while self.model is None:
             try:
                 self.model = await self._learn_model()
+                self.metrics.model_name = self.model_name()
             except Exception as exc:  # retried: the verifier may be starting or being replaced
                 self._not_ready = f"cannot learn the model yet: {exc}"
                 log.warning("not ready", extra={"reason": self._not_ready})
@@ -447,6 +448,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         return gateway_pb2.GenerateResponse(
             text="".join(c.text for c in chunks),
             token_ids=[t for c in chunks for t in c.token_ids],
+            logprobs=[t for c in chunks for t in c.logprobs],
             finish_reason=last.finish_reason,
             stats=last.stats,
             session_id=last.session_id,
@@ -480,6 +482,10 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"gateway not ready: {self._not_ready}")
         return self.model
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as the HTTP API's logprobs name it (vLLM's: the token decoded alone)."""
+        return self.served_model().tokenizer.decode([token_id])
+
     def model_name(self) -> str:
         """The model's name in the HTTP API: --served-model-name, else the verifier's model id."""
         return self.config.served_model_name or self.served_model().name
@@ -508,13 +514,15 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             async with await self._session_run(plan, text, deadline) as run:
                 m.waiting.dec()
                 waiting = False
+                clock.started()
                 m.prompt_tokens.inc(len(plan.prompt_ids))
                 while not run.finished:
                     piece = await run.step()
                     clock.chunk(len(piece.token_ids))
                     chunk = gateway_pb2.GenerateChunk(
-                        text=piece.text, token_ids=piece.token_ids, session_id=run.id
-                    )
+                        text=piece.text, token_ids=piece.token_ids, session_id=run.id,
+                        logprobs=logprobs_to_proto(piece.logprobs),
+                    )  # fmt: skip
                     if run.finished:
                         chunk.finish_reason = run.finish_reason
                         chunk.stats.CopyFrom(run.stats_message())

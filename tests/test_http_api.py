@@ -11,7 +11,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -19,7 +19,9 @@ import httpx2 as httpx  # the openai client's HTTP library
 import openai
 import pytest
 import redis
+import torch
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specmesh.rpc.proto import load
 from specmesh.stack.ports import free_port
@@ -99,7 +101,7 @@ def assert_no_sessions(stack: Stack, raw_redis: redis.Redis) -> None:
     wait_until(lambda: not session_keys(raw_redis), what="the sessions' keys to go")
     for server in stack.replicas:
         wait_until(
-            lambda s=server: s.metrics()[("specmesh_sessions", ())] == 0, what=f"{server.module} release"
+            lambda s=server: s.metrics()[("specmesh:num_sessions", ())] == 0, what=f"{server.module} release"
         )
 
 
@@ -195,7 +197,7 @@ def test_a_seed_gives_the_same_text_every_time_whatever_the_load(client, stub, s
             t.join()
     assert len(set(texts)) == 1, texts
     if prompt == REPEATING:  # the default chose the n-gram drafter for text that repeats
-        assert stack.replicas[2].metrics()[("specmesh_drafts_total", ())] > 0
+        assert stack.replicas[2].metrics()[("specmesh:drafter_drafts_total", ())] > 0
 
 
 def test_speculation_settings_and_stats_travel_in_extra_fields(client, stub) -> None:
@@ -233,6 +235,144 @@ def test_stop_strings_and_raw_sse_ends_with_done(stack, stub) -> None:
     assert events[-1]["choices"][0]["finish_reason"] == "stop" and "stats" in events[-1]
 
 
+# ---- logprobs ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_target(models) -> tuple:
+    """The target as transformers runs it, in fp32, and its tokenizer: the logprobs' reference."""
+    model = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(models["target"])
+
+
+def reference_logprobs(model, prompt: list[int], generated: list[int], temperature: float) -> torch.Tensor:
+    """[len(generated), V]: log-softmax of the target's logits / T before each generated token (T = 0:
+    the raw log-softmax, the distribution greedy takes the argmax of)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1].double()
+    return torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+
+
+def check_logprobs(ref: torch.Tensor, ids: list[int], logprobs: list[float], tops: list[list[tuple]]) -> None:
+    """tops: per token, its (token id, logprob) alternatives as the API listed them."""
+    assert len(ids) == len(logprobs) == len(tops) == ref.shape[0] > 0
+    for k, token in enumerate(ids):
+        assert logprobs[k] == pytest.approx(float(ref[k, token]), abs=1e-4), k
+        best = ref[k].topk(len(tops[k]))
+        assert [t for t, _ in tops[k]] == best.indices.tolist(), k
+        assert [v for _, v in tops[k]] == pytest.approx(best.values.tolist(), abs=1e-4), k
+
+
+# (temperature, seed, speculation): greedy through draft trees, sampled through plain decoding
+# (several tokens per Verify call) and through recursive rejection sampling
+LOGPROB_CASES = {
+    "greedy-chain": (0.0, None, {"method": "chain", "depth": 3}),
+    "greedy-none": (0.0, None, {"method": "none"}),
+    "t0.8-none": (0.8, 11, {"method": "none"}),
+    "t0.8-rsd_c": (0.8, 11, {"method": "rsd_c", "depth": 2, "branching": [2, 2]}),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("case", LOGPROB_CASES)
+def test_chat_logprobs_are_the_targets_own_log_softmax(client, models, hf_target, case, stream) -> None:
+    temperature, seed, speculation = LOGPROB_CASES[case]
+    model, tokenizer = hf_target
+    messages = [{"role": "user", "content": WORDS}]
+    kwargs = dict(model="tiny", messages=messages, max_tokens=10, temperature=temperature, logprobs=True,
+                  top_logprobs=3, extra_body={"speculation": speculation})  # fmt: skip
+    if seed is not None:
+        kwargs["seed"] = seed
+    if stream:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        content = [
+            e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+        ]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        content, text = choice.logprobs.content, choice.message.content
+    ids = tokenizer.convert_tokens_to_ids([e.token for e in content])
+    assert tokenizer.decode(ids, skip_special_tokens=True).strip() == text.strip()
+    assert all(e.bytes == list(e.token.encode()) for e in content)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if isinstance(prompt, Mapping) else prompt)
+    ref = reference_logprobs(model, prompt, ids, temperature)
+    tops = [[(tokenizer.convert_tokens_to_ids(t.token), t.logprob) for t in e.top_logprobs] for e in content]
+    check_logprobs(ref, ids, [e.logprob for e in content], tops)
+    if temperature == 0:
+        assert ids == ref.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_completion_logprobs_in_the_legacy_shape(client, hf_target, stream) -> None:
+    model, tokenizer = hf_target
+    kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=9, temperature=0.8, seed=5, logprobs=2,
+                  extra_body={"speculation": {"method": "chain", "depth": 2}})  # fmt: skip
+    if stream:
+        parts = [c.choices[0].logprobs for c in client.completions.create(**kwargs, stream=True)]
+        parts = [p for p in parts if p is not None]
+        tokens = [t for p in parts for t in p.tokens]
+        logprobs = [v for p in parts for v in p.token_logprobs]
+        top = [d for p in parts for d in p.top_logprobs]
+        offsets = [o for p in parts for o in p.text_offset]
+    else:
+        lp = client.completions.create(**kwargs).choices[0].logprobs
+        tokens, logprobs, top, offsets = lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+    ids = tokenizer.convert_tokens_to_ids(tokens)
+    assert offsets == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+    tops = [[(tokenizer.convert_tokens_to_ids(t), v) for t, v in d.items()] for d in top]
+    check_logprobs(reference_logprobs(model, PROMPT, ids, 0.8), ids, logprobs, tops)
+
+
+def test_grpc_logprobs_match_the_http_ones(client, stub) -> None:
+    request = grpc_request(prompt=WORDS, max_tokens=8, temperature=0.8, seed=3)
+    request.logprobs = 2
+    got = stub.Generate(request, timeout=60)
+    assert [e.token_id for e in got.logprobs] == list(got.token_ids)
+    assert all(len(e.top) == 2 for e in got.logprobs)
+    http = client.completions.create(
+        model="tiny", prompt=WORDS, max_tokens=8, temperature=0.8, seed=3, logprobs=2
+    )
+    assert http.choices[0].logprobs.token_logprobs == pytest.approx([e.logprob for e in got.logprobs])
+    plain = stub.Generate(grpc_request(prompt=WORDS, max_tokens=8, temperature=0.8, seed=3), timeout=60)
+    assert list(plain.token_ids) == list(got.token_ids) and not plain.logprobs  # asking changes nothing
+
+
+# ---- n choices -----------------------------------------------------------------------------------
+
+
+def test_n_choices_are_distinct_seeded_sessions_with_usage_summed(client, stub, stack, raw_redis) -> None:
+    speculation = {"method": "chain", "depth": 2}
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": WORDS}], max_tokens=10, temperature=0.8,
+                  seed=21, n=3, logprobs=True, extra_body={"speculation": speculation})  # fmt: skip
+    unary = client.chat.completions.create(**kwargs)
+    texts = [c.message.content for c in unary.choices]
+    assert [c.index for c in unary.choices] == [0, 1, 2] and len(set(texts)) == 3, texts
+    # choice i is the request with seed 21 + i, alone
+    for i, text in enumerate(texts):
+        alone = client.chat.completions.create(**{**kwargs, "n": 1, "seed": 21 + i})
+        assert alone.choices[0].message.content == text
+        assert [e.logprob for e in alone.choices[0].logprobs.content] == pytest.approx(
+            [e.logprob for e in unary.choices[i].logprobs.content]
+        )
+    completion = sum(c.model_extra["stats"]["generated_tokens"] for c in unary.choices)
+    prompt = unary.choices[0].model_extra["stats"]["prompt_tokens"]
+    assert unary.usage.completion_tokens == completion and unary.usage.prompt_tokens == prompt
+    assert unary.usage.total_tokens == prompt + completion
+    # streamed: the same three texts, each choice's chunks by its index, then the summed usage
+    chunks = list(
+        client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    by_index = [[c.choices[0] for c in chunks if c.choices and c.choices[0].index == i] for i in range(3)]
+    streamed = ["".join(c.delta.content or "" for c in choice) for choice in by_index]
+    assert streamed == texts
+    finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finishes) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == completion and not chunks[-1].choices
+    assert_no_sessions(stack, raw_redis)
+
+
 # ---- errors --------------------------------------------------------------------------------------
 
 BASE = {"model": "tiny", "prompt": WORDS, "max_tokens": 4}
@@ -254,7 +394,8 @@ BAD: dict[str, tuple[str, dict, int, str | None]] = {
     "top-p-above-one": ("completions", {**BASE, "top_p": 1.5}, 400, "top_p"),
     "top-k-negative": ("completions", {**BASE, "top_k": -3}, 400, "top_k"),
     "seed-negative": ("completions", {**BASE, "seed": -1}, 400, "seed"),
-    "n-two": ("completions", {**BASE, "n": 2}, 400, "n"),
+    "n-17": ("completions", {**BASE, "n": 17}, 400, "n"),
+    "n-zero": ("chat", {**CHAT, "n": 0}, 400, "n"),
     "stop-empty": ("completions", {**BASE, "stop": [""]}, 400, "stop[0]"),
     "stop-number": ("completions", {**BASE, "stop": 3}, 400, "stop"),
     "stop-too-many": ("completions", {**BASE, "stop": [f"w{i}" for i in range(17)]}, 400, "stop"),
@@ -277,7 +418,11 @@ BAD: dict[str, tuple[str, dict, int, str | None]] = {
     "model-missing": ("completions", {"prompt": WORDS}, 400, "model"),
     "unknown-field": ("completions", {**BASE, "best_prompt": 1}, 400, "best_prompt"),
     "frequency-penalty": ("completions", {**BASE, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
-    "logprobs": ("completions", {**BASE, "logprobs": 2}, 400, "logprobs"),
+    "logprobs-21": ("completions", {**BASE, "logprobs": 21}, 400, "logprobs"),
+    "logprobs-negative": ("completions", {**BASE, "logprobs": -1}, 400, "logprobs"),
+    "logprobs-dsi": ("completions", {**BASE, "logprobs": 1, "speculation": {"dsi": True}}, 400, "logprobs"),
+    "top-logprobs-21": ("chat", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    "top-logprobs-alone": ("chat", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     "echo": ("completions", {**BASE, "echo": True}, 400, "echo"),
     "stream-options-without-stream": ("completions", {**BASE, "stream_options": {"include_usage": True}}, 400,
                                       "stream_options"),
@@ -296,7 +441,6 @@ CODES = {
     "unknown-field": "unknown_parameter", "prompt-missing": "missing_required_parameter",
     "model-missing": "missing_required_parameter", "model-unknown": "model_not_found",
     "frequency-penalty": "unsupported_parameter", "echo": "unsupported_parameter",
-    "n-two": "unsupported_parameter", "logprobs": "unsupported_parameter",
     "message-without-role": "missing_required_parameter", "message-image-part": "invalid_type",
     "prompt-beyond-context": "context_length_exceeded",
 }  # fmt: skip
@@ -381,7 +525,7 @@ def test_a_client_that_disconnects_cancels_its_session_everywhere(stack, raw_red
 # ---- metrics -------------------------------------------------------------------------------------
 
 
-def test_metrics_show_latency_histograms_and_spec_decode_counters(stack, client) -> None:
+def test_metrics_show_latency_histograms_and_spec_decode_counters(stack, client, models) -> None:
     # a fixed shape: the default may decode plainly on these tiny models (its choice follows the
     # replicas' start-up costs), and the draft counters must move; 40 tokens, so that the tiny
     # noisy draft surely has some accepted
@@ -390,18 +534,37 @@ def test_metrics_show_latency_histograms_and_spec_decode_counters(stack, client)
         model="tiny", prompt=WORDS, max_tokens=40, temperature=0, extra_body=speculation
     )
     text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+    scraped = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    # one namespace, the served model's name on every sample (the HTTP API's), no _created series
+    assert all(s.name.startswith("specmesh:") and s.labels["model_name"] == "tiny" for s in scraped)
+    assert not [s.name for s in scraped if s.name.endswith("_created")]
     samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+        for s in scraped
     }
-    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+    for name in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+    ):
         assert samples[(f"specmesh:{name}_count", ())] > 0, name
     for name in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "generation_tokens"):
         assert samples[(f"specmesh:{name}_total", ())] > 0, name
     assert samples[("specmesh:num_requests_running", ())] == 0
     assert samples[("specmesh:num_requests_waiting", ())] == 0
-    assert samples[("specmesh_requests_total", (("code", "OK"), ("method", "POST /v1/completions")))] > 0
+    assert samples[("specmesh:rpc_requests_total", (("code", "OK"), ("method", "POST /v1/completions")))] > 0
+    # a replica's: the same namespace, its model id (InfoResponse.model_id) as model_name
+    verifier = stack.replicas[1]
+    replica_samples = verifier.samples()
+    assert all(s.name.startswith("specmesh:") for s in replica_samples)
+    assert {s.labels["model_name"] for s in replica_samples} == {str(models["target"])}
+    assert not [s.name for s in replica_samples if s.name.endswith("_created")]
+    held = verifier.metrics()
+    assert held[("specmesh:verifier_spec_decode_num_draft_tokens_total", ())] > 0
+    assert held[("specmesh:num_preemptions_total", ())] == 0  # no cache budget: nothing evicted
+    assert held[("specmesh:kv_cache_usage_perc", ())] == 0.0  # no budget to use up
+    assert ("specmesh:kv_cache_tokens", ()) in held
 
 
 # ---- API keys, admission, not ready --------------------------------------------------------------

@@ -4,17 +4,23 @@ at T=0 the backend's own greedy decode, and a killed replica recovered by resync
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
+import llguidance
+import llguidance.hf
+import numpy as np
 import pytest
+import torch
 
 from specmesh.core.rounds import Request
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.stats import GenerationResult
 from specmesh.runtime.engine import SpeculativeEngine
 from specmesh.runtime.models import load_model
+from specmesh.runtime.runner import Step
 from specmesh.stack.redis_server import RedisServer
 from tests.servers import Server, replica, start_all, stop_all
 from tests.test_engine import PROMPT, SPECS
@@ -114,3 +120,29 @@ def test_gateway_greedy_is_the_backends_own_greedy_decode(gateway_stub, llama_re
     reply = gateway_stub.Generate(request, timeout=60)
     plain = llama_reference(Request(PROMPT, SPECS["none"], SamplingParams(0.0), 20, stop_token_ids=(EOS,)))
     assert list(reply.token_ids) == plain.token_ids
+
+
+@pytest.mark.parametrize("method", ["none", "chain", "rsd_s"])
+def test_gateway_greedy_under_a_regex_is_the_backends_constrained_greedy(gateway_stub, ggufs, method) -> None:
+    """Structured output on the llama.cpp backend: the target's greedy decode under the grammar,
+    computed here with the llama.cpp runner and llguidance directly."""
+    regex = r"w[0-9](,w[0-9]){2,5}\."  # no space: the tiny vocabulary writes it with byte tokens
+    request = make_request(SPECS[method], max_new_tokens=24)
+    request.constraint.regex = regex
+    reply = gateway_stub.Generate(request, timeout=60)
+    target = load_model(ggufs["target"], backend="llama.cpp")
+    runner, vocab = target.open_runner(), target.vocab_size
+    lltok = llguidance.hf.from_tokenizer(target.tokenizer, n_vocab=vocab)
+    matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_regex(regex))
+    new, want = list(PROMPT), []
+    while len(want) < 24:
+        logits = runner.forward([Step("reference", new_tokens=new)])[0][-1]
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")[:vocab]
+        token = int(logits.masked_fill(torch.from_numpy(~bits.astype(bool)), -math.inf).argmax())
+        want.append(token)
+        assert matcher.consume_token(token)
+        if token == EOS:
+            break
+        new = [token]
+    assert list(reply.token_ids) == want
+    assert want[-1] == EOS  # the regex completed and only the end of sequence was left

@@ -15,7 +15,8 @@ import torch
 
 import specmesh.core.verification as verification
 from specmesh.core.drafting import TreeSpec, build_tree
-from specmesh.core.sampling import SamplingParams
+from specmesh.core.grammar import constrain_draft, constrain_rows, mask_logits, tree_paths
+from specmesh.core.sampling import SamplingParams, warp
 from specmesh.core.tree import SamplingMode
 from specmesh.core.verification import verify_tree
 from tests.stats import chi_square_pvalue
@@ -169,3 +170,65 @@ def test_greedy_emits_the_target_argmax_path(method: str, vocab_seed: int) -> No
     tokens, accepted = generate(GREEDY_SPECS[method], SamplingParams(0.0), 40, g, draft=draft, target=target)
     assert tokens == target.greedy((), 40)
     assert 5 < accepted < 40  # the accepted path and the recovered token both matter
+
+
+# --- constrained decoding (a grammar's mask) ----------------------------------------------------
+
+
+class ToyGrammar:
+    """A grammar whose allowed set depends on the whole context: x after ctx iff (x + sum(ctx)) % 3
+    != 0 (5 or 6 of 8 tokens), so the root's row and each node's row need different masks."""
+
+    def allowed(self, committed, paths) -> torch.Tensor:
+        rows = []
+        for p in paths:
+            s = sum(committed) + sum(p)
+            rows.append(torch.tensor([(x + s) % 3 != 0 for x in range(VOCAB)]))
+        return torch.stack(rows)
+
+
+GRAMMAR = ToyGrammar()
+
+
+def exact_masked_two_tokens(params: SamplingParams) -> dict[tuple[int, int], float]:
+    def q(path: tuple[int, ...]) -> torch.Tensor:
+        logits = mask_logits(TARGET.row(path).unsqueeze(0), GRAMMAR.allowed((), [path]))
+        return warp(logits[0], params).double()
+
+    q0 = q(())
+    return {(a, b): float(q0[a]) * float(q((a,))[b]) for a in range(VOCAB) for b in range(VOCAB)}
+
+
+def masked_two_token_pvalue(spec: TreeSpec, params: SamplingParams, wrong: str = "", samples: int = SAMPLES):
+    """Constrained generation of two tokens as the services run it: the draft masked per path
+    (`constrain_draft`), every verified row masked after its own path (`constrain_rows`). wrong:
+    "root-only" masks only the root's row; "draft-only" masks the draft but not the target."""
+    g = torch.Generator().manual_seed(0)
+    counts: Counter = Counter()
+    for _ in range(samples):
+        out: list[int] = []
+        while len(out) < 2:
+            context = tuple(out)
+            tree = build_tree(spec, constrain_draft(DRAFT.next_logits(context), GRAMMAR, context), params, g)
+            paths = tree_paths(tree.parents.tolist(), tree.tokens.tolist())
+            logits = TARGET.logits([(*context, *p) for p in paths])
+            if wrong == "root-only":
+                logits[:1] = constrain_rows(logits[:1], GRAMMAR, context, paths[:1])
+            elif wrong != "draft-only":
+                logits = constrain_rows(logits, GRAMMAR, context, paths)
+            out += verify_tree(tree, logits, params, g).emitted_tokens
+        counts[tuple(out[:2])] += 1
+    return chi_square_pvalue(counts, exact_masked_two_tokens(params))
+
+
+@pytest.mark.parametrize("params_name", ["T1.0", "T0.6-topk3"])
+@pytest.mark.parametrize("method", ["chain", "mcsd_wor", "rsd_s"])
+def test_constrained_output_follows_the_masked_target(method: str, params_name: str) -> None:
+    p_value = masked_two_token_pvalue(LOSSLESS_SPECS[method], PARAMS[params_name], samples=SAMPLES // 2)
+    assert p_value > P_VALUE_THRESHOLD, f"{method} @ {params_name}: p = {p_value:.3g}"
+
+
+@pytest.mark.parametrize("wrong", ["root-only", "draft-only"])
+def test_detects_a_mask_missing_on_the_verified_rows(wrong: str) -> None:
+    p_value = masked_two_token_pvalue(LOSSLESS_SPECS["chain"], PARAMS["T1.0"], wrong, samples=SAMPLES // 5)
+    assert p_value < P_VALUE_THRESHOLD, wrong

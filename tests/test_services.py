@@ -117,9 +117,9 @@ def remote(s: Stack, r: Request, pipelining: Pipelining = Pipelining.OFF) -> Gen
 
 
 def batches_above_one(server: Server) -> float:
-    """Forwards that held more than one session (from the specmesh_batch_size histogram)."""
+    """Forwards that held more than one session (from the specmesh:batch_size histogram)."""
     m = server.metrics()
-    return m[("specmesh_batch_size_count", ())] - m[("specmesh_batch_size_bucket", (("le", "1.0"),))]
+    return m[("specmesh:batch_size_count", ())] - m[("specmesh:batch_size_bucket", (("le", "1.0"),))]
 
 
 def assert_same_generation(got: GenerationResult, want: GenerationResult) -> None:
@@ -420,7 +420,7 @@ def slow(models, tmp_path_factory) -> Iterator[Stack]:
 
 
 def requests_counted(server: Server, method: str, code: str) -> float:
-    return server.metrics().get(("specmesh_requests_total", (("code", code), ("method", method))), 0.0)
+    return server.metrics().get(("specmesh:rpc_requests_total", (("code", code), ("method", method))), 0.0)
 
 
 @pytest.mark.parametrize("kind", ["drafter", "verifier"])
@@ -446,13 +446,13 @@ def test_a_release_that_overtook_a_cancelled_start_leaves_no_session(slow, kind:
             await asyncio.gather(task, return_exceptions=True)
             return released
 
-    forwards = server.metrics().get(("specmesh_forward_seconds_count", ()), 0.0)
+    forwards = server.metrics().get(("specmesh:forward_seconds_count", ()), 0.0)
     assert asyncio.run(run()) is False
     wait_until(
-        lambda: server.metrics()[("specmesh_forward_seconds_count", ())] > forwards, what="the forward"
+        lambda: server.metrics()[("specmesh:forward_seconds_count", ())] > forwards, what="the forward"
     )
     time.sleep(1.0)  # the forward and its commit end; before the fix the session stayed for good
-    assert server.metrics()[("specmesh_sessions", ())] == 0
+    assert server.metrics()[("specmesh:num_sessions", ())] == 0
 
 
 def test_a_cancelled_round_cancels_its_replica_call(slow) -> None:
@@ -473,7 +473,7 @@ def test_a_cancelled_round_cancels_its_replica_call(slow) -> None:
     asyncio.run(run())
     assert requests_counted(slow.verifier, "Verify", "CANCELLED") == before["CANCELLED"] + 1
     assert requests_counted(slow.verifier, "Verify", "OK") == before["OK"]
-    assert slow.verifier.metrics()[("specmesh_sessions", ())] == 0
+    assert slow.verifier.metrics()[("specmesh:num_sessions", ())] == 0
 
 
 async def refused_after_sigterm(stub: pb2_grpc.VerifierStub) -> grpc.aio.AioRpcError:
@@ -545,6 +545,37 @@ def test_a_lone_verify_does_not_wait_and_the_cost_curve_floors_its_forward(model
     for reply, rows in zip(replies, (len(PROMPT), 1), strict=True):
         assert reply.queue_seconds < 0.1
         assert reply.forward_seconds >= 0.020 + 0.005 * rows - 1e-4
+
+
+def test_metrics_are_namespaced_carry_the_model_and_count_evicted_sessions(models, tmp_path) -> None:
+    """A cache budget of 10 positions holds one 7-token prompt: a second session evicts the first
+    (`specmesh:num_preemptions_total`, vLLM's name), and the usage gauge is held / budget."""
+    verifier = replica(
+        "verifier_service", models["target"], tmp_path / "verifier.log", ["--max-cache-tokens", "10"]
+    )
+    start_all(verifier)
+
+    async def run() -> None:
+        async with open_channel(verifier.address) as channel:
+            stub = pb2_grpc.VerifierStub(channel)
+            for session in ("first", "second"):
+                await stub.Verify(wire.verify_request(session, 0, PROMPT, GREEDY, None))
+
+    try:
+        before = verifier.metrics()
+        asyncio.run(run())
+        samples = verifier.samples()
+        after = verifier.metrics()
+    finally:
+        verifier.stop()
+    assert all(s.name.startswith("specmesh:") for s in samples)
+    assert {s.labels["model_name"] for s in samples} == {str(models["target"])}  # Info's model_id
+    assert not [s.name for s in samples if s.name.endswith("_created")]
+    assert before[("specmesh:num_preemptions_total", ())] == 0
+    assert after[("specmesh:num_preemptions_total", ())] == 1
+    held = after[("specmesh:kv_cache_tokens", ())]
+    assert held == len(PROMPT) and after[("specmesh:kv_cache_usage_perc", ())] == held / 10
+    assert after[("specmesh:num_sessions", ())] == 2  # an evicted session keeps its tokens, not its KV
 
 
 # ---- bad input ---------------------------------------------------------------------------------
@@ -853,7 +884,7 @@ def test_a_call_that_arrives_after_its_sessions_release_is_refused(stack) -> Non
     assert released is False and released_other is True
     assert late.code() == grpc.StatusCode.FAILED_PRECONDITION and not needs_resync(late)
     assert late.details() == "session_id: session 'late' was released on this replica"
-    wait_until(lambda: stack.verifier.metrics()[("specmesh_sessions", ())] == 0, what="no session held")
+    wait_until(lambda: stack.verifier.metrics()[("specmesh:num_sessions", ())] == 0, what="no session held")
 
 
 # ---- wire encoding -----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from specmesh.core.grammar import TokenMask, constrain_rows, tree_paths
 from specmesh.core.tree import DraftTree
 from specmesh.core.verification import Verdict
 from specmesh.rpc import wire
@@ -46,7 +47,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         super().__init__(config, model, metrics)
         self._rounds = RoundMetrics(metrics)  # vLLM's spec-decode names, with the same meaning
         self._per_depth = metrics.counter(
-            "specmesh_draft_tokens_per_depth",
+            "specmesh:verifier_draft_tokens_per_depth",
             "verified tree nodes by depth (1 = children of the root)",
             "depth",
         )
@@ -56,18 +57,31 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         self, request: pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> pb2.VerifyResponse:
         v = wire.parse_verify_request(request, self.vocab_size, self.limits)
+        masks = await self.grammar_masks(v)
         resume = self.begin(v, context)
         run = _Run(self.batcher, v, self.runner.max_context)
         before = self.reset(v.session_id, resume, v.position)
-        work = asyncio.ensure_future(run(before, self._decide, self._record))
+        decide = functools.partial(self._decide, masks)
+        work = asyncio.ensure_future(run(before, decide, self._record))
         outcome = await self.settle(v.session_id, resume, context, work, run.withdraw)
-        return wire.verdict_to_proto(outcome.verdict, outcome.plain_tokens, **outcome.batch_stats)
-
-    def _decide(self, v: wire.VerifyInput, committed_length: int, logits: torch.Tensor) -> Verdict:
-        """On the model thread, right after the forward: the verdict, then KV compaction."""
-        return verify_and_commit(
-            self.runner, v.session_id, v.tree, logits, v.params, v.params.seed, committed_length
+        return wire.verdict_to_proto(
+            outcome.verdict, outcome.plain_tokens, outcome.logprobs, **outcome.batch_stats
         )
+
+    def _decide(
+        self, masks: TokenMask | None, v: wire.VerifyInput, committed_length: int, logits: torch.Tensor
+    ) -> Verdict:
+        """On the model thread, right after the forward: the verdict, then KV compaction. masks:
+        the session's grammar: every row masked after its own path first."""
+        if masks is not None and v.grammar is not None:
+            committed = self.runner.committed_tokens(v.session_id) or []
+            tree = v.tree
+            paths = tree_paths(tree.parents.tolist(), tree.tokens.tolist()) if tree is not None else [()]
+            logits = constrain_rows(logits[: len(paths)], masks, committed[v.grammar.start :], paths)
+        return verify_and_commit(
+            self.runner, v.session_id, v.tree, logits, v.params, v.params.seed, committed_length,
+            v.top_logprobs,
+        )  # fmt: skip
 
     def _record(self, tree: DraftTree | None, verdict: Verdict) -> None:
         self._rounds.observe(tree.num_nodes if tree is not None else 0, len(verdict.accepted_nodes))
@@ -84,6 +98,7 @@ class _Outcome:
     verdict: Verdict  # the call's last step
     plain_tokens: list[int]  # tokens decoded by the steps before it (plain decoding)
     batch_stats: dict[str, float]
+    logprobs: list  # every step's, when asked for (TokenLogprob, in token order)
 
 
 class _Run:
@@ -114,7 +129,7 @@ class _Run:
         """before: on the model thread before the first forward; decide(v, committed length,
         logits): a step's verdict, on the model thread; record: a step's metrics."""
         batcher, v = self.batcher, self.v
-        tokens, new, forward_s, queue_s = [], v.new_tokens, 0.0, 0.0
+        tokens, logprobs, new, forward_s, queue_s = [], [], v.new_tokens, 0.0, 0.0
         nodes, parents = (v.tree.tokens.tolist(), v.tree.parents.tolist()) if v.tree is not None else ([], [])
         if self.stopped:  # withdrawn before it began: nothing happened
             raise asyncio.CancelledError
@@ -132,6 +147,7 @@ class _Run:
                 record(v.tree, verdict)
                 forward_s, queue_s = forward_s + batch.forward_seconds, queue_s + batch.queue_seconds
                 tokens.append(verdict.next_token)
+                logprobs += verdict.logprobs
                 new = [verdict.next_token]
                 if self.stopped or verdict.next_token in v.stop_token_ids:
                     break
@@ -141,4 +157,4 @@ class _Run:
         stats = dict(
             batch_size=batch.size, batch_tokens=batch.tokens, forward_seconds=forward_s, queue_seconds=queue_s
         )
-        return _Outcome(verdict, tokens[:-1], stats)
+        return _Outcome(verdict, tokens[:-1], stats, logprobs)

@@ -12,7 +12,7 @@ import copy
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
@@ -65,13 +65,56 @@ def make_tokenizer(n_words: int = 96, prefix: str = "w") -> PreTrainedTokenizerF
     )
 
 
-def save_tiny_pair(root: Path, noise: float = 0.02) -> dict[str, Path]:
+def make_byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE with no merges: one token per byte (GPT-2's byte-to-character map), then the
+    specials. Any text tokenizes, so a grammar (JSON, a regex) can be followed token by token."""
+    chars = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(chars, key=lambda c: _GPT2_BYTE_OF[c])
+    vocab = {c: i for i, c in enumerate(byte_chars)} | {s: 256 + i for i, s in enumerate(SPECIALS)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(SPECIALS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    tokenizer.chat_template = BYTE_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _gpt2_byte_of() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: the character that stands for each byte -> the byte."""
+    ranges = (("!", "~"), ("¡", "¬"), ("®", "ÿ"))
+    printable = {b for first, last in ranges for b in range(ord(first), ord(last) + 1)}
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_GPT2_BYTE_OF = _gpt2_byte_of()
+BYTE_VOCAB = 256 + len(SPECIALS)
+BYTE_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def save_tiny_pair(root: Path, noise: float = 0.02, byte_level: bool = False) -> dict[str, Path]:
     """A tiny Llama target and its noisy copy as the draft, saved under root/draft and root/target
-    with the word-level tokenizer and its chat template."""
-    tokenizer = make_tokenizer(VOCAB - len(SPECIALS))
-    tokenizer.chat_template = CHAT_TEMPLATE
+    with the word-level tokenizer and its chat template (byte_level: the byte tokenizer,
+    `make_byte_tokenizer`, for structured output)."""
+    if byte_level:
+        tokenizer, vocab = make_byte_tokenizer(), BYTE_VOCAB
+    else:
+        tokenizer, vocab = make_tokenizer(VOCAB - len(SPECIALS)), VOCAB
+        tokenizer.chat_template = CHAT_TEMPLATE
     out = {}
-    for name, model in zip(("draft", "target"), tiny_pair("llama", noise=noise), strict=True):
+    for name, model in zip(("draft", "target"), tiny_pair("llama", vocab=vocab, noise=noise), strict=True):
         model.save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
         out[name] = root / name

@@ -9,17 +9,23 @@ replica that runs the same round draws the same numbers: a failover cannot chang
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-import torch
-
 from specmesh.core.drafting import NextLogits, TreeSpec, build_tree
+from specmesh.core.extras import missing
+from specmesh.core.logprobs import token_logprobs
 from specmesh.core.sampling import SamplingParams, derive_generator
 from specmesh.core.tree import DraftTree
 from specmesh.core.verification import Verdict, autoregressive_step, verify_tree
+
+try:
+    import torch
+except ModuleNotFoundError as exc:  # a gateway-only install (specmesh.core.extras)
+    torch = missing(exc)
 
 
 @dataclass
@@ -73,16 +79,30 @@ def draft_round(
 
 
 def verify_round(
-    tree: DraftTree | None, logits: torch.Tensor, params: SamplingParams, seed: int, committed_length: int
+    tree: DraftTree | None,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    seed: int,
+    committed_length: int,
+    top_logprobs: int | None = None,
 ) -> Verdict:
     """The verifier's decision for one round.
 
     logits: [1 + num_nodes, V] target logits, row 0 after the committed tokens, row i + 1 after
-    node i; tree None is a plain autoregressive step (only row 0 is read)."""
+    node i; tree None is a plain autoregressive step (only row 0 is read). top_logprobs: the
+    verdict carries its emitted tokens' log-probabilities with this many alternatives each (None:
+    none; they cost a log-softmax per emitted token)."""
     generator = derive_generator(seed, committed_length, "verify")
     if tree is None:
-        return autoregressive_step(logits[0], params, generator)
-    return verify_tree(tree, logits, params, generator)
+        verdict = autoregressive_step(logits[0], params, generator)
+    else:
+        verdict = verify_tree(tree, logits, params, generator)
+    if top_logprobs is None:
+        return verdict
+    rows = logits[verdict.emitted_rows]
+    return dataclasses.replace(
+        verdict, logprobs=token_logprobs(rows, verdict.emitted_tokens, params, top_logprobs)
+    )
 
 
 def keep_emitted(

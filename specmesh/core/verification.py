@@ -24,10 +24,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
+from specmesh.core.extras import missing
+from specmesh.core.logprobs import TokenLogprob
 from specmesh.core.sampling import SamplingParams, sample, warp
 from specmesh.core.tree import DraftTree, SamplingMode
+
+try:
+    import torch
+except ModuleNotFoundError as exc:  # a gateway-only install (specmesh.core.extras)
+    torch = missing(exc)
 
 
 @dataclass(frozen=True)
@@ -36,10 +41,17 @@ class Verdict:
     accepted_nodes: list[int]  # indices into the tree, root-to-leaf
     next_token: int  # recovered (after a rejection) or bonus (after the path ended)
     bonus: bool  # True when next_token is a bonus token
+    logprobs: tuple[TokenLogprob, ...] = ()  # of emitted_tokens, when asked for (verify_round)
 
     @property
     def emitted_tokens(self) -> list[int]:
         return [*self.accepted_tokens, self.next_token]
+
+    @property
+    def emitted_rows(self) -> list[int]:
+        """The target-logits row each emitted token was drawn after: the root's, then each
+        accepted node's (row i + 1 is after node i)."""
+        return [0, *(node + 1 for node in self.accepted_nodes)]
 
 
 def verify_tree(

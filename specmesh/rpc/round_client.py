@@ -30,6 +30,8 @@ import grpc
 from specmesh.core.adaptive import AdaptivePolicy, Load
 from specmesh.core.ahead import PipelinePolicy, PreDraft
 from specmesh.core.drafting import TreeSpec
+from specmesh.core.grammar import Grammar
+from specmesh.core.logprobs import TokenLogprob
 from specmesh.core.rounds import Pipelining, Request, keep_emitted, session_seed
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.stats import GenerationResult, GenerationStats
@@ -120,6 +122,7 @@ class RoundResult:
     call_seconds: dict[Role, float] = field(default_factory=dict)  # what the round waited for each role
     pre_draft_hit: bool | None = None  # a pre-draft was judged: it applied (True) or was dropped
     plain: list[int] = field(default_factory=list)  # plain steps: the tokens decoded before the verdict's
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of `tokens`, when the session asks
 
     @property
     def tokens(self) -> list[int]:
@@ -158,14 +161,18 @@ class RoundClient:
         key: str = "",
         pipeline: PipelinePolicy | None = None,
         stop_token_ids: Sequence[int] = (),
+        top_logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         """params: with the session's seed fixed. policy: adaptive speculation; `spec` is then only
         its family and first depth. key: the session's secret, sent with every call (replicas
         serve the session only to callers that send it). pipeline: whether rounds pre-draft (None:
         never); the gateway shares one among its sessions, so that what one learnt holds for all.
-        stop_token_ids: where a plain call of several steps stops."""
+        stop_token_ids: where a plain call of several steps stops. top_logprobs: every round returns
+        its tokens' log-probabilities with this many alternatives (None: none). grammar: structured
+        output, sent with every Draft and Verify."""
         self.id, self.params, self.spec, self.policy = session_id, params, spec, policy
-        self.stop_token_ids = list(stop_token_ids)
+        self.stop_token_ids, self.top_logprobs, self.grammar = list(stop_token_ids), top_logprobs, grammar
         self.metadata = wire.session_metadata(key)
         self.pipeline = pipeline or PipelinePolicy(Pipelining.OFF)
         self._ahead: _Ahead | None = None  # the next round's pre-draft, in flight or done
@@ -240,14 +247,18 @@ class RoundClient:
             # batch_tokens 0: a replica that does not say; the policy then counts this session alone
             load = Load(verified.batch_size, verified.batch_tokens) if verified.batch_tokens else None
             self.policy.observe(spec, stats, load)
-        return RoundResult(verdict, stats, dict(call.held), call.resyncs, dict(call.seconds), hit, plain)
+        logprobs = wire.logprobs_from_proto(verified.logprobs)
+        return RoundResult(
+            verdict, stats, dict(call.held), call.resyncs, dict(call.seconds), hit, plain, logprobs
+        )
 
     def _draft_request(
         self, tokens: Sequence[int], spec: TreeSpec, guess_next: bool, position: int
     ) -> pb2.DraftRequest:
         return wire.draft_request(
-            self.id, position, list(tokens[position:]), self.params, spec, guess_next=guess_next
-        )
+            self.id, position, list(tokens[position:]), self.params, spec, guess_next=guess_next,
+            grammar=self.grammar,
+        )  # fmt: skip
 
     def _pre_draft(
         self, tokens: Sequence[int], spec: TreeSpec, placement: Placement, likely: Sequence[int]
@@ -255,8 +266,9 @@ class RoundClient:
         """Send the next round's Draft now, assuming its committed tokens will be `likely` more."""
         assert placement.drafter is not None
         request = wire.draft_request(
-            self.id, len(tokens), list(likely), self.params, spec, guess_next=True, speculative=True
-        )
+            self.id, len(tokens), list(likely), self.params, spec, guess_next=True, speculative=True,
+            grammar=self.grammar,
+        )  # fmt: skip
         call = placement.drafter.Draft(request, timeout=placement.timeout, metadata=self.metadata)
         return _Ahead(PreDraft(len(tokens), tuple(likely)), spec, asyncio.ensure_future(call))
 
@@ -270,7 +282,9 @@ class RoundClient:
         self, tokens: Sequence[int], tree: pb2.DraftTree | bytes | None, plain_steps: int, position: int
     ) -> pb2.VerifyRequest | pb2.VerifyRequestRelay:
         new, stops = list(tokens[position:]), self.stop_token_ids
-        return wire.verify_request(self.id, position, new, self.params, tree, plain_steps, stops)
+        return wire.verify_request(
+            self.id, position, new, self.params, tree, plain_steps, stops, self.top_logprobs, self.grammar
+        )
 
 
 @dataclass

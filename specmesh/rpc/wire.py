@@ -15,19 +15,29 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-
 from specmesh.core.drafting import TreeSpec
+from specmesh.core.extras import missing
+from specmesh.core.grammar import Grammar
+from specmesh.core.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.tree import DraftTree, SamplingMode
 from specmesh.core.verification import Verdict
 from specmesh.rpc.proto import pb2
 
+try:
+    import numpy as np
+except ModuleNotFoundError as exc:  # a gateway-only install (specmesh.core.extras)
+    np = missing(exc)
+try:
+    import torch
+except ModuleNotFoundError as exc:  # a gateway-only install (specmesh.core.extras)
+    torch = missing(exc)
+
 MAX_SESSION_ID_BYTES = 256
+MAX_GRAMMAR_BYTES = 1 << 20  # a compiled grammar (Grammar.text); JSON schemas are far smaller
 MAX_PLAIN_STEPS = 64  # tokens one plain Verify call may decode (VerifyRequest.plain_steps)
 # Trailing metadata of a FAILED_PRECONDITION answer: resend all committed tokens with position 0.
 RESYNC_KEY = "specmesh-resync"
@@ -281,6 +291,7 @@ class RoundInput:
     position: int
     new_tokens: list[int]
     params: SamplingParams
+    grammar: Grammar | None = field(default=None, kw_only=True)  # structured output
 
     @property
     def committed_length(self) -> int:
@@ -305,6 +316,7 @@ class VerifyInput(RoundInput):
     tree: DraftTree | None  # None: a plain autoregressive step
     plain_steps: int = 1  # no tree: tokens to decode in this call (VerifyRequest.plain_steps)
     stop_token_ids: frozenset[int] = frozenset()  # no tree: decoding stops after one of these
+    top_logprobs: int | None = None  # the emitted tokens' log-probabilities, with this many alternatives
 
 
 def session_id_from_proto(value: str, field: str = "session_id") -> str:
@@ -334,7 +346,20 @@ def _round_fields(req: pb2.DraftRequest | pb2.VerifyRequest, vocab_size: int) ->
         position=req.position,
         new_tokens=token_ids_from_proto(req.new_token_ids, vocab_size),
         params=sampling_from_proto(req.sampling),
+        grammar=grammar_from_proto(req.grammar),
     )
+
+
+def grammar_from_proto(msg: Any) -> Grammar | None:
+    if not msg.text:
+        return None
+    if len(msg.text.encode()) > MAX_GRAMMAR_BYTES:
+        raise WireError("grammar.text", f"must be at most {MAX_GRAMMAR_BYTES} bytes")
+    return Grammar(msg.text, msg.start)
+
+
+def grammar_to_proto(grammar: Grammar | None) -> pb2.Grammar | None:
+    return None if grammar is None else pb2.Grammar(text=grammar.text, start=grammar.start)
 
 
 def parse_draft_request(req: pb2.DraftRequest, vocab_size: int, limits: Limits) -> DraftInput:
@@ -361,23 +386,30 @@ def parse_verify_request(req: pb2.VerifyRequest, vocab_size: int, limits: Limits
     if steps > MAX_PLAIN_STEPS:
         raise WireError("plain_steps", f"must be at most {MAX_PLAIN_STEPS}, got {steps}")
     stops = frozenset(token_ids_from_proto(req.stop_token_ids, vocab_size, "stop_token_ids", empty=True))
-    return VerifyInput(**fields, tree=tree, plain_steps=steps, stop_token_ids=stops)
+    top = req.top_logprobs if req.HasField("top_logprobs") else None
+    if top is not None and top > MAX_TOP_LOGPROBS:
+        raise WireError("top_logprobs", f"must be at most {MAX_TOP_LOGPROBS}, got {top}")
+    return VerifyInput(**fields, tree=tree, plain_steps=steps, stop_token_ids=stops, top_logprobs=top)
 
 
-def _round_message(session_id: str, position: int, new_tokens: list[int], params: SamplingParams) -> dict:
+def _round_message(
+    session_id: str, position: int, new_tokens: list[int], params: SamplingParams, grammar: Grammar | None
+) -> dict:
     return dict(
         session_id=session_id,
         position=position,
         new_token_ids=new_tokens,
         sampling=sampling_to_proto(params),
+        grammar=grammar_to_proto(grammar),
     )
 
 
 def draft_request(
     session_id: str, position: int, new_tokens: list[int], params: SamplingParams, spec: TreeSpec,
     *, guess_next: bool = False, speculative: bool = False, supersedable: bool = False,
+    grammar: Grammar | None = None,
 ) -> pb2.DraftRequest:  # fmt: skip
-    fields = _round_message(session_id, position, new_tokens, params)
+    fields = _round_message(session_id, position, new_tokens, params, grammar)
     return pb2.DraftRequest(
         **fields, tree_spec=tree_spec_to_proto(spec), guess_next=guess_next, speculative=speculative,
         supersedable=supersedable,
@@ -392,31 +424,52 @@ def verify_request(
     tree: pb2.DraftTree | bytes | None,
     plain_steps: int = 1,
     stop_token_ids: Sequence[int] = (),
+    top_logprobs: int | None = None,
+    grammar: Grammar | None = None,
 ) -> pb2.VerifyRequest | pb2.VerifyRequestRelay:
     """tree None (or empty): a plain autoregressive step, or `plain_steps` of them in one call
     (stopping after a stop token); bytes: a tree relayed as the drafter encoded it (a
-    VerifyRequestRelay, the same bytes on the wire)."""
-    fields = _round_message(session_id, position, new_tokens, params)
+    VerifyRequestRelay, the same bytes on the wire). top_logprobs: VerifyRequest.top_logprobs."""
+    fields = _round_message(session_id, position, new_tokens, params, grammar)
     if plain_steps > 1:
         fields.update(plain_steps=plain_steps, stop_token_ids=list(stop_token_ids))
+    if top_logprobs is not None:
+        fields.update(top_logprobs=top_logprobs)
     if isinstance(tree, bytes):
         return pb2.VerifyRequestRelay(**fields, tree=tree)
     return pb2.VerifyRequest(**fields, tree=tree)
 
 
 def verdict_to_proto(
-    verdict: Verdict, plain_tokens: Sequence[int] = (), **stats: float
+    verdict: Verdict,
+    plain_tokens: Sequence[int] = (),
+    logprobs: Sequence[TokenLogprob] = (),
+    **stats: float,
 ) -> pb2.VerifyResponse:
-    """plain_tokens: tokens decoded by earlier plain steps of the call; stats: batch_size,
-    batch_tokens, forward_seconds, queue_seconds."""
+    """plain_tokens: tokens decoded by earlier plain steps of the call; logprobs: of the plain and
+    the emitted tokens, in order; stats: batch_size, batch_tokens, forward_seconds, queue_seconds."""
     return pb2.VerifyResponse(
         accepted_token_ids=verdict.accepted_tokens,
         accepted_nodes=verdict.accepted_nodes,
         next_token=verdict.next_token,
         bonus=verdict.bonus,
         plain_token_ids=plain_tokens,
+        logprobs=[
+            pb2.EmittedLogprob(
+                token=t.token, logprob=t.logprob, top_tokens=[a for a, _ in t.top],
+                top_logprobs=[v for _, v in t.top],
+            )
+            for t in logprobs
+        ],
         **stats,
-    )
+    )  # fmt: skip
+
+
+def logprobs_from_proto(messages: Sequence[Any]) -> list[TokenLogprob]:
+    return [
+        TokenLogprob(m.token, m.logprob, tuple(zip(m.top_tokens, m.top_logprobs, strict=True)))
+        for m in messages
+    ]
 
 
 def verdict_from_proto(msg: pb2.VerifyResponse) -> Verdict:

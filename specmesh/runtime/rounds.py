@@ -75,8 +75,9 @@ def verify_and_commit(
     params: SamplingParams,
     seed: int,
     committed_length: int,
+    top_logprobs: int | None = None,
 ) -> Verdict:
     """The round's verdict, then the session's KV compacted to prefix + accepted path."""
-    verdict = verify_round(tree, logits, params, seed, committed_length)
+    verdict = verify_round(tree, logits, params, seed, committed_length, top_logprobs)
     runner.commit(session_id, verdict.accepted_nodes)
     return verdict

@@ -48,6 +48,7 @@ from specmesh.rpc.proto import pb2
 from specmesh.rpc.server import RpcService, ServerConfig, configure_logging, parse_flags, rpc, serve
 from specmesh.runtime.backend import Backend, UnknownSessionError
 from specmesh.runtime.costs import measure_forward_cost
+from specmesh.runtime.grammar import GrammarMasks, SessionGrammars
 from specmesh.runtime.models import LoadedModel, load_model
 from specmesh.services.batching import BatchLimits, ForwardBatcher, ForwardFloor
 from specmesh.services.metrics import ServiceMetrics
@@ -247,6 +248,7 @@ class ModelService(RpcService):
         # session -> (its key's hash, until when): released with that key, closed to it
         self._closed: collections.OrderedDict[str, tuple[bytes, float]] = collections.OrderedDict()
         self.forward_cost: dict[int, float] = {}  # rows -> seconds, measured by `start`
+        self.grammars = SessionGrammars(model.tokenizer, self.vocab_size)  # structured output
 
     async def start(self) -> None:
         """Before serving: measure what a forward costs by its rows (reported in Info)."""
@@ -381,6 +383,19 @@ class ModelService(RpcService):
     def forget_local(self, session_id: str) -> None:
         """Drop what the service itself keeps about the session (extend, calling super)."""
         self._owners.pop(session_id, None)
+        self.grammars.drop(session_id)
+
+    async def grammar_masks(self, r: wire.RoundInput) -> GrammarMasks | None:
+        """The session's grammar matcher (None: no grammar), compiled off the event loop the first
+        time (a JSON schema takes milliseconds, the model's llguidance tokenizer ~1 s once); a
+        grammar that does not compile is the request's error, before the session is touched."""
+        if r.grammar is None:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(None, self.grammars.get, r.session_id, r.grammar)
+        except ValueError as exc:
+            raise wire.WireError("grammar.text", str(exc).removeprefix("grammar: ")) from None
 
     def _release(self, session_id: str) -> None:
         self.runner.release(session_id)
@@ -455,7 +470,7 @@ async def _serve_model(config: ServiceConfig, service_cls: type[ModelService]) -
         # torch only does the verification math here; its own OpenMP team beside llama.cpp's
         # would oversubscribe the cores and make every llama.cpp barrier wait longer
         torch.set_num_threads(1)
-    service = service_cls(config, model, ServiceMetrics())
+    service = service_cls(config, model, ServiceMetrics(model.source))  # model_name: Info's model_id
     await service.start()
     details = {"model": config.model, "backend": model.backend, "weights": model.weights}
     details["device"] = str(model.device)
