@@ -628,8 +628,21 @@ class _Shape:
         return {}
 
 
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+def _sse(obj: Any, event_id: str = "") -> bytes:
+    head = f"id: {event_id}\n".encode() if event_id else b""
+    return head + b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def resume_point(last_event_id: str, n: int) -> Any:
+    """`Last-Event-ID: <session>:<tokens received>` (the id of the last event a client got) ->
+    specmesh.v1.Resume: a stream cut by a gateway's death or shutdown goes on on another gateway."""
+    session, _, index = last_event_id.rpartition(":")
+    if n != 1:
+        raise ApiError(400, "Last-Event-ID: a stream of several choices (n > 1) cannot be resumed", "n")
+    if not session or not index.isdigit() or int(index) >= 2**32:
+        raise ApiError(400, f"Last-Event-ID: expected <session>:<token count>, got {last_event_id!r}",
+                       "Last-Event-ID")  # fmt: skip
+    return gateway_pb2.Resume(session_id=session, token_index=int(index))
 
 
 # ---- disconnects -------------------------------------------------------------------------------
@@ -766,9 +779,13 @@ async def _completion(gateway: Gateway, request: Request, body: _Body) -> Respon
         raise ApiError(404, f"The model `{body.model}` does not exist (this gateway serves `{name}`)",
                        "model", "model_not_found")  # fmt: skip
     grpc_request = generate_request(body)
+    token_text = gateway.token_text if grpc_request.HasField("logprobs") else None
+    last_event_id = request.headers.get("last-event-id", "") if body.stream else ""
+    resume = resume_point(last_event_id, body.n) if last_event_id else None
+    if resume is not None:  # the body says how to answer; the session in Redis what to generate
+        grpc_request = gateway_pb2.GenerateRequest(resume=resume)
     streams = [gateway.generate(r, None) for r in choice_requests(grpc_request, body.n)]
     chat = isinstance(body, ChatBody)
-    token_text = gateway.token_text if grpc_request.HasField("logprobs") else None
     calls = bool(forced_tools(body))
     if not body.stream:
         got = await until_disconnect(request, _collect(streams))
@@ -779,7 +796,7 @@ async def _completion(gateway: Gateway, request: Request, body: _Body) -> Respon
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     shape = _Shape(chat, firsts[0].session_id, name, token_text, calls)
     return StreamingResponse(
-        _events(shape, firsts, streams, include_usage, gateway),
+        _events(shape, firsts, streams, include_usage, gateway, resume.token_index if resume else 0),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -866,13 +883,22 @@ async def _events(
     streams: Sequence[AsyncIterator[Any]],
     include_usage: bool,
     gateway: Gateway,
+    start: int = 0,
 ) -> AsyncIterator[bytes]:
     """Server-sent events: a chunk per round of each choice, each choice's last with its
     finish_reason and `stats`, the usage chunk if asked for, then `data: [DONE]`. A failure after
-    the first chunk is an error event."""
+    the first chunk is an error event. A single choice's events carry `id: <session>:<tokens so
+    far>` (from `start`, a resume's index), what a client sends back as Last-Event-ID to resume."""
     lasts: list[Any] = list(firsts)
+    received = start
+
+    def event_id(chunk: Any) -> str:
+        nonlocal received
+        received += len(chunk.token_ids)
+        return f"{chunk.session_id}:{received}" if len(firsts) == 1 else ""
+
     for index, first in enumerate(firsts):
-        yield _sse(shape.chunk(index, first, first=True))
+        yield _sse(shape.chunk(index, first, first=True), event_id(first))
     going = [i for i, c in enumerate(firsts) if not c.finish_reason]
     rest = _merged([streams[i] for i in going])
     async with contextlib.aclosing(rest):
@@ -880,7 +906,7 @@ async def _events(
             async for k, chunk in rest:
                 index = going[k]
                 lasts[index] = chunk
-                yield _sse(shape.chunk(index, chunk))
+                yield _sse(shape.chunk(index, chunk), event_id(chunk))
         except Exception as exc:
             code, details, _ = gateway.status("stream", firsts[0].session_id, exc)
             status = HTTP_STATUS.get(code, 500)

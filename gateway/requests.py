@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from specmesh.core.drafting import TreeSpec
@@ -86,6 +86,43 @@ class GenerationPlan:
     dsi: DsiSettings | None = None  # DSI mode; spec is then a chain of the lookahead's depth
     top_logprobs: int | None = None  # logprobs asked for, with this many alternatives (None: not)
     grammar: Grammar | None = None  # structured output (Constraint), for the tokens after the prompt
+
+
+def stored_plan(plan: GenerationPlan) -> dict[str, Any]:
+    """What Redis keeps of a plan (SessionStore.create's fields), so that another gateway can go
+    on with the session (`plan_from_session`)."""
+    grammar = {"text": plan.grammar.text, "start": plan.grammar.start} if plan.grammar else None
+    extra = {
+        "stop": list(plan.stop), "stop_token_ids": list(plan.stop_token_ids),
+        "top_logprobs": plan.top_logprobs, "grammar": grammar, "auto": plan.auto, "dsi": plan.dsi is not None,
+    }  # fmt: skip
+    return {
+        "sampling": asdict(plan.params),
+        "speculation": {**asdict(plan.spec), "adaptive": plan.adaptive},
+        "max_new_tokens": plan.max_new_tokens,
+        "extra": extra,
+    }
+
+
+def plan_from_session(session: Any) -> GenerationPlan:
+    """session: a gateway.session_store.Session -> the plan that started it (`stored_plan`)."""
+    spec = dict(session.speculation)
+    adaptive = bool(spec.pop("adaptive", False))
+    extra, grammar = session.extra, session.extra.get("grammar")
+    if extra.get("dsi"):
+        raise wire.WireError("resume", "a DSI session cannot be resumed on another gateway")
+    return GenerationPlan(
+        prompt_ids=session.tokens[: session.prompt_len],
+        max_new_tokens=session.max_new_tokens,
+        stop=tuple(extra.get("stop", ())),
+        stop_token_ids=tuple(extra.get("stop_token_ids", ())),
+        params=SamplingParams(**session.sampling),
+        spec=TreeSpec(**spec),
+        adaptive=adaptive,
+        auto=bool(extra.get("auto", False)),
+        top_logprobs=extra.get("top_logprobs"),
+        grammar=Grammar(grammar["text"], grammar["start"]) if grammar else None,
+    )
 
 
 def parse_generate_request(request: Any, tokenizer: Any, limits: ModelLimits) -> GenerationPlan:

@@ -28,6 +28,7 @@ session on every replica it touched and deletes it from Redis, shielded from can
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -43,9 +44,9 @@ import grpc
 from gateway.api import stats_to_proto
 from gateway.metrics import GatewayMetrics
 from gateway.pools import NoHealthyReplica, ReplicaPool
-from gateway.requests import GenerationPlan
+from gateway.requests import GenerationPlan, stored_plan
 from gateway.retries import RetryBudget, TryTimeouts
-from gateway.session_store import SessionExists, SessionStore, StoreError
+from gateway.session_store import NotOwner, Session, SessionExists, SessionStore, StoreError
 from gateway.text import TextStream
 from specmesh.core.adaptive import AdaptivePolicy
 from specmesh.core.ahead import PipelinePolicy
@@ -165,11 +166,15 @@ class SessionRun:
         text: TextStream,
         deadline: float | None,
         policy: AdaptivePolicy | None = None,
+        resumed: Session | None = None,
     ) -> None:
-        """policy: an adaptive plan's depth controller (the gateway builds it, reproducible)."""
+        """policy: an adaptive plan's depth controller (the gateway builds it, reproducible).
+        resumed: a session taken over from Redis (`SessionStore.take`): the run goes on from its
+        committed tokens, as the gateway that started it would have."""
         self.plan, self.env, self.text, self.deadline = plan, env, text, deadline
-        self.id = uuid.uuid4().hex
-        self.key = secrets.token_hex(16)  # the replicas serve this session only to callers with it
+        self.id = resumed.id if resumed else uuid.uuid4().hex
+        # the replicas serve this session only to callers with its key: kept in Redis for a resume
+        self.key = resumed.extra["key"] if resumed else secrets.token_hex(16)
         self.roles = (Role.DRAFTER, Role.VERIFIER) if plan.spec.method.drafts else (Role.VERIFIER,)
         self.client = RoundClient(
             self.id, plan.params, plan.spec, policy=policy, key=self.key, pipeline=env.pipeline,
@@ -183,8 +188,17 @@ class SessionRun:
         self.lengths: dict[str, int] = {}  # replica address -> committed tokens it holds
         self.touched: set[tuple[Role, str]] = set()  # (role, address): where to release
         self.created = False
+        self.owner = ""  # this gateway's owner token (gateway/session_store.py, "Ownership")
+        self.handed_over = False  # the lease was given up for another gateway: keep the session
+        self.lost = False  # another gateway took the session over: leave it to that one
+        self._renewer: asyncio.Task | None = None
         # the round running beside the last commit: (the token count it runs after, its task)
         self._next: tuple[int, asyncio.Future] | None = None
+        self.resumed = resumed
+        if resumed is not None:
+            self.tokens, self.round, self.stats = list(resumed.tokens), resumed.round, resumed.stats
+            self.finish_reason, self.owner, self.created = resumed.finish_reason, resumed.owner, True
+            self.lengths = dict(resumed.replica_lengths)  # where the pool picks them again
 
     def pool(self, role: Role) -> ReplicaPool:
         return self.env.pool(role, self.plan.spec.method)
@@ -209,19 +223,19 @@ class SessionRun:
         creating = False
         try:
             await self._place()
-            p = self.plan
-            creating = True
-            await self.env.store.create(
-                self.id,
-                p.prompt_ids,
-                drafter=self.addresses.get(Role.DRAFTER, ""),
-                verifier=self.addresses[Role.VERIFIER],
-                sampling=dataclasses.asdict(p.params),
-                speculation={**dataclasses.asdict(p.spec), "adaptive": p.adaptive},
-                max_new_tokens=p.max_new_tokens,
-                extra={"stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids)},
-            )
-            self.created = True
+            if self.resumed is None:
+                creating = True
+                stored = stored_plan(self.plan)
+                stored["extra"]["key"] = self.key
+                session = await self.env.store.create(
+                    self.id,
+                    self.plan.prompt_ids,
+                    drafter=self.addresses.get(Role.DRAFTER, ""),
+                    verifier=self.addresses[Role.VERIFIER],
+                    **stored,
+                )
+                self.owner, self.created = session.owner, True
+            self._renewer = asyncio.ensure_future(self._renew())
         except BaseException as exc:
             # Cancelled (the client's deadline) or failed mid-create, Redis may have run the create
             # all the same: delete the keys anyway (about 1 in 40 such requests leaked them until
@@ -243,8 +257,19 @@ class SessionRun:
 
     async def _cleanup(self) -> None:
         self.env.metrics.running.dec()
+        if self._renewer is not None:
+            self._renewer.cancel()
+            await asyncio.gather(self._renewer, return_exceptions=True)
         await self._drop_round()  # before the releases: its calls must not reach a replica after them
         self.client.close()
+        if self.handed_over or self.lost:
+            # Another gateway goes on (or will) with this session, its keys and its replicas' KV.
+            for role in self.roles:
+                self.pool(role).release(self.id)
+            if self.handed_over:
+                with contextlib.suppress(StoreError):
+                    await self.env.store.release(self.id, self.owner)
+            return
         touched = sorted(self.touched)
         stubs = [_STUBS[role](self.pool(role).channel(addr)) for role, addr in touched]
         released = await asyncio.gather(
@@ -309,9 +334,13 @@ class SessionRun:
         round's metrics."""
         start = time.perf_counter()
         with _tracer.start_as_current_span("commit", attributes={"tokens": len(kept)}):
-            committed = await self.env.store.commit_round(
-                self.id, self.round, kept, stats, lengths, finish_reason=finish
-            )
+            try:
+                committed = await self.env.store.commit_round(
+                    self.id, self.round, kept, stats, lengths, finish_reason=finish, owner=self.owner
+                )
+            except NotOwner as exc:
+                self.lost = True
+                raise GatewayError(grpc.StatusCode.ABORTED, str(exc)) from None
         if not committed:
             return None
         end = time.perf_counter()
@@ -355,6 +384,24 @@ class SessionRun:
         self.tokens, self.round, self.stats = session.tokens, session.round, session.stats
         self.finish_reason = session.finish_reason
         return Piece(new, self.text.push(new, final=self.finished), self.finish_reason)
+
+    async def _renew(self) -> None:
+        """Keep the ownership lease while the run lives (commits renew it too; a round may be long)."""
+        store = self.env.store
+        while True:
+            await asyncio.sleep(store.lease_seconds / 3)
+            try:
+                if not await store.renew(self.id, self.owner):
+                    self.lost = True
+                    log.warning("lost the session to another gateway", extra={"session": self.id})
+                    return
+            except StoreError:  # Redis down: the next commit (or renewal) tells
+                continue
+
+    def hand_over(self) -> None:
+        """Stop here and let another gateway go on (a rollout): the lease is released at cleanup,
+        the session and the replicas' KV stay for the resume."""
+        self.handed_over = True
 
     def _start_round(self, tokens: list[int]) -> None:
         """Run the round after `tokens` (this round's tokens, not committed yet) beside the commit."""

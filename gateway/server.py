@@ -40,10 +40,18 @@ from gateway.requests import (
     GenerationPlan,
     ModelLimits,
     parse_generate_request,
+    plan_from_session,
 )
 from gateway.retries import RetryBudget, TryTimeouts
-from gateway.rounds import GatewayEnv, GatewayError, SessionRun
-from gateway.session_store import SessionNotFound, SessionStore, StoreError, StoreUnavailable
+from gateway.rounds import GatewayEnv, GatewayError, Piece, SessionRun
+from gateway.session_store import (
+    NotOwner,
+    Session,
+    SessionNotFound,
+    SessionStore,
+    StoreError,
+    StoreUnavailable,
+)
 from gateway.text import TextStream
 from specmesh.core.adaptive import AdaptivePolicy, ForwardCost, choose_family
 from specmesh.core.ahead import PipelinePolicy
@@ -51,6 +59,7 @@ from specmesh.core.dsi import Shape, choose_shape
 from specmesh.core.methods import Method
 from specmesh.core.ngram import prompt_hit_rate
 from specmesh.core.rounds import Pipelining
+from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.server import (
     RpcService,
@@ -72,6 +81,8 @@ NO_DEADLINE = 1e9  # time_remaining() above this (or None): the client set no de
 DSI_MAX_LOOKAHEAD = 8  # the longest lookahead the gateway chooses by itself
 DSI_UNKNOWN_DRAFT_SHARE = 0.5  # a drafter's cost relative to the target's, before one is measured
 ADAPTIVE_PRIOR = 0.7  # the draft model's acceptance per level assumed before a session's first round
+HANDOVER_SHARE = 0.8  # of --grace-seconds that running sessions may use to finish before a handover
+TAKE_SLACK_SECONDS = 0.5  # a resume waits for a dead owner's lease this much past its expiry
 READY_RETRY_SECONDS = 5.0  # between attempts to learn the model (a verifier starting, a bad tokenizer)
 
 
@@ -87,6 +98,7 @@ class GatewayConfig(ServerConfig):
     default_max_new_tokens: int
     max_context: int
     session_ttl: float
+    lease_seconds: float
     round_timeout: float
     max_attempts: int
     try_timeout_floor: float
@@ -151,6 +163,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "default_max_new_tokens": (int, "max_new_tokens of a request that leaves it unset"),
     "max_context": (int, "limit of prompt + max_new_tokens (0: the model's max_position_embeddings)"),
     "session_ttl": (float, "seconds a session stays in Redis after its last write"),
+    "lease_seconds": (
+        float,
+        "the ownership lease of a session's gateway: how soon after this gateway dies another may "
+        "resume its sessions (renewed every third of it while a session runs)",
+    ),
     "round_timeout": (float, "seconds a replica call, or the wait for a healthy replica, may take"),
     "max_attempts": (int, "tries per round, over all replicas, before the request fails"),
     "try_timeout_floor": (
@@ -232,6 +249,7 @@ DEFAULTS: dict[str, Any] = {
     "default_max_new_tokens": 128,
     "max_context": 0,
     "session_ttl": 600.0,
+    "lease_seconds": 3.0,
     "round_timeout": 60.0,
     "max_attempts": 5,
     "try_timeout_floor": 2.0,
@@ -264,7 +282,7 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
             "plain_steps", "max_tree_nodes", "max_branching", "max_beam_width", "max_stop_length",
             "max_prompt_bytes",
         ),
-        positive=("session_ttl", "round_timeout", "health_interval", "try_timeout_floor"),
+        positive=("session_ttl", "lease_seconds", "round_timeout", "health_interval", "try_timeout_floor"),
         non_negative=(
             "http_port", "max_concurrent_requests", "try_timeout_factor", "retry_budget",
             "redis_reconnect_seconds",
@@ -297,6 +315,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             store=SessionStore(
                 config.redis_url,
                 ttl_seconds=config.session_ttl,
+                lease_seconds=config.lease_seconds,
                 reconnect_timeout=config.redis_reconnect_seconds,
                 # a session uses one connection at a time; its cleanup may briefly need another
                 max_connections=2 * config.max_concurrent_requests + 8
@@ -319,6 +338,8 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         self._ready_task: asyncio.Task | None = None
         self._api_keys = [k.strip().encode() for k in config.api_keys.split(",") if k.strip()]
         self._admitted = 0  # generate() calls in progress (the admission limit counts these)
+        self._runs: set[SessionRun] = set()  # sessions running here (handed over on SIGTERM)
+        self._draining = False
         self._http: HttpServer | None = None
         # one thread: requests are tokenized in turn, off the event loop (a tokenizer is not
         # meant to encode from several threads at once)
@@ -340,8 +361,22 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             await self._http.start()
 
     async def drain(self, grace_seconds: float) -> None:
+        """SIGTERM (a rollout): no new sessions; running ones may finish for most of the grace
+        period, then the rest are handed over (each stream ends with UNAVAILABLE and the session
+        stays in Redis, its lease released, for the client to resume on another gateway)."""
+        self._draining = True
+        waits = [self._hand_over_after(grace_seconds * HANDOVER_SHARE)]
         if self._http is not None:
-            await self._http.stop(grace_seconds)
+            waits.append(self._http.stop(grace_seconds))
+        await asyncio.gather(*waits)
+
+    async def _hand_over_after(self, seconds: float) -> None:
+        deadline = asyncio.get_running_loop().time() + seconds
+        while self._runs and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        for run in list(self._runs):
+            run.hand_over()
+        log.info("handed sessions over", extra={"sessions": len(self._runs)})
 
     async def close(self) -> None:
         if self._ready_task is not None:
@@ -495,6 +530,8 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         the last carries finish_reason and stats. Validated (WireError) before anything is stored
         or sent to a replica. Close it (aclosing) or cancel its consumer to end the session."""
         model = self.served_model()
+        if self._draining:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down; retry on another")
         limit = self.config.max_concurrent_requests
         if limit and self._admitted >= limit:
             raise GatewayError(
@@ -506,18 +543,31 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         self._admitted += 1
         m.waiting.inc()
         waiting = True
+        run: SessionRun | None = None
         try:
-            # tokenizing (and a chat template) may take a while: never on the event loop
-            parse = functools.partial(parse_generate_request, request, model.tokenizer, model.limits)
-            plan = self._servable(await asyncio.get_running_loop().run_in_executor(self._parser, parse))
-            text = TextStream(model.tokenizer, plan.stop, context=plan.prompt_ids)
-            async with await self._session_run(plan, text, deadline) as run:
+            if request.HasField("resume"):
+                run, replay = await self._resumed_run(request.resume, deadline)
+            else:
+                # tokenizing (and a chat template) may take a while: never on the event loop
+                parse = functools.partial(parse_generate_request, request, model.tokenizer, model.limits)
+                plan = self._servable(await asyncio.get_running_loop().run_in_executor(self._parser, parse))
+                text = TextStream(model.tokenizer, plan.stop, context=plan.prompt_ids)
+                run, replay = await self._session_run(plan, text, deadline), None
+            plan = run.plan
+            async with run:
+                self._runs.add(run)
                 m.waiting.dec()
                 waiting = False
                 clock.started()
                 m.prompt_tokens.inc(len(plan.prompt_ids))
-                while not run.finished:
-                    piece = await run.step()
+                while replay is not None or not run.finished:
+                    if run.handed_over:
+                        raise GatewayError(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"the gateway is shutting down: resume session {run.id} on another "
+                            f"(GenerateRequest.resume), from the tokens you have",
+                        )
+                    piece, replay = (replay, None) if replay is not None else (await run.step(), None)
                     clock.chunk(len(piece.token_ids))
                     chunk = gateway_pb2.GenerateChunk(
                         text=piece.text, token_ids=piece.token_ids, session_id=run.id,
@@ -541,8 +591,61 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
                 )
         finally:
             self._admitted -= 1
+            if run is not None:
+                self._runs.discard(run)
             if waiting:
                 m.waiting.dec()
+
+    async def _resumed_run(self, resume: Any, deadline: float | None) -> tuple[SessionRun, Piece]:
+        """A session another gateway started, taken over (its lease: session_store, "Ownership"),
+        and the piece that replays the committed tokens the client lacks."""
+        model = self.served_model()
+        session_id = wire.session_id_from_proto(resume.session_id, "resume.session_id")
+        session = await self._take(session_id, deadline)
+        try:
+            plan = plan_from_session(session)
+            generated = session.generated
+            if resume.token_index > len(generated):
+                raise wire.WireError(
+                    "resume.token_index",
+                    f"{resume.token_index} is past the session's {len(generated)} committed tokens",
+                )
+            text = TextStream(model.tokenizer, plan.stop, context=plan.prompt_ids)
+            text.push(generated[: resume.token_index], final=False)  # what the client has
+            missing = generated[resume.token_index :]
+            replay = Piece(missing, text.push(missing, final=session.finished), session.finish_reason)
+            policy = None
+            if plan.adaptive:  # the depth policy starts afresh: the shape may differ from here on
+                plan, policy = await asyncio.get_running_loop().run_in_executor(
+                    self._parser, self._speculation, plan
+                )
+        except BaseException:
+            with contextlib.suppress(StoreError):
+                await self.env.store.release(session_id, session.owner)
+            raise
+        log.info("resumed", extra={"session": session_id, "from": resume.token_index, "owner": session.owner})
+        return SessionRun(plan, self.env, text, deadline, policy, resumed=session), replay
+
+    async def _take(self, session_id: str, deadline: float | None) -> Session:
+        """Take the session over once no other gateway's lease is live: a dead gateway's runs out
+        within --lease-seconds; a live owner keeps it (then FAILED_PRECONDITION: one gateway runs
+        a session at a time)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.env.store.lease_seconds + TAKE_SLACK_SECONDS
+        if deadline is not None:
+            end = min(end, deadline)
+        while True:
+            try:
+                return await self.env.store.take(session_id)
+            except SessionNotFound:
+                message = f"resume.session_id: no session {session_id} (finished, expired or unknown)"
+                raise GatewayError(grpc.StatusCode.NOT_FOUND, message) from None
+            except NotOwner as exc:
+                if loop.time() + exc.retry_after > end:
+                    raise GatewayError(
+                        grpc.StatusCode.FAILED_PRECONDITION, f"resume.session_id: {exc}"
+                    ) from None
+                await asyncio.sleep(exc.retry_after + 0.01)
 
     async def _session_run(
         self, plan: GenerationPlan, text: TextStream, deadline: float | None

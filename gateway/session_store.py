@@ -8,6 +8,16 @@ are documented in docs/redis.md; in short, each session has four keys sharing on
     specmesh:{<id>}:tokens    list   committed token ids (prompt + generated)
     specmesh:{<id>}:replicas  hash   replica address -> KV cache length it holds
     specmesh:{<id>}:stats     hash   GenerationStats counters (`stats_int_fields`, `stats_float_fields`)
+    specmesh:{<id>}:owner     string the ownership lease: present while the owner is alive (short expiry)
+
+Ownership (fencing): a session's rounds run on one gateway at a time. The owner's token,
+"<gateway>:<epoch>", is the meta field `owner`; the lease key says the owner is alive. The gateway
+that creates a session owns it; it renews the lease while it runs (`renew`, and every commit).
+Another gateway takes the session over (`take`, a resume) only once the lease is gone (expired:
+the owner died; released: a handover), and becomes the owner with the next epoch. A commit whose
+token is not the meta's `owner` writes nothing (`NotOwner`): a gateway that lost its lease
+(paused, partitioned) and was replaced can never append to the session again. A lease key lost
+with a Redis restart is set again by the owner's next commit or renewal.
 
 and every write is one Lua script that checks before its first write that it can finish (Redis
 does not roll back a script that fails halfway) and refreshes the TTL of all four keys. A round
@@ -51,6 +61,7 @@ from redis.backoff import ExponentialBackoff
 from specmesh.core.stats import GenerationStats
 
 __all__ = [
+    "NotOwner",
     "SentinelUrl",
     "Session",
     "SessionExists",
@@ -66,6 +77,7 @@ log = logging.getLogger("specmesh.gateway.session_store")
 T = TypeVar("T")
 
 DEFAULT_TTL_SECONDS = 600.0
+DEFAULT_LEASE_SECONDS = 3.0  # a dead gateway's sessions can be resumed elsewhere this long after
 DEFAULT_RECONNECT_SECONDS = 30.0  # the gateway's --redis-reconnect-seconds
 BACKOFF_FIRST, BACKOFF_MAX = 0.05, 1.0  # seconds between retries: 50 ms, doubling, at most 1 s
 CLEANUP_RECONNECT_SECONDS = 2.0  # `delete` is cleanup (the TTL is the backstop): it waits less
@@ -106,12 +118,22 @@ class SessionNotFound(StoreError):
     """The session is not in Redis: never created, deleted, or expired (TTL)."""
 
 
+class NotOwner(StoreError):
+    """The session is run by another gateway: its lease is live (a take), or this gateway's lease
+    was lost and another took the session over (a commit)."""
+
+    def __init__(self, message: str, retry_after: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after  # seconds until the other gateway's lease runs out, if not renewed
+
+
 @dataclass(frozen=True)
 class SessionKeys:
     meta: str
     tokens: str
     replicas: str
     stats: str
+    owner: str
 
     @classmethod
     def of(cls, session_id: str, prefix: str = "specmesh") -> SessionKeys:
@@ -120,10 +142,14 @@ class SessionKeys:
         # The {…} hash tag puts all of a session's keys in one Redis Cluster slot, which a
         # multi-key Lua script needs.
         base = f"{prefix}:{{{session_id}}}"
-        return cls(f"{base}:meta", f"{base}:tokens", f"{base}:replicas", f"{base}:stats")
+        return cls(f"{base}:meta", f"{base}:tokens", f"{base}:replicas", f"{base}:stats", f"{base}:owner")
 
     def all(self) -> list[str]:
+        """The session's data keys (they share the session's TTL; the owner key has its own)."""
         return [self.meta, self.tokens, self.replicas, self.stats]
+
+    def with_owner(self) -> list[str]:
+        return [*self.all(), self.owner]
 
 
 @dataclass
@@ -143,6 +169,7 @@ class Session:
     created_at: float = 0.0
     updated_at: float = 0.0
     finish_reason: str | None = None
+    owner: str = ""  # this gateway's owner token after create / take ("" for a plain load)
 
     @property
     def generated(self) -> list[int]:
@@ -174,11 +201,12 @@ local function push(key, first, last)
   end
 end
 local function expire_all(ttl_ms)
-  for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ttl_ms) end
+  for i = 1, 4 do if KEYS[i] then redis.call('PEXPIRE', KEYS[i], ttl_ms) end end
 end
 """
 
-# ARGV: ttl_ms, create_id, n_meta_args, meta field/value pairs... (with create_id), prompt tokens...
+# KEYS: the four data keys and the lease key. ARGV: ttl_ms, create_id, owner token, lease_ms,
+# n_meta_args, meta field/value pairs... (with create_id, epoch 1 and owner), prompt tokens...
 # Returns 1 created, 2 this very create was already applied (a retry), 0 the id is taken.
 _CREATE = (
     _PRELUDE
@@ -189,18 +217,22 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 -- leftovers of an earlier session with this id whose keys expired one by one
 redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
-local n_meta = tonumber(ARGV[3])
-redis.call('HSET', KEYS[1], unpack(ARGV, 4, 3 + n_meta))
-if #ARGV > 3 + n_meta then push(KEYS[2], 4 + n_meta, #ARGV) end
+local n_meta = tonumber(ARGV[5])
+redis.call('HSET', KEYS[1], unpack(ARGV, 6, 5 + n_meta))
+if #ARGV > 5 + n_meta then push(KEYS[2], 6 + n_meta, #ARGV) end
 expire_all(tonumber(ARGV[1]))
+redis.call('SET', KEYS[5], ARGV[3], 'PX', ARGV[4])
 return 1
 """
 )
 
+# KEYS: the four data keys and the lease key.
 # ARGV: expected_round, commit_id, ttl_ms, now, finish_reason ('' = not finished),
-#       n_tokens, n_replica_args, n_int_args, n_float_args, then the four groups in that order.
+#       n_tokens, n_replica_args, n_int_args, n_float_args, owner token ('' = not fenced), lease_ms,
+#       then the four groups in that order.
 # Returns 1 committed, 2 this very commit was already applied (a client-side retry),
-#         0 stale round or finished session (nothing written), -1 no such session.
+#         0 stale round or finished session (nothing written), -1 no such session,
+#         -2 the owner token is not the current one (another gateway runs the session).
 _COMMIT = (
     _PRELUDE
     + """
@@ -210,10 +242,11 @@ if round ~= ARGV[1] then
   if redis.call('HGET', KEYS[1], 'last_commit') == ARGV[2] then return 2 end
   return 0
 end
+if ARGV[10] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[10] then return -2 end
 if redis.call('HEXISTS', KEYS[1], 'finish_reason') == 1 then return 0 end
 local err = wrong_type({KEYS[2], 'list', KEYS[3], 'hash', KEYS[4], 'hash'})
 if err then return err end
-local i = 10
+local i = 12
 local n = tonumber(ARGV[6])
 if n > 0 then push(KEYS[2], i, i + n - 1) end
 i = i + n
@@ -229,9 +262,33 @@ redis.call('HSET', KEYS[1], 'round', string.format('%d', tonumber(round) + 1),
            'updated_at', ARGV[4], 'last_commit', ARGV[2])
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'finish_reason', ARGV[5]) end
 expire_all(tonumber(ARGV[3]))
+if ARGV[10] ~= '' then redis.call('SET', KEYS[5], ARGV[10], 'PX', ARGV[11]) end
 return 1
 """
 )
+
+# KEYS: the four data keys and the lease key. ARGV: gateway id, lease_ms.
+# Returns {1, token} taken, {0, ms} another gateway's lease has ms left, {-1, 0} no such session.
+_TAKE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0} end
+local left = redis.call('PTTL', KEYS[5])
+if left > 0 then return {0, left} end
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+local token = ARGV[1] .. ':' .. epoch
+redis.call('HSET', KEYS[1], 'owner', token)
+redis.call('SET', KEYS[5], token, 'PX', ARGV[2])
+return {1, token}
+"""
+
+# KEYS: meta, the lease key. ARGV: token, lease_ms ('' = release).
+# Returns 1 done, 0 not the owner, 2 (a renewal) no lease to renew: released, or lost with a Redis
+# restart; never set again here, or a renewal racing a handover's release would undo it.
+_LEASE = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+if ARGV[2] == '' then redis.call('DEL', KEYS[2]) return 1 end
+if redis.call('PEXPIRE', KEYS[2], ARGV[2]) == 0 then return 2 end
+return 1
+"""
 
 # ARGV: ttl_ms, n_meta_args, n_drop, n_replica_args, then the three groups.
 _ASSIGN = (
@@ -370,6 +427,8 @@ class SessionStore:
         max_connections: int = 128,
         pool_timeout: float = 30.0,
         reconnect_timeout: float = DEFAULT_RECONNECT_SECONDS,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        gateway_id: str | None = None,
     ) -> None:
         """max_connections: Redis connections at most; a command past them waits for one to be
         free, up to pool_timeout seconds (then StoreUnavailable), instead of failing at once.
@@ -379,8 +438,12 @@ class SessionStore:
             raise ValueError("ttl_seconds must be > 0")
         if reconnect_timeout < 0:
             raise ValueError("reconnect_timeout must be >= 0")
+        if lease_seconds <= 0:
+            raise ValueError("lease_seconds must be > 0")
         self.url = url
         self.ttl_seconds = ttl_seconds
+        self.lease_seconds = lease_seconds
+        self.gateway_id = gateway_id or uuid.uuid4().hex[:12]  # this gateway, in owner tokens
         self.prefix = prefix
         self.reconnect_timeout = reconnect_timeout
         self._down_since: float | None = None  # monotonic time of the current outage's first error
@@ -411,6 +474,8 @@ class SessionStore:
             self._redis = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes it
         self._create = self._redis.register_script(_CREATE)
         self._commit = self._redis.register_script(_COMMIT)
+        self._take = self._redis.register_script(_TAKE)
+        self._lease = self._redis.register_script(_LEASE)
         self._assign = self._redis.register_script(_ASSIGN)
         self._touch = self._redis.register_script(_TOUCH)
 
@@ -431,6 +496,10 @@ class SessionStore:
     @property
     def _ttl_ms(self) -> int:
         return max(1, int(self.ttl_seconds * 1000))
+
+    @property
+    def _lease_ms(self) -> int:
+        return max(1, int(self.lease_seconds * 1000))
 
     async def _call(
         self, op: str, call: Callable[[], Awaitable[T]], reconnect_timeout: float | None = None
@@ -511,8 +580,11 @@ class SessionStore:
         tokens = _tokens(prompt_tokens)
         now = time.time()
         create_id = uuid.uuid4().hex
+        owner = f"{self.gateway_id}:1"
         meta = {
             "version": SCHEMA_VERSION,
+            "epoch": 1,
+            "owner": owner,
             "round": 0,
             "prompt_len": len(tokens),
             "drafter": drafter,
@@ -526,8 +598,8 @@ class SessionStore:
             "create_id": create_id,
         }
         meta_args = _flat(meta)
-        args = [self._ttl_ms, create_id, len(meta_args), *meta_args, *tokens]
-        created = await self._call("create", lambda: self._create(keys=keys.all(), args=args))
+        args = [self._ttl_ms, create_id, owner, self._lease_ms, len(meta_args), *meta_args, *tokens]
+        created = await self._call("create", lambda: self._create(keys=keys.with_owner(), args=args))
         if not created:
             raise SessionExists(f"session {session_id!r} already exists")
         return Session(
@@ -544,6 +616,7 @@ class SessionStore:
             extra=dict(extra or {}),
             created_at=now,
             updated_at=now,
+            owner=owner,
         )
 
     async def load(self, session_id: str) -> Session | None:
@@ -588,6 +661,7 @@ class SessionStore:
         replica_lengths: Mapping[str, int] | None = None,
         *,
         finish_reason: str | None = None,
+        owner: str = "",
     ) -> bool:
         """Append a round's tokens, add its stats, record replica cache lengths, advance the round.
 
@@ -599,6 +673,8 @@ class SessionStore:
         new commit for the same round tells which: it returns False if the earlier one went
         through). Within reconnect_timeout the call retries itself with the same commit id: a try
         that was applied but whose answer was lost makes the retry return True, writing nothing.
+        owner: this gateway's owner token (fenced: NotOwner if it is not the current one, and the
+        lease is renewed); "" commits without the check.
         """
         keys = self.keys(session_id)
         if finish_reason == "":
@@ -612,12 +688,48 @@ class SessionStore:
         # is recognised as a replay; a second call (a duplicate reply) has another id and is refused.
         commit_id = uuid.uuid4().hex
         header = [int(expected_round), commit_id, self._ttl_ms, repr(time.time()), finish_reason or ""]
-        counts = [len(tokens), len(replicas), len(ints), len(floats)]
+        counts = [len(tokens), len(replicas), len(ints), len(floats), owner, self._lease_ms]
         args = [*header, *counts, *tokens, *replicas, *ints, *floats]
-        result = await self._call("commit_round", lambda: self._commit(keys=keys.all(), args=args))
+        result = await self._call("commit_round", lambda: self._commit(keys=keys.with_owner(), args=args))
         if result == -1:
             raise SessionNotFound(f"session {session_id!r} does not exist (expired or deleted)")
+        if result == -2:
+            raise NotOwner(f"session {session_id!r}: another gateway took it over")
         return result in (1, 2)
+
+    async def take(self, session_id: str) -> Session:
+        """Take a session over (a resume): a new owner token for this gateway, once no other
+        gateway's lease is live; NotOwner (with how long that lease has left) while one is,
+        SessionNotFound if it does not exist. -> the session, as load() gives it, with `owner`."""
+        keys = self.keys(session_id)
+        args = [self.gateway_id, self._lease_ms]
+        taken, value = await self._call("take", lambda: self._take(keys=keys.with_owner(), args=args))
+        if taken == -1:
+            raise SessionNotFound(f"session {session_id!r} does not exist (expired, deleted or finished)")
+        if taken == 0:
+            left = int(value) / 1000.0
+            raise NotOwner(
+                f"session {session_id!r} is run by another gateway (its lease has {left:.1f}s left)", left
+            )
+        session = await self.load(session_id)
+        if session is None:
+            raise SessionNotFound(f"session {session_id!r} does not exist (expired, deleted or finished)")
+        session.owner = str(value)
+        return session
+
+    async def renew(self, session_id: str, owner: str) -> bool:
+        """Extend this gateway's lease; False if it is not the owner any more (True if there was no
+        lease to extend: the next commit sets it again)."""
+        keys = self.keys(session_id)
+        key = [keys.meta, keys.owner]
+        return bool(await self._call("renew", lambda: self._lease(keys=key, args=[owner, self._lease_ms])))
+
+    async def release(self, session_id: str, owner: str) -> bool:
+        """Give the lease up (a handover: another gateway may take the session at once)."""
+        keys = self.keys(session_id)
+        key = [keys.meta, keys.owner]
+        budget = min(self.reconnect_timeout, CLEANUP_RECONNECT_SECONDS)
+        return bool(await self._call("release", lambda: self._lease(keys=key, args=[owner, ""]), budget))
 
     async def assign(
         self,
@@ -656,7 +768,7 @@ class SessionStore:
     async def delete(self, session_id: str) -> bool:
         """Remove every key of the session (one DEL, atomic); False if there was nothing. It is
         cleanup, so it waits for Redis at most CLEANUP_RECONNECT_SECONDS: the TTL is the backstop."""
-        keys = self.keys(session_id).all()
+        keys = self.keys(session_id).with_owner()
         budget = min(self.reconnect_timeout, CLEANUP_RECONNECT_SECONDS)
         return bool(await self._call("delete", lambda: self._redis.delete(*keys), budget))
 

@@ -313,16 +313,26 @@ def stream_completion(
     api_key: str = "",
 ) -> Any:
     """Stream one completion from the gateway at `address` (over TLS with `tls`, with `api_key`
-    if not empty) to `out`; -> the last chunk (finish reason and stats). Raises grpc.RpcError."""
+    if not empty) to `out`; -> the last chunk (finish reason and stats). A stream cut by the
+    gateway's death or shutdown is resumed (gateway/client.py): behind a proxy, on another gateway.
+    Raises grpc.RpcError."""
+    from gateway.client import resumable_stream
     from specmesh.rpc.proto import load
     from specmesh.rpc.tls import sync_channel
 
     _, gateway_grpc = load("gateway")
     last = None
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+
+    def retrying(error: Any, attempt: int) -> None:
+        print(f"\n[{error.code().name}: {error.details()}; resuming (try {attempt + 1})]", file=sys.stderr)
+
     with sync_channel(address, tls) as channel:
-        stub = gateway_grpc.GatewayStub(channel)
-        for chunk in stub.GenerateStream(request, timeout=timeout, metadata=metadata):
+        stream = resumable_stream(
+            lambda: gateway_grpc.GatewayStub(channel), request, timeout=timeout, metadata=metadata,
+            on_retry=retrying,
+        )  # fmt: skip
+        for chunk in stream:
             out.write(chunk.text)
             out.flush()
             last = chunk

@@ -486,3 +486,21 @@ def test_the_stack_runs_for_real_and_a_stream_outlives_its_drafter(host, models,
             [*compose, "down", "-v", "--remove-orphans"], env=env, capture_output=True, timeout=300
         )
         shutil.rmtree(mounted, ignore_errors=True)
+
+
+# ---- docker-compose.proxy.yml: gateways behind nginx ------------------------------------------------
+
+
+def test_the_proxy_profile_fronts_every_gateway_over_tls(services):
+    """nginx publishes the gateway's ports and reaches every replica of `gateway` (Docker's DNS)
+    over TLS it verifies; the gateways publish nothing. (tests/test_proxy_chaos.py runs the same
+    nginx in front of two real gateways.)"""
+    proxy = yaml.load((ROOT / "docker-compose.proxy.yml").read_text(), Loader=_ComposeLoader)["services"]
+    assert proxy["gateway"]["ports"] is RESET
+    published = [p.split(":")[0] for p in services["gateway"]["ports"]]  # what clients reach in the base file
+    assert [p.split(":")[0] for p in proxy["proxy"]["ports"]] == published
+    conf = (ROOT / "deploy" / "proxy" / "nginx-compose.conf").read_text()
+    assert "server gateway:50051" in conf and "server gateway:8000" in conf
+    assert "grpc_pass grpcs://grpc_gateways" in conf and "proxy_pass https://http_gateways" in conf
+    assert conf.count("_ssl_verify on") == 2 and "listen 50051 ssl http2" in conf
+    assert "proxy_buffering off" in conf  # server-sent events go out as they come

@@ -230,7 +230,12 @@ def test_stop_strings_and_raw_sse_ends_with_done(stack, stub) -> None:
         assert response.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in response.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
-    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    data = [line for line in lines[:-1] if line.startswith("data: ")]
+    ids = [line.removeprefix("id: ") for line in lines if line.startswith("id: ")]
+    events = [json.loads(line.removeprefix("data: ")) for line in data]
+    # each event's id is "<session>:<tokens so far>", what a client sends as Last-Event-ID to resume
+    session = events[0]["id"].removeprefix("cmpl-")
+    assert len(ids) == len(events) and all(i.startswith(f"{session}:") for i in ids)
     assert "".join(e["choices"][0]["text"] for e in events) == "".join(f" {w}" for w in full.text.split()[:3])
     assert events[-1]["choices"][0]["finish_reason"] == "stop" and "stats" in events[-1]
 
@@ -511,7 +516,7 @@ def test_a_client_that_disconnects_cancels_its_session_everywhere(stack, raw_red
         if stream:
             with http.stream("POST", f"{stack.base_url}/v1/completions", json=body) as response:
                 lines = response.iter_lines()
-                first = next(line for line in lines if line)
+                first = next(line for line in lines if line.startswith("data: "))
                 session = json.loads(first.removeprefix("data: "))["id"].removeprefix("cmpl-")
                 assert raw_redis.exists(f"specmesh:{{{session}}}:meta")
         else:

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from gateway.session_store import (
+    NotOwner,
     SentinelUrl,
     SessionExists,
     SessionNotFound,
@@ -550,3 +551,53 @@ def test_a_sentinel_url_follows_a_failover(tmp_path):
             sentinel.stop()
         replica.stop()
         master.stop()
+
+
+# ---- ownership: the lease and fencing (a resume on another gateway) ------------------------------
+
+
+def test_only_one_gateway_owns_a_session_and_a_stale_owner_is_fenced(server, raw) -> None:
+    async def go() -> None:
+        a = SessionStore(server.url, lease_seconds=0.5, gateway_id="gw-a")
+        b = SessionStore(server.url, lease_seconds=0.5, gateway_id="gw-b")
+        c = SessionStore(server.url, lease_seconds=0.5, gateway_id="gw-c")
+        async with a, b, c:
+            s = sid()
+            created = await a.create(s, [1, 2, 3])
+            assert created.owner == "gw-a:1"
+            assert await a.commit_round(s, 0, [4], owner=created.owner)
+            with pytest.raises(NotOwner) as held:  # A's lease is live
+                await b.take(s)
+            assert 0 < held.value.retry_after <= 0.5
+            # two takers at the same moment once A is gone (its lease ran out): exactly one wins
+            await asyncio.sleep(0.6)
+            outcomes = await asyncio.gather(b.take(s), c.take(s), return_exceptions=True)
+            winners = [o for o in outcomes if not isinstance(o, BaseException)]
+            assert len(winners) == 1 and winners[0].owner.endswith(":2"), outcomes
+            assert isinstance(next(o for o in outcomes if isinstance(o, BaseException)), NotOwner)
+            assert winners[0].tokens == [1, 2, 3, 4] and winners[0].round == 1
+            # A comes back (it was paused, not dead): its commits write nothing now
+            with pytest.raises(NotOwner):
+                await a.commit_round(s, 1, [9], owner=created.owner)
+            assert not await a.renew(s, created.owner)
+            new = winners[0].owner
+            store = b if new.startswith("gw-b") else c
+            assert await store.commit_round(s, 1, [5], owner=new)
+            # a handover: released, the next take is at once, and the released owner stays fenced
+            assert await store.release(s, new)
+            other = c if store is b else b
+            again = await other.take(s)
+            assert again.owner.endswith(":3") and again.tokens == [1, 2, 3, 4, 5]
+            with pytest.raises(NotOwner):
+                await store.commit_round(s, 2, [6], owner=new)
+            assert await other.commit_round(s, 2, [6], owner=again.owner)
+            # the lease key lost (a Redis restart without it) is set again by the owner's commit
+            raw.delete(other.keys(s).owner)
+            assert await other.commit_round(s, 3, [7], owner=again.owner)
+            assert raw.get(other.keys(s).owner) == again.owner
+            await other.delete(s)
+            assert not raw.exists(*other.keys(s).with_owner())
+            with pytest.raises(SessionNotFound):
+                await a.take(s)
+
+    run(go())

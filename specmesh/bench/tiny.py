@@ -104,17 +104,24 @@ BYTE_CHAT_TEMPLATE = (
 )
 
 
-def save_tiny_pair(root: Path, noise: float = 0.02, byte_level: bool = False) -> dict[str, Path]:
+def save_tiny_pair(
+    root: Path, noise: float = 0.02, byte_level: bool = False, eos: bool = True, **config
+) -> dict[str, Path]:
     """A tiny Llama target and its noisy copy as the draft, saved under root/draft and root/target
     with the word-level tokenizer and its chat template (byte_level: the byte tokenizer,
-    `make_byte_tokenizer`, for structured output)."""
+    `make_byte_tokenizer`, for structured output). eos False: the tokenizer names no
+    end-of-sequence token, so generations run to their length (a random model emits </s> now and
+    then). config: the models' (max_position_embeddings=512, ...)."""
     if byte_level:
         tokenizer, vocab = make_byte_tokenizer(), BYTE_VOCAB
     else:
         tokenizer, vocab = make_tokenizer(VOCAB - len(SPECIALS)), VOCAB
         tokenizer.chat_template = CHAT_TEMPLATE
+    if not eos:
+        tokenizer.eos_token = None
     out = {}
-    for name, model in zip(("draft", "target"), tiny_pair("llama", vocab=vocab, noise=noise), strict=True):
+    pair = tiny_pair("llama", vocab=vocab, noise=noise, **config)
+    for name, model in zip(("draft", "target"), pair, strict=True):
         model.save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
         out[name] = root / name

@@ -33,6 +33,11 @@ class ServiceMetrics(RpcMetrics):
             "sessions whose KV the runner evicted (least recently used first) to fit a forward in its "
             "cache budget; such a session re-feeds its tokens on its next forward",
         )
+        self.idle_releases = self.counter(
+            f"{NS}idle_sessions_released",
+            "sessions released after --session-idle-seconds without a request (their gateway died "
+            "and no other resumed them)",
+        )
         self._evictions = 0  # the runner's eviction count at the last observation
 
     def observe_runner(self, runner: ModelBackend) -> None:

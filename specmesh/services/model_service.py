@@ -111,6 +111,7 @@ class ServiceConfig(ServerConfig):
     torch_threads: int
     forward_latency_ms: float
     forward_ms_per_row: float
+    session_idle_seconds: float
 
     @property
     def forward_floor(self) -> ForwardFloor:
@@ -143,6 +144,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "max_branching": (int, "largest per-level branching factor (mcsd, rsd_c)"),
     "max_beam_width": (int, "largest beam width (rsd_s, mtad)"),
     "max_cache_tokens": (int, "KV positions over all sessions before LRU eviction (0 = no limit)"),
+    "session_idle_seconds": (
+        float,
+        "a session no request touched for this long is released (its gateway died and no other "
+        "resumed it; 0 = never)",
+    ),
     "max_message_bytes": (int, "largest request / response; larger requests get RESOURCE_EXHAUSTED"),
     "torch_threads": (int, "compute threads: torch intra-op or llama.cpp (0 = the backend's default)"),
     "forward_latency_ms": (
@@ -172,6 +178,7 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "torch_threads": 0,
     "forward_latency_ms": 0.0,
     "forward_ms_per_row": 0.0,
+    "session_idle_seconds": 900.0,  # longer than the gateway's --session-ttl: its keys go first
 }
 
 _AT_LEAST_ONE = (
@@ -184,7 +191,8 @@ def parse_config(prog: str, argv: list[str] | None, defaults: Mapping[str, Any])
     """Flags --foo-bar; each defaults to $SPECMESH_FOO_BAR, then to `defaults`."""
     return parse_flags(
         prog, ServiceConfig, _FLAGS, {**COMMON_DEFAULTS, **defaults}, argv,
-        at_least_one=_AT_LEAST_ONE, non_negative=("max_wait_ms", "forward_latency_ms", "forward_ms_per_row"),
+        at_least_one=_AT_LEAST_ONE,
+        non_negative=("max_wait_ms", "forward_latency_ms", "forward_ms_per_row", "session_idle_seconds"),
     )  # fmt: skip
 
 
@@ -249,6 +257,8 @@ class ModelService(RpcService):
         self._closed: collections.OrderedDict[str, tuple[bytes, float]] = collections.OrderedDict()
         self.forward_cost: dict[int, float] = {}  # rows -> seconds, measured by `start`
         self.grammars = SessionGrammars(model.tokenizer, self.vocab_size)  # structured output
+        self._used: dict[str, float] = {}  # session -> when a request last began (monotonic)
+        self._sweeper: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Before serving: measure what a forward costs by its rows (reported in Info)."""
@@ -256,9 +266,25 @@ class ModelService(RpcService):
         floor = self.config.forward_floor  # what the batcher makes every forward take
         self.forward_cost = {rows: max(seconds, floor(rows)) for rows, seconds in measured.items()}
         log.info("forward cost measured", extra={"seconds_by_rows": self.forward_cost})
+        if self.config.session_idle_seconds:
+            self._sweeper = asyncio.create_task(self._sweep_idle(self.config.session_idle_seconds))
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         await asyncio.to_thread(self.model_thread.shutdown)
+
+    async def _sweep_idle(self, idle: float) -> None:
+        """Release sessions no request touched for `idle` seconds: a gateway that died releases
+        nothing, and a session nobody resumed would hold its KV until evicted (or for ever)."""
+        while True:
+            await asyncio.sleep(min(idle / 4, 30.0))
+            now = time.monotonic()
+            for session_id, used in list(self._used.items()):
+                if now - used > idle:
+                    log.info("releasing an idle session", extra={"session": session_id, "idle_s": now - used})
+                    self.metrics.idle_releases.inc()
+                    self.slots.release(session_id)
 
     def status(self, method: str, session: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
         if isinstance(exc, ResyncError | UnknownSessionError):
@@ -295,6 +321,7 @@ class ModelService(RpcService):
             self.slots.free(session_id)
             raise
         self._owners[session_id] = owner
+        self._used[session_id] = time.monotonic()
         return resume
 
     def _owner(self, session_id: str, context: grpc.aio.ServicerContext) -> bytes:
@@ -383,6 +410,7 @@ class ModelService(RpcService):
     def forget_local(self, session_id: str) -> None:
         """Drop what the service itself keeps about the session (extend, calling super)."""
         self._owners.pop(session_id, None)
+        self._used.pop(session_id, None)
         self.grammars.drop(session_id)
 
     async def grammar_masks(self, r: wire.RoundInput) -> GrammarMasks | None:

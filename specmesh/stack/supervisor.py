@@ -247,16 +247,24 @@ class Supervisor:
         spec = child.spec
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(spec.env or {})}
         self._say(f"starting: {' '.join(spec.argv)}", spec.name)
+        # SIGTERM when the supervisor dies, even by SIGKILL (Linux's parent-death signal): set by
+        # util-linux's setpriv, which then execs the command, where it is there. The fallback, a
+        # preexec_fn, runs Python in the child between fork and exec; with threads in the parent and
+        # at-fork hooks of libraries (filelock's), that child sometimes crashed before its exec.
+        setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+        if setpriv and shutil.which(spec.argv[0]) is None:  # setpriv would start, then fail its exec
+            raise ChildFailed(f"{spec.name}: cannot start {spec.argv[0]}: not found or not executable")
+        argv = [setpriv, "--pdeathsig", "TERM", "--", *spec.argv] if setpriv else list(spec.argv)
         try:
             child.proc = await asyncio.create_subprocess_exec(
-                *spec.argv,
+                *argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 env=env,
                 cwd=spec.cwd,
                 start_new_session=True,  # own process group: signals reach it only through us
-                preexec_fn=_die_with_parent,
+                preexec_fn=None if setpriv else _die_with_parent,
                 limit=1 << 20,
             )
         except OSError as exc:
