@@ -11,6 +11,9 @@ from specmesh.core.stats import GenerationStats
 from specmesh.rpc.proto import load
 
 gateway_pb2, gateway_pb2_grpc = load("gateway")
+# GenerateStream's initial metadata: the session's id, sent as soon as the session exists, so that
+# a client cut off before its first chunk can resume it (gateway/client.py)
+SESSION_ID_METADATA = "specmesh-session-id"
 
 
 def stats_to_proto(stats: GenerationStats, *, prompt_tokens: int = 0, generated_tokens: int = 0) -> Any:

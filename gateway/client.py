@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from gateway.api import gateway_pb2
+from gateway.api import SESSION_ID_METADATA, gateway_pb2
 
 # What a gateway's death or shutdown looks like from the client: the connection refused or reset
 # (UNAVAILABLE, a proxy's reset stream as INTERNAL or UNKNOWN, CANCELLED by a stopping server),
@@ -75,8 +75,9 @@ def resumable_stream(
     session, received, attempt = "", 0, 0
     while True:
         ask = resume_request(session, received) if session else request
+        call = stub().GenerateStream(ask, timeout=timeout, metadata=metadata)
         try:
-            for chunk in stub().GenerateStream(ask, timeout=timeout, metadata=metadata):
+            for chunk in call:
                 session = chunk.session_id or session
                 received += len(chunk.token_ids)
                 yield chunk
@@ -86,6 +87,8 @@ def resumable_stream(
         except grpc.RpcError as exc:
             if exc.code() not in RESUMABLE or attempt >= budget.attempts:  # type: ignore[attr-defined]
                 raise
+            if not session:  # cut before the first chunk: the session may exist all the same
+                session = dict(call.initial_metadata() or ()).get(SESSION_ID_METADATA, "")
             if on_retry is not None:
                 on_retry(exc, attempt)
             time.sleep(budget.pause(attempt))

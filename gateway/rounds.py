@@ -262,8 +262,9 @@ class SessionRun:
             await asyncio.gather(self._renewer, return_exceptions=True)
         await self._drop_round()  # before the releases: its calls must not reach a replica after them
         self.client.close()
-        if self.handed_over or self.lost:
+        if (self.handed_over and not self.finished) or self.lost:
             # Another gateway goes on (or will) with this session, its keys and its replicas' KV.
+            # (A session that finished in the round it was handed over in is simply done.)
             for role in self.roles:
                 self.pool(role).release(self.id)
             if self.handed_over:

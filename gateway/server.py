@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import hmac
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from gateway.api import gateway_pb2, gateway_pb2_grpc, logprobs_to_proto
+from gateway.api import SESSION_ID_METADATA, gateway_pb2, gateway_pb2_grpc, logprobs_to_proto
 from gateway.dsi import DsiRun
 from gateway.http_server import HttpServer
 from gateway.metrics import GatewayMetrics, RequestClock
@@ -492,7 +492,12 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
     @rpc_stream
     async def GenerateStream(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         self.authorize(_authorization(context))
-        async with contextlib.aclosing(self.generate(request, self._deadline(context))) as chunks:
+
+        async def announce(session_id: str) -> None:
+            await context.send_initial_metadata(((SESSION_ID_METADATA, session_id),))
+
+        generated = self.generate(request, self._deadline(context), announce)
+        async with contextlib.aclosing(generated) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -525,10 +530,17 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         """The model's name in the HTTP API: --served-model-name, else the verifier's model id."""
         return self.config.served_model_name or self.served_model().name
 
-    async def generate(self, request: Any, deadline: float | None) -> AsyncIterator[Any]:
+    async def generate(
+        self,
+        request: Any,
+        deadline: float | None,
+        announce: Callable[[str], Awaitable[None]] | None = None,
+    ) -> AsyncIterator[Any]:
         """request: a specmesh.v1.GenerateRequest -> its GenerateChunks, one per committed round;
         the last carries finish_reason and stats. Validated (WireError) before anything is stored
-        or sent to a replica. Close it (aclosing) or cancel its consumer to end the session."""
+        or sent to a replica. Close it (aclosing) or cancel its consumer to end the session.
+        announce(session id): called as soon as the session exists, before its first round (a
+        gRPC stream's initial metadata): a client cut off before its first chunk can resume too."""
         model = self.served_model()
         if self._draining:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down; retry on another")
@@ -556,6 +568,8 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             plan = run.plan
             async with run:
                 self._runs.add(run)
+                if announce is not None:
+                    await announce(run.id)
                 m.waiting.dec()
                 waiting = False
                 clock.started()

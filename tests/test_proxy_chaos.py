@@ -64,6 +64,7 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
         common = [
             *("--drafters", drafter.address, "--verifiers", verifier.address),
             *("--redis-url", redis_server.url, "--lease-seconds", "1", "--grace-seconds", "2"),
+            *("--session-ttl", "10"),
             *("--health-interval", "0.2", "--max-new-tokens-limit", "400", "--round-timeout", "30"),
         ]  # fmt: skip
         gateways = [
@@ -100,6 +101,7 @@ class Stream:
     times: list[float] = field(default_factory=list)
     retries: int = 0
     error: BaseException | None = None
+    done: bool = False
 
     def __call__(self, stack: Stack) -> None:
         def retried(error, attempt) -> None:
@@ -107,12 +109,14 @@ class Stream:
 
         try:
             for chunk in resumable_stream(
-                stack.stub, self.request, budget=RetryBudget(attempts=12), timeout=120, on_retry=retried
+                stack.stub, self.request, budget=RetryBudget(attempts=30), timeout=120, on_retry=retried
             ):
                 self.tokens += chunk.token_ids
                 self.times.append(time.monotonic())
         except BaseException as exc:  # reported by the test
             self.error = exc
+        finally:
+            self.done = True
 
     @property
     def longest_stall(self) -> float:
@@ -135,6 +139,13 @@ def progress(streams: list[Stream]) -> float:
     return sum(len(s.tokens) for s in streams) / (STREAMS * TOKENS)
 
 
+def reach(streams: list[Stream], share: float) -> None:
+    """Until `share` of all tokens arrived, or every stream ended (its error is asserted later)."""
+    wait_until(
+        lambda: progress(streams) > share or all(s.done for s in streams), timeout=120, what=f"{share:.0%}"
+    )
+
+
 def test_sixteen_streams_through_the_proxy_survive_a_gateway_kill_a_rollout_and_a_redis_restart(
     stack,
 ) -> None:
@@ -144,18 +155,18 @@ def test_sixteen_streams_through_the_proxy_survive_a_gateway_kill_a_rollout_and_
 
     def faults(streams: list[Stream]) -> None:
         a, b = stack.gateways
-        wait_until(lambda: progress(streams) > 0.15, timeout=60, what="the streams to be under way")
+        reach(streams, 0.15)
         a.kill()
         events.append(f"SIGKILL gateway 0 at {progress(streams):.0%}")
         a.start()
         a.wait_serving()
-        wait_until(lambda: progress(streams) > 0.45, timeout=120, what="progress after the kill")
+        reach(streams, 0.45)
         b.proc.terminate()  # SIGTERM: a rollout
         events.append(f"SIGTERM gateway 1 at {progress(streams):.0%}")
         assert b.proc.wait(timeout=30) == 0
         b.start()
         b.wait_serving()
-        wait_until(lambda: progress(streams) > 0.7, timeout=120, what="progress after the rollout")
+        reach(streams, 0.7)
         stack.redis.kill()
         events.append(f"Redis SIGKILL at {progress(streams):.0%}")
         time.sleep(1.0)
@@ -173,7 +184,16 @@ def test_sixteen_streams_through_the_proxy_survive_a_gateway_kill_a_rollout_and_
     assert sum(s.retries for s in streams) >= 1
     assert "handed sessions over" in stack.gateways[1].log.read_text()
     with redis_client(stack.redis.url) as client:
-        wait_until(lambda: not session_keys(client), timeout=15, what="no session keys in Redis")
+        time.sleep(0.5)  # the gateways delete a session right after its last chunk went out
+        left = {k: client.hgetall(k) for k in session_keys(client) if k.endswith(":meta")}
+        finished = [m for m in left.values() if "finish_reason" in m]
+        # a finished session is deleted by the gateway that finished it; one left is a leak
+        assert not finished, finished
+        # an unfinished one can only be an orphan: a try whose gateway died before the client
+        # learnt its id (between create and the stream's initial metadata); its TTL removes it
+        assert len(left) <= 1, left
+        print(f"unfinished sessions left for their TTL: {len(left)}")
+        wait_until(lambda: not session_keys(client), timeout=15, what="no session keys in Redis (TTL 10 s)")
     for server in stack.replicas:
         wait_until(
             lambda s=server: s.metrics()[("specmesh:num_sessions", ())] == 0,
@@ -188,7 +208,7 @@ def test_an_sse_stream_through_the_proxy_is_resumed_after_its_gateway_dies(stack
             "stream": True, "speculation": {"method": "chain", "depth": 4}}  # fmt: skip
     want = httpx.post(url, json={**body, "stream": False}, timeout=120).json()["choices"][0]["text"]
     texts, killed = [], []
-    for event in resumable_sse(url, body, budget=RetryBudget(attempts=12), timeout=120):
+    for event in resumable_sse(url, body, budget=RetryBudget(attempts=30), timeout=120):
         texts.append(event["choices"][0]["text"] if event["choices"] else "")
         if not killed:  # the gateway that serves it: the one with a request running
             running = ("specmesh:num_requests_running", ())

@@ -111,7 +111,7 @@ def interrupted(mesh: Mesh, request, fault) -> tuple[list[int], float]:
     first chunk. -> (tokens received, the longest wait between two chunks)."""
     serving = mesh.alive()[0]
     tokens, gaps, last, hit = [], [], None, False
-    for chunk in resumable_stream(mesh.stub, request, budget=RetryBudget(attempts=10), timeout=60):
+    for chunk in resumable_stream(mesh.stub, request, budget=RetryBudget(attempts=30), timeout=60):
         now = time.monotonic()
         if last is not None:
             gaps.append(now - last)
@@ -194,7 +194,7 @@ def test_an_sse_stream_is_resumed_with_last_event_id(mesh, raw) -> None:
             "seed": 5, "stream": True, "speculation": {"method": "chain", "depth": 3}}  # fmt: skip
     plain = httpx.post(mesh.url(), json={**body, "stream": False}, timeout=60).json()["choices"][0]["text"]
     serving, texts, killed = mesh.alive()[0], [], False
-    for event in resumable_sse(mesh.url, body, budget=RetryBudget(attempts=10)):
+    for event in resumable_sse(mesh.url, body, budget=RetryBudget(attempts=30)):
         texts.append(event["choices"][0]["text"] if event["choices"] else "")
         if not killed:
             killed = True
