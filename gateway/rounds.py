@@ -83,6 +83,7 @@ _FAILOVER = {
 _STUBS = {Role.DRAFTER: pb2_grpc.DrafterStub, Role.VERIFIER: pb2_grpc.VerifierStub}
 _RELAY_STUBS = {Role.DRAFTER: RelayDrafterStub, Role.VERIFIER: RelayVerifierStub}  # rounds: trees undecoded
 RELEASE_TIMEOUT = 2.0
+FINISHED_LINGER_LEASES = 5  # a session finished during a handover stays this many leases for a resume
 # seconds: a call that times out this close to the client's deadline ran out of the client's time,
 # not of the replica's: no replica is blamed
 CLIENT_DEADLINE_SLACK = 0.05
@@ -191,6 +192,7 @@ class SessionRun:
         self.owner = ""  # this gateway's owner token (gateway/session_store.py, "Ownership")
         self.handed_over = False  # the lease was given up for another gateway: keep the session
         self.lost = False  # another gateway took the session over: leave it to that one
+        self.draining = False  # the gateway is shutting down (SIGTERM): a finished session lingers
         self._renewer: asyncio.Task | None = None
         # the round running beside the last commit: (the token count it runs after, its task)
         self._next: tuple[int, asyncio.Future] | None = None
@@ -262,9 +264,15 @@ class SessionRun:
             await asyncio.gather(self._renewer, return_exceptions=True)
         await self._drop_round()  # before the releases: its calls must not reach a replica after them
         self.client.close()
-        if (self.handed_over and not self.finished) or self.lost:
+        if (self.handed_over or self.draining) and self.finished:
+            # It finished while the gateway shuts down: its last chunk may not reach the client,
+            # which then resumes elsewhere. Keep the keys a little while instead of deleting them.
+            with contextlib.suppress(StoreError):
+                await self.env.store.release(self.id, self.owner)
+                await self.env.store.expire(self.id, FINISHED_LINGER_LEASES * self.env.store.lease_seconds)
+            self.created = False  # not deleted below
+        if self.handed_over or self.lost:
             # Another gateway goes on (or will) with this session, its keys and its replicas' KV.
-            # (A session that finished in the round it was handed over in is simply done.)
             for role in self.roles:
                 self.pool(role).release(self.id)
             if self.handed_over:

@@ -365,6 +365,8 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         period, then the rest are handed over (each stream ends with UNAVAILABLE and the session
         stays in Redis, its lease released, for the client to resume on another gateway)."""
         self._draining = True
+        for run in self._runs:
+            run.draining = True
         waits = [self._hand_over_after(grace_seconds * HANDOVER_SHARE)]
         if self._http is not None:
             waits.append(self._http.stop(grace_seconds))

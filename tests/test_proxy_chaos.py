@@ -30,7 +30,7 @@ from tests.servers import Server, redis_client, replica, session_keys, start_all
 from tests.test_engine import PROMPT, SPECS
 from tests.test_gateway import gateway_grpc, make_request
 
-pytestmark = pytest.mark.xdist_group("proxy-chaos")
+pytestmark = pytest.mark.xdist_group("resume")  # one at a time with tests/test_resume.py: both kill gateways
 
 TOKENS = 310
 STREAMS = 16
@@ -186,13 +186,12 @@ def test_sixteen_streams_through_the_proxy_survive_a_gateway_kill_a_rollout_and_
     with redis_client(stack.redis.url) as client:
         time.sleep(0.5)  # the gateways delete a session right after its last chunk went out
         left = {k: client.hgetall(k) for k in session_keys(client) if k.endswith(":meta")}
-        finished = [m for m in left.values() if "finish_reason" in m]
-        # a finished session is deleted by the gateway that finished it; one left is a leak
-        assert not finished, finished
-        # an unfinished one can only be an orphan: a try whose gateway died before the client
-        # learnt its id (between create and the stream's initial metadata); its TTL removes it
-        assert len(left) <= 1, left
-        print(f"unfinished sessions left for their TTL: {len(left)}")
+        # what may stay a little: sessions that finished while a gateway shut down (kept 5 leases
+        # for a client whose last chunk was lost), and an orphan whose gateway died between its
+        # create and the stream's initial metadata (its TTL, 10 s)
+        unfinished = [m for m in left.values() if "finish_reason" not in m]
+        print(f"sessions left to expire: {len(left)}, unfinished {len(unfinished)}")
+        assert len(unfinished) <= 1, unfinished
         wait_until(lambda: not session_keys(client), timeout=15, what="no session keys in Redis (TTL 10 s)")
     for server in stack.replicas:
         wait_until(
