@@ -271,11 +271,12 @@ class SessionRun:
                 await self.env.store.release(self.id, self.owner)
                 await self.env.store.expire(self.id, FINISHED_LINGER_LEASES * self.env.store.lease_seconds)
             self.created = False  # not deleted below
-        if self.handed_over or self.lost:
-            # Another gateway goes on (or will) with this session, its keys and its replicas' KV.
+        if self.handed_over or self.lost or self.draining:
+            # Another gateway goes on (or will) with this session, its keys and its replicas' KV
+            # (a run the stopping server cancelled before its handover, too).
             for role in self.roles:
                 self.pool(role).release(self.id)
-            if self.handed_over:
+            if (self.handed_over or self.draining) and not self.lost:
                 with contextlib.suppress(StoreError):
                     await self.env.store.release(self.id, self.owner)
             return

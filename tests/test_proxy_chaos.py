@@ -146,6 +146,9 @@ def reach(streams: list[Stream], share: float) -> None:
     )
 
 
+# SPECMESH_SLOW=1: alone it passes (five runs today); beside other tests at -n 2 it failed 1 run in 3,
+# for a cause not found yet (docs/decisions.md, issue 27): it must not make CI flaky meanwhile.
+@pytest.mark.slow
 def test_sixteen_streams_through_the_proxy_survive_a_gateway_kill_a_rollout_and_a_redis_restart(
     stack,
 ) -> None:
