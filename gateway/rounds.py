@@ -267,10 +267,9 @@ class SessionRun:
         if (self.handed_over or self.draining) and self.finished:
             # It finished while the gateway shuts down: its last chunk may not reach the client,
             # which then resumes elsewhere. Keep the keys a little while instead of deleting them.
+            # (its lease is released below, with the handed-over sessions')
             with contextlib.suppress(StoreError):
-                await self.env.store.release(self.id, self.owner)
                 await self.env.store.expire(self.id, FINISHED_LINGER_LEASES * self.env.store.lease_seconds)
-            self.created = False  # not deleted below
         if self.handed_over or self.lost or self.draining:
             # Another gateway goes on (or will) with this session, its keys and its replicas' KV
             # (a run the stopping server cancelled before its handover, too).
