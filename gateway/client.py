@@ -40,8 +40,10 @@ RESUMABLE = {
 
 @dataclass
 class RetryBudget:
-    """At most `attempts` reconnections per stream, `backoff` seconds before the first, doubling
-    up to `max_backoff`."""
+    """At most `attempts` reconnections in a row without a chunk between them, `backoff` seconds
+    before the first, doubling up to `max_backoff`. A try that delivered chunks starts the count
+    afresh: each fault gets the whole budget, and the pauses stay short (a session the client does
+    not come back for expires after the gateway's --session-ttl)."""
 
     attempts: int = 8
     backoff: float = 0.1
@@ -80,6 +82,7 @@ def resumable_stream(
             for chunk in call:
                 session = chunk.session_id or session
                 received += len(chunk.token_ids)
+                attempt = 0
                 yield chunk
                 if chunk.finish_reason:
                     return
@@ -134,6 +137,7 @@ def resumable_sse(
                         if "error" in event:
                             raise _Retry(event["error"].get("message", "error event"))
                         last_id = event_id or last_id
+                        attempt = 0
                         yield event
                 raise _Retry("the stream ended without [DONE]")
         except (httpx.TransportError, _Retry):

@@ -41,7 +41,7 @@ class Nginx:
         proxy = cls(directory, free_port(), free_port())
 
         def servers(addresses: list[str]) -> str:
-            return "\n".join(f"        server {a} max_fails=1 fail_timeout=2s;" for a in addresses)
+            return "\n".join(f"        server {a} max_fails=0;" for a in addresses)
 
         config = (
             TEMPLATE.read_text()

@@ -47,9 +47,11 @@ class Mesh:
         return [i for i, g in enumerate(self.gateways) if g.proc is not None and g.proc.poll() is None]
 
     def stub(self):
-        """A stub of the first live gateway: what a proxy in front of them would route to."""
-        i = self.alive()[0]
-        return gateway_grpc.GatewayStub(grpc.insecure_channel(self.gateways[i].address))
+        """A stub over the live gateways' addresses, the first that takes the connection serving it
+        (gRPC's pick_first): what a DNS name or a proxy in front of them gives. A stopping gateway
+        has closed its port, so the next one answers."""
+        addresses = ",".join(self.gateways[i].address for i in self.alive())
+        return gateway_grpc.GatewayStub(grpc.insecure_channel(f"ipv4:{addresses}"))
 
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_ports[self.alive()[0]]}/v1/completions"
@@ -86,6 +88,15 @@ def mesh(models, tmp_path_factory) -> Iterator[Mesh]:
             yield Mesh(redis_server, drafter, verifier, gateways, ports)
         finally:
             stop_all(drafter, verifier, *gateways)
+
+
+@pytest.fixture(autouse=True)
+def all_gateways_up(mesh) -> None:
+    """Each test starts with the three gateways serving, even after one that failed with its fault
+    still in place."""
+    for i in range(len(mesh.gateways)):
+        if i not in mesh.alive():
+            mesh.restart(i)
 
 
 @pytest.fixture
