@@ -41,6 +41,7 @@ import grpc
 from gateway.pools import NoHealthyReplica
 from gateway.requests import GenerationPlan
 from gateway.rounds import _STUBS, GatewayEnv, GatewayError, Piece, SessionRun
+from gateway.session_store import Session
 from gateway.text import TextStream
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.dsi import Block, DsiState, Outcome, acceptance_from_blocks, drafting_limit, guards
@@ -106,17 +107,19 @@ class DsiRun(SessionRun):
         parallel: int,
         ahead: bool = True,
         verify_cost: Callable[[int], float] | None = None,
+        resumed: Session | None = None,
     ) -> None:
         """verify_cost: the verifier's start-up seconds per forward of n rows, to learn
-        `GatewayEnv.dsi_forward_scale` from this session's verifications."""
-        super().__init__(plan, env, text, deadline)
+        `GatewayEnv.dsi_forward_scale` from this session's verifications. resumed: as SessionRun's."""
+        super().__init__(plan, env, text, deadline, resumed=resumed)
         self.verify_cost = verify_cost
         self.lookahead, self.parallel, self.ahead = lookahead, parallel, ahead
         self.unresolved = drafting_limit(parallel, ahead)
         self.guarding = guards(parallel, ahead, lookahead)
         self.guard_rounds = 0  # verifications that were guards, among the stats' rounds
         self.state = DsiState(self.tokens)
-        self.held: dict[str, list[int]] = {}  # replica -> the tokens it surely holds
+        # replica -> the tokens it surely holds (resumed: the committed ones it held, as stored)
+        self.held = {address: self.tokens[:n] for address, n in self.lengths.items()}
         self.calls: dict[asyncio.Future, _Call] = {}
         self.queued: list[Block] = []  # drafted, waiting for a verifier
         self.spent: dict[int, _Spent] = {}  # block id -> its cost so far
@@ -189,7 +192,9 @@ class DsiRun(SessionRun):
         # drafts and verifications overlap: the wall time is the commit's, not their sum
         stats = dataclasses.replace(stats, total_seconds=now - self.since, network_seconds=0.0)
         self.since, self.failures = now, 0
-        lengths = {address: len(tokens) for address, tokens in self.held.items()}
+        # what each replica surely holds of the committed tokens (its speculation may differ)
+        committed = self.tokens + kept
+        lengths = {address: _shared(tokens, committed) for address, tokens in self.held.items()}
         self._event("commit", tokens=len(kept))
         piece = await self._commit(kept, finish, stats, lengths, began)
         self._event("committed", tokens=len(kept))

@@ -94,7 +94,8 @@ def stored_plan(plan: GenerationPlan) -> dict[str, Any]:
     grammar = {"text": plan.grammar.text, "start": plan.grammar.start} if plan.grammar else None
     extra = {
         "stop": list(plan.stop), "stop_token_ids": list(plan.stop_token_ids),
-        "top_logprobs": plan.top_logprobs, "grammar": grammar, "auto": plan.auto, "dsi": plan.dsi is not None,
+        "top_logprobs": plan.top_logprobs, "grammar": grammar, "auto": plan.auto,
+        "dsi": asdict(plan.dsi) if plan.dsi else None,
     }  # fmt: skip
     return {
         "sampling": asdict(plan.params),
@@ -108,9 +109,7 @@ def plan_from_session(session: Any) -> GenerationPlan:
     """session: a gateway.session_store.Session -> the plan that started it (`stored_plan`)."""
     spec = dict(session.speculation)
     adaptive = bool(spec.pop("adaptive", False))
-    extra, grammar = session.extra, session.extra.get("grammar")
-    if extra.get("dsi"):
-        raise wire.WireError("resume", "a DSI session cannot be resumed on another gateway")
+    extra, grammar, dsi = session.extra, session.extra.get("grammar"), session.extra.get("dsi")
     return GenerationPlan(
         prompt_ids=session.tokens[: session.prompt_len],
         max_new_tokens=session.max_new_tokens,
@@ -120,6 +119,7 @@ def plan_from_session(session: Any) -> GenerationPlan:
         spec=TreeSpec(**spec),
         adaptive=adaptive,
         auto=bool(extra.get("auto", False)),
+        dsi=DsiSettings(**dsi) if dsi else None,
         top_logprobs=extra.get("top_logprobs"),
         grammar=Grammar(grammar["text"], grammar["start"]) if grammar else None,
     )

@@ -630,17 +630,21 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             text.push(generated[: resume.token_index], final=False)  # what the client has
             missing = generated[resume.token_index :]
             replay = Piece(missing, text.push(missing, final=session.finished), session.finish_reason)
-            policy = None
-            if plan.adaptive:  # the depth policy starts afresh: the shape may differ from here on
-                plan, policy = await asyncio.get_running_loop().run_in_executor(
-                    self._parser, self._speculation, plan
-                )
+            if plan.dsi is not None:  # its shape is chosen again: the same where the request fixed it
+                run: SessionRun = await self._dsi_run(plan, text, deadline, resumed=session)
+            else:
+                policy = None
+                if plan.adaptive:  # the depth policy starts afresh: the shape may differ from here on
+                    plan, policy = await asyncio.get_running_loop().run_in_executor(
+                        self._parser, self._speculation, plan
+                    )
+                run = SessionRun(plan, self.env, text, deadline, policy, resumed=session)
         except BaseException:
             with contextlib.suppress(StoreError):
                 await self.env.store.release(session_id, session.owner)
             raise
         log.info("resumed", extra={"session": session_id, "from": resume.token_index, "owner": session.owner})
-        return SessionRun(plan, self.env, text, deadline, policy, resumed=session), replay
+        return run, replay
 
     async def _take(self, session_id: str, deadline: float | None) -> Session:
         """Take the session over once no other gateway's lease is live: a dead gateway's runs out
@@ -673,11 +677,18 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             loop = asyncio.get_running_loop()
             plan, policy = await loop.run_in_executor(self._parser, self._speculation, plan)
             return SessionRun(plan, self.env, text, deadline, policy)
+        return await self._dsi_run(plan, text, deadline)
+
+    async def _dsi_run(
+        self, plan: GenerationPlan, text: TextStream, deadline: float | None, resumed: Session | None = None
+    ) -> DsiRun:
+        assert plan.dsi is not None
+        model = self.served_model()
         verify = ForwardCost(model.forward_cost, decay=0.0).shape
         shape = await self._dsi_shape(plan.dsi, verify, model.draft_cost)
         return DsiRun(
             plan, self.env, text, deadline, lookahead=shape.lookahead, parallel=shape.parallel,
-            ahead=shape.ahead, verify_cost=verify,
+            ahead=shape.ahead, verify_cost=verify, resumed=resumed,
         )  # fmt: skip
 
     def _speculation(self, plan: GenerationPlan) -> tuple[GenerationPlan, AdaptivePolicy | None]:

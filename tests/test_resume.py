@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import httpx2 as httpx
@@ -26,7 +27,7 @@ from specmesh.stack.ports import free_port
 from specmesh.stack.redis_server import RedisServer
 from tests.servers import Server, redis_client, replica, session_keys, start_all, stop_all, wait_until
 from tests.test_engine import PROMPT, SPECS
-from tests.test_gateway import gateway_grpc, make_request
+from tests.test_gateway import gateway_grpc, gateway_pb2, make_request
 
 pytestmark = pytest.mark.xdist_group("resume")
 
@@ -109,19 +110,27 @@ def reference(mesh: Mesh, request) -> list[int]:
     return list(mesh.stub().Generate(request, timeout=60).token_ids)
 
 
-# greedy through draft trees, and seeded T = 0.8 with a fixed speculation shape
+def dsi(request):
+    """`request` in DSI mode (gateway/dsi.py), its shape fixed: at T = 0 its output is the target's
+    greedy decode whatever the timing (at T > 0 a seed does not fix DSI's text)."""
+    request.speculation.CopyFrom(gateway_pb2.Speculation(dsi=True, depth=3, parallel=1))
+    return request
+
+
+# greedy through draft trees and DSI, and seeded T = 0.8 with a fixed speculation shape
 CASES = {
     "greedy-chain": make_request(SPECS["chain"], TOKENS),
+    "greedy-dsi": dsi(make_request(SPECS["chain"], TOKENS)),
     "t0.8-chain": make_request(SPECS["chain"], TOKENS, SamplingParams(0.8, seed=7)),
     "t0.8-none": make_request(SPECS["none"], TOKENS, SamplingParams(0.8, seed=9)),
 }
 
 
-def interrupted(mesh: Mesh, request, fault) -> tuple[list[int], float]:
+def interrupted(mesh: Mesh, request, fault) -> tuple[list[int], float, Any]:
     """Stream `request` through the helper; `fault(gateway index)` hits the serving gateway after the
-    first chunk. -> (tokens received, the longest wait between two chunks)."""
+    first chunk. -> (tokens received, the longest wait between two chunks, the last chunk)."""
     serving = mesh.alive()[0]
-    tokens, gaps, last, hit = [], [], None, False
+    tokens, gaps, last, hit, chunk = [], [], None, False, None
     for chunk in resumable_stream(mesh.stub, request, budget=RetryBudget(attempts=30), timeout=60):
         now = time.monotonic()
         if last is not None:
@@ -131,15 +140,16 @@ def interrupted(mesh: Mesh, request, fault) -> tuple[list[int], float]:
         if not hit and tokens:
             hit = True
             fault(serving)
-    return tokens, max(gaps, default=0.0)
+    return tokens, max(gaps, default=0.0), chunk
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_sigkilled_gateways_stream_is_resumed_elsewhere_identically(mesh, raw, case) -> None:
     want = reference(mesh, CASES[case])
-    got, stall = interrupted(mesh, CASES[case], lambda i: mesh.gateways[i].kill())
+    got, stall, final = interrupted(mesh, CASES[case], lambda i: mesh.gateways[i].kill())
     assert got == want  # every token once, in order: none lost, none repeated
     assert len(want) > 20
+    assert final.stats.dsi_lookahead == (3 if "dsi" in case else 0)  # resumed in its own mode
     print(f"{case}: {len(got)} tokens, longest stall {stall:.2f}s")
     assert stall < LEASE + 3.0
     for i in range(3):
@@ -157,7 +167,7 @@ def test_sigterm_hands_the_stream_over_without_a_visible_error(mesh, raw) -> Non
         mesh.gateways[i].proc.send_signal(signal.SIGTERM)
         terminated.append(i)
 
-    got, stall = interrupted(mesh, request, rollout)
+    got, stall, _ = interrupted(mesh, request, rollout)
     assert got == want
     gateway = mesh.gateways[terminated[0]]
     assert gateway.proc.wait(timeout=15) == 0  # it stopped on its own, cleanly
