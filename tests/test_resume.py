@@ -248,3 +248,14 @@ def test_an_abandoned_session_expires_and_its_replicas_release_it(mesh, raw) -> 
 
 def mesh_model(mesh: Mesh) -> str:
     return httpx.get(mesh.url().replace("/completions", "/models"), timeout=10).json()["data"][0]["id"]
+
+
+def test_sigusr1_logs_where_every_task_waits_and_the_gateway_goes_on(mesh) -> None:
+    """The tool for a stream that hangs (specmesh/rpc/server.py, dump_tasks)."""
+    gateway = mesh.gateways[1]
+    gateway.proc.send_signal(signal.SIGUSR1)
+    wait_until(lambda: '"msg": "task"' in gateway.log.read_text(), what="the task dump")
+    dumped = [line for line in gateway.log.read_text().splitlines() if '"msg": "task"' in line]
+    assert any("serve" in line for line in dumped), dumped[:3]
+    with grpc.insecure_channel(gateway.address) as channel:
+        assert gateway_grpc.GatewayStub(channel).Generate(CASES["greedy-chain"], timeout=60).token_ids

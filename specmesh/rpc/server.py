@@ -32,6 +32,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
+from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -383,6 +384,7 @@ async def serve(
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
     log.info(
         "serving",
         extra={
@@ -404,6 +406,35 @@ async def serve(
     if http is not None:
         http[0].shutdown()
     log.info("stopped", extra={"threads": threading.active_count()})
+
+
+def dump_tasks() -> None:
+    """SIGUSR1: log every asyncio task and where it waits, innermost last (a request that hangs
+    shows which await it is stuck in; the process goes on serving)."""
+    for task in asyncio.all_tasks():
+        log.warning("task", extra={"task": task.get_name(), "stack": " > ".join(_awaits(task.get_coro()))})
+
+
+def _awaits(coro: Any) -> list[str]:
+    """file:line function of each coroutine (or generator) in the chain `coro` awaits, outermost
+    first, then what the innermost awaits (a future, a lock)."""
+    chain = []
+    while coro is not None:
+        frame = (
+            getattr(coro, "cr_frame", None)
+            or getattr(coro, "gi_frame", None)
+            or getattr(coro, "ag_frame", None)
+        )
+        if frame is None:
+            chain.append(repr(coro)[:120])
+            break
+        chain.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}")
+        coro = (
+            getattr(coro, "cr_await", None)
+            or getattr(coro, "gi_yieldfrom", None)
+            or getattr(coro, "ag_await", None)
+        )
+    return chain
 
 
 def _start_metrics(config: ServerConfig, metrics: RpcMetrics, tls: ServerTls | None) -> Any:
