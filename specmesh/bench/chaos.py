@@ -56,6 +56,7 @@ QUIET = "quiet"  # the fault label of the time before the first fault
 # after a child is back, before the next fault: the gateway's health checks (every second) must
 # have seen it, or the drafter pause could find the restarted drafter not yet a spare
 SETTLE_SECONDS = 3.0
+HUNG_SECONDS = 60.0  # a stream without a chunk this long: the gateway is asked where its tasks wait
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class Outcome:
     tokens: list[int] = field(default_factory=list)
     error: str = ""
     stalls: list[tuple[float, float]] = field(default_factory=list)  # (end time, seconds waited)
+    waiting_since: float | None = None  # while the request runs: its last chunk's time (or start's)
 
 
 def request_of(pb2: Any, stream: int, index: int, cfg: ChaosConfig) -> Any:
@@ -112,22 +114,41 @@ def request_of(pb2: Any, stream: int, index: int, cfg: ChaosConfig) -> Any:
 
 
 async def _stream(stub: Any, request: Any, outcome: Outcome) -> None:
-    last = time.monotonic()
+    last = outcome.waiting_since = time.monotonic()
     try:
         async for chunk in stub.GenerateStream(request, timeout=300):
-            now = time.monotonic()
+            now = outcome.waiting_since = time.monotonic()
             outcome.stalls.append((now, now - last))
             last = now
             outcome.tokens += chunk.token_ids
     except grpc.aio.AioRpcError as exc:
         outcome.error = f"{exc.code().name}: {exc.details()}"
+    finally:
+        outcome.waiting_since = None
 
 
-async def _client(stub: Any, pb2: Any, stream: int, cfg: ChaosConfig, until: float) -> list[Outcome]:
+async def _watch_for_hangs(sup: Supervisor, live: list[Outcome], hung: list[str]) -> None:
+    """A request with no chunk for HUNG_SECONDS: SIGUSR1 the gateway once, so that its log says
+    which await every task waits in (specmesh/rpc/server.py, dump_tasks)."""
+    while not hung:
+        await asyncio.sleep(5.0)
+        now = time.monotonic()
+        for o in live:
+            if o.waiting_since is not None and now - o.waiting_since > HUNG_SECONDS:
+                hung.append(f"stream {o.stream} request {o.index}")
+                with contextlib.suppress(ProcessLookupError, TypeError):
+                    os.kill(sup.pid("gateway"), signal.SIGUSR1)  # type: ignore[arg-type]
+                break
+
+
+async def _client(
+    stub: Any, pb2: Any, stream: int, cfg: ChaosConfig, until: float, live: list[Outcome]
+) -> list[Outcome]:
     outcomes = []
     index = 0
     while time.monotonic() < until:
         outcome = Outcome(stream, index)
+        live.append(outcome)
         await _stream(stub, request_of(pb2, stream, index, cfg), outcome)
         outcomes.append(outcome)
         index += 1
@@ -197,8 +218,12 @@ async def run_chaos(cfg: ChaosConfig, models: dict[str, Path], log: Any) -> dict
             injector = asyncio.create_task(
                 _inject(sup, specs, faults(cfg), start, cfg.seconds, fired, recovered)
             )
-            clients = [_client(stub, pb2, s, cfg, start + cfg.seconds) for s in range(cfg.streams)]
+            live: list[Outcome] = []
+            hung: list[str] = []
+            watch = asyncio.create_task(_watch_for_hangs(sup, live, hung))
+            clients = [_client(stub, pb2, s, cfg, start + cfg.seconds, live) for s in range(cfg.streams)]
             per_stream = await asyncio.gather(*clients)
+            watch.cancel()
             await injector
             chaos_seconds = time.monotonic() - start
             outcomes = [o for stream in per_stream for o in stream]
@@ -208,7 +233,8 @@ async def run_chaos(cfg: ChaosConfig, models: dict[str, Path], log: Any) -> dict
             quiet = await _replay(stub, pb2, outcomes, cfg)
     finally:
         await sup.stop()
-    return {**_summary(cfg, outcomes, quiet, fired, chaos_seconds), "back_after_seconds": recovered}
+    summary = _summary(cfg, outcomes, quiet, fired, chaos_seconds)
+    return {**summary, "back_after_seconds": recovered, "hung": hung}
 
 
 async def _replay(stub: Any, pb2: Any, outcomes: list[Outcome], cfg: ChaosConfig) -> list[Outcome]:
