@@ -384,7 +384,9 @@ async def serve(
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
+        # the process's own signals: an embedder that passes `stop` (its loop perhaps off the main
+        # thread, where Python takes no signal handler) keeps its own
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
     log.info(
         "serving",
         extra={
