@@ -119,7 +119,8 @@ def plan_from_session(session: Any) -> GenerationPlan:
         spec=TreeSpec(**spec),
         adaptive=adaptive,
         auto=bool(extra.get("auto", False)),
-        dsi=DsiSettings(**dsi) if dsi else None,
+        # a gateway before DSI resume stored only `true`: the gateway chooses the shape again
+        dsi=DsiSettings(**dsi) if isinstance(dsi, dict) else DsiSettings() if dsi else None,
         top_logprobs=extra.get("top_logprobs"),
         grammar=Grammar(grammar["text"], grammar["start"]) if grammar else None,
     )
