@@ -761,19 +761,11 @@ class SessionStore:
         return bool(await self._call("touch", lambda: self._touch(keys=keys, args=[self._ttl_ms])))
 
     async def expire(self, session_id: str, seconds: float) -> bool:
-        """Let the session's keys expire in `seconds` (a finished session kept for a late resume)."""
-        keys = self.keys(session_id).all()
-        ms = max(1, int(seconds * 1000))
-
-        async def expire_all() -> list[Any]:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                for key in keys:
-                    pipe.pexpire(key, ms)
-                return await pipe.execute()
-
-        return any(
-            await self._call("expire", expire_all, min(self.reconnect_timeout, CLEANUP_RECONNECT_SECONDS))
-        )
+        """Let the session's keys expire in `seconds` (a finished session kept for a late resume):
+        `touch`'s script with a TTL of its own. False if the session does not exist."""
+        keys, ms = self.keys(session_id).all(), max(1, int(seconds * 1000))
+        budget = min(self.reconnect_timeout, CLEANUP_RECONNECT_SECONDS)
+        return bool(await self._call("expire", lambda: self._touch(keys=keys, args=[ms]), budget))
 
     async def ttl(self, session_id: str) -> float | None:
         """Seconds until the session expires, None if it does not exist."""

@@ -93,8 +93,8 @@ def mesh(models, tmp_path_factory) -> Iterator[Mesh]:
 
 @pytest.fixture(autouse=True)
 def all_gateways_up(mesh) -> None:
-    """Each test starts with the three gateways serving, even after one that failed with its fault
-    still in place."""
+    """Each test starts with the three gateways serving: the gateway a test killed or stopped is
+    started again here (after a failed test too)."""
     for i in range(len(mesh.gateways)):
         if i not in mesh.alive():
             mesh.restart(i)
@@ -152,9 +152,6 @@ def test_a_sigkilled_gateways_stream_is_resumed_elsewhere_identically(mesh, raw,
     assert final.stats.dsi_lookahead == (3 if "dsi" in case else 0)  # resumed in its own mode
     print(f"{case}: {len(got)} tokens, longest stall {stall:.2f}s")
     assert stall < LEASE + 3.0
-    for i in range(3):
-        if i not in mesh.alive():
-            mesh.restart(i)
     wait_until(lambda: not session_keys(raw), what="the sessions' keys to go")
 
 
@@ -173,7 +170,6 @@ def test_sigterm_hands_the_stream_over_without_a_visible_error(mesh, raw) -> Non
     assert gateway.proc.wait(timeout=15) == 0  # it stopped on its own, cleanly
     assert "handed sessions over" in gateway.log.read_text()
     print(f"rollout: longest stall {stall:.2f}s")
-    mesh.restart(terminated[0])
     wait_until(lambda: not session_keys(raw), what="the sessions' keys to go")
 
 
@@ -206,7 +202,6 @@ def test_two_gateways_resuming_one_session_at_once_run_it_once(mesh, raw) -> Non
     assert "run by another gateway" in errors[0].details()
     assert list(first.token_ids) + [t for c in runs[0] for t in c.token_ids] == want
     assert runs[0][-1].finish_reason
-    mesh.restart(2)
     wait_until(lambda: not session_keys(raw), what="the sessions' keys to go")
 
 
@@ -221,7 +216,6 @@ def test_an_sse_stream_is_resumed_with_last_event_id(mesh, raw) -> None:
             killed = True
             mesh.gateways[serving].kill()
     assert "".join(texts) == plain
-    mesh.restart(serving)
     wait_until(lambda: not session_keys(raw), what="the sessions' keys to go")
 
 
@@ -243,7 +237,6 @@ def test_an_abandoned_session_expires_and_its_replicas_release_it(mesh, raw) -> 
             timeout=3 * IDLE, what=f"{server.module} to release the idle session",
         )  # fmt: skip
     assert mesh.verifier.metrics()[("specmesh:idle_sessions_released_total", ())] >= 1
-    mesh.restart(0)
 
 
 def mesh_model(mesh: Mesh) -> str:
