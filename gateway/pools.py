@@ -317,7 +317,10 @@ class ReplicaPool:
                 await self._changed.wait_for(lambda: len(self.healthy()) >= count)
             return self.healthy()
 
-        return await asyncio.wait_for(ready(), timeout)
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel that lands as
+        # `ready` completes (CPython gh-86296), and a cancelled request would run on
+        async with asyncio.timeout(timeout):
+            return await ready()
 
     async def _notify(self) -> None:
         async with self._changed:

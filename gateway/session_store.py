@@ -508,9 +508,16 @@ class SessionStore:
         budget = self.reconnect_timeout if reconnect_timeout is None else reconnect_timeout
         start = time.monotonic()
         delay = BACKOFF_FIRST
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0
         while True:
             try:
                 result = await call()
+                if task is not None and task.cancelling() > cancels:
+                    # redis-py sends through asyncio.wait_for, which on Python 3.11 drops a cancel
+                    # that lands as the send completes (CPython gh-86296): raise it here, or a
+                    # cancelled loop (a lease renewer) would run on and its session never end.
+                    raise asyncio.CancelledError
             except redis.exceptions.AuthenticationError as exc:
                 raise StoreError(
                     f"session store: Redis at {_safe_url(self.url)} refused the credentials ({exc}): "

@@ -45,7 +45,8 @@ async def until(predicate, timeout: float = 3.0) -> None:
         while not predicate():
             await asyncio.sleep(0.02)
 
-    await asyncio.wait_for(poll(), timeout)
+    async with asyncio.timeout(timeout):
+        await poll()
 
 
 def test_parse_targets():

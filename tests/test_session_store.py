@@ -604,3 +604,34 @@ def test_only_one_gateway_owns_a_session_and_a_stale_owner_is_fenced(server, raw
                 await a.take(s)
 
     run(go())
+
+
+def test_a_cancelled_call_is_cancelled_wherever_the_cancel_lands(server) -> None:
+    """redis-py sends a command through asyncio.wait_for (its socket_timeout), which on Python 3.11
+    returns the result and drops a cancel that lands as the send completes. A gateway's lease
+    renewer cancelled there went on renewing forever, and its session never ended. Each call is
+    cancelled after 0 to 12 passes of the event loop: every cancel that found it running ends it."""
+
+    async def go() -> list[tuple[str, int]]:
+        async with SessionStore(server.url, lease_seconds=5.0) as store:
+            s = sid()
+            owner = (await store.create(s, [1, 2, 3])).owner
+            calls = {"renew": lambda: store.renew(s, owner), "load": lambda: store.load(s)}
+            swallowed = []
+            for name, call in calls.items():
+                for passes in range(13):
+                    for _ in range(5):
+                        task = asyncio.ensure_future(call())
+                        for _ in range(passes):
+                            await asyncio.sleep(0)
+                        if not task.cancel():
+                            continue
+                        try:
+                            await task
+                        except asyncio.CancelledError:
+                            continue
+                        swallowed.append((name, passes))
+            await store.delete(s)
+            return swallowed
+
+    assert run(go()) == []

@@ -128,7 +128,8 @@ def test_restarts_are_bounded_then_the_stack_stops(child):
             [child("redis"), child("drafter-0", "crash", stage=1, max_restarts=2, restart_delay=0.05)],
             output=io.StringIO(),
         )
-        status = await asyncio.wait_for(sup.run(install_signal_handlers=False), 20)
+        async with asyncio.timeout(20):
+            status = await sup.run(install_signal_handlers=False)
         assert status == 1
         assert events(child).count("drafter-0 started") == 3  # the first run and two restarts
         assert "gave up after 2 restarts" in sup.output.getvalue()

@@ -298,8 +298,9 @@ class Supervisor:
                 raise ChildFailed(f"{spec.name} was not ready after {spec.ready_timeout:.0f}s")
             if self._done.is_set():
                 raise ChildFailed(f"stopped while waiting for {spec.name}")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), self.poll_interval)
+            with contextlib.suppress(TimeoutError):  # not wait_for: it can drop a cancel on 3.11
+                async with asyncio.timeout(self.poll_interval):
+                    await proc.wait()
 
     async def _watch(self, child: _Child) -> None:
         """Restart a child that exits on its own, within its budget (module docstring)."""
@@ -341,7 +342,8 @@ class Supervisor:
         """Let the log pump copy what the child wrote before it exited."""
         if child.pump is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(child.pump), 2.0)
+                async with asyncio.timeout(2.0):
+                    await asyncio.shield(child.pump)
 
     async def _terminate(self, child: _Child) -> None:
         proc = child.proc
