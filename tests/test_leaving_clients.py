@@ -7,9 +7,7 @@ that only a collection would end stays, its lease renewed, until the test fails.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import grpc
 import httpx2 as httpx
@@ -19,13 +17,12 @@ import redis
 from specmesh.rpc.proto import load
 from specmesh.stack.ports import free_port
 from specmesh.stack.redis_server import RedisServer
-from tests.servers import Server, redis_client, replica, session_keys, start_all, stop_all, wait_until
-from tests.test_engine import PROMPT
+from tests.servers import Server, replica, start_all, stop_all, wait_until
+from tests.test_http_api import WORDS, Stack, assert_no_sessions
 
 pytestmark = pytest.mark.xdist_group("leaving")
 
 gateway_pb2, gateway_grpc = load("gateway")
-WORDS = " ".join(f"w{t - 4}" for t in PROMPT)
 
 
 class NoGcServer(Server):
@@ -35,21 +32,6 @@ class NoGcServer(Server):
         python, _, module, *rest = super().command()
         run = f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
         return [python, "-c", f"import gc, runpy; gc.disable(); {run}", *rest]
-
-
-@dataclass
-class Stack:
-    redis: RedisServer
-    replicas: list[Server]
-    gateway: Server
-    http_port: int
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def running(self) -> float:
-        return self.gateway.metrics()[("specmesh:num_requests_running", ())]
 
 
 @pytest.fixture(scope="module")
@@ -67,24 +49,15 @@ def stack(models, tmp_path_factory) -> Iterator[Stack]:
         gateway = NoGcServer("gateway", args, logs / "gateway.log")
         try:
             start_all(drafter, verifier, gateway)
-            yield Stack(redis_server, [drafter, verifier], gateway, http_port)
+            yield Stack(redis_server, [drafter, verifier], gateway, http_port, "tiny")
         finally:
             stop_all(drafter, verifier, gateway)
 
 
-@pytest.fixture
-def raw_redis(stack) -> Iterator[redis.Redis]:
-    with redis_client(stack.redis.url) as client:
-        yield client
-
-
 def assert_nothing_left(stack: Stack, raw_redis: redis.Redis) -> None:
-    wait_until(lambda: not session_keys(raw_redis), what="the sessions' keys to go")
-    wait_until(lambda: stack.running() == 0, what="the gateway's runs to end")
-    for server in stack.replicas:
-        wait_until(
-            lambda s=server: s.metrics()[("specmesh:num_sessions", ())] == 0, what=f"{server.module} release"
-        )
+    running = ("specmesh:num_requests_running", ())
+    wait_until(lambda: stack.gateway.metrics()[running] == 0, what="the gateway's runs to end")
+    assert_no_sessions(stack, raw_redis)
 
 
 def request(max_tokens: int) -> gateway_pb2.GenerateRequest:
@@ -146,7 +119,3 @@ def test_an_sse_client_that_leaves_before_done_ends_its_session(stack, raw_redis
                     if '"finish_reason": "' in line or '"finish_reason":"' in line:
                         break
     assert_nothing_left(stack, raw_redis)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__, "-q"]))
