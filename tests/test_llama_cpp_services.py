@@ -4,14 +4,11 @@ at T=0 the backend's own greedy decode, and a killed replica recovered by resync
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import llguidance
-import llguidance.hf
-import numpy as np
 import pytest
 import torch
 
@@ -34,6 +31,7 @@ from tests.test_services import (
     remote,
     running,
 )
+from tests.test_structured import constrained_greedy
 from tests.tiny_gguf import save_tiny_gguf_pair
 
 pytestmark = pytest.mark.xdist_group("llama_services")
@@ -131,18 +129,12 @@ def test_gateway_greedy_under_a_regex_is_the_backends_constrained_greedy(gateway
     request.constraint.regex = regex
     reply = gateway_stub.Generate(request, timeout=60)
     target = load_model(ggufs["target"], backend="llama.cpp")
-    runner, vocab = target.open_runner(), target.vocab_size
-    lltok = llguidance.hf.from_tokenizer(target.tokenizer, n_vocab=vocab)
-    matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_regex(regex))
-    new, want = list(PROMPT), []
-    while len(want) < 24:
-        logits = runner.forward([Step("reference", new_tokens=new)])[0][-1]
-        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")[:vocab]
-        token = int(logits.masked_fill(torch.from_numpy(~bits.astype(bool)), -math.inf).argmax())
-        want.append(token)
-        assert matcher.consume_token(token)
-        if token == EOS:
-            break
-        new = [token]
+    runner = target.open_runner()
+
+    def next_logits(new: list[int]) -> torch.Tensor:  # the runner keeps the context: only new tokens
+        return runner.forward([Step("reference", new_tokens=new or list(PROMPT))])[0][-1]
+
+    grammar = llguidance.LLMatcher.grammar_from_regex(regex)
+    want = constrained_greedy(next_logits, target.tokenizer, grammar, EOS, 24)
     assert list(reply.token_ids) == want
     assert want[-1] == EOS  # the regex completed and only the end of sequence was left

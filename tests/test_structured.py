@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -133,23 +133,38 @@ def test_json_object_streamed_is_one_object(client) -> None:
         assert text.lstrip().startswith("{")
 
 
-def constrained_greedy(model_dir, prompt: list[int], grammar: str, n: int) -> list[int]:
-    """The target's own greedy decode under the grammar: transformers' logits, llguidance's mask."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    vocab = model.config.vocab_size
+def constrained_greedy(
+    next_logits: Callable[[list[int]], torch.Tensor], tokenizer, grammar: str, eos: int, n: int
+) -> list[int]:
+    """A target's own greedy decode under the grammar, with llguidance's mask: up to n tokens.
+    next_logits(new tokens) -> [V] the logits after the prompt ([] asks for those) and the tokens
+    so far, each token passed once."""
+    logits = next_logits([])
+    vocab = logits.shape[-1]
     matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab), grammar)
     out: list[int] = []
     while len(out) < n:
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + out])).logits[0, -1]
         bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")[:vocab]
         token = int(logits.masked_fill(torch.from_numpy(~bits.astype(bool)), -math.inf).argmax())
         out.append(token)
         assert matcher.consume_token(token)
-        if token == tokenizer.eos_token_id:
+        if token == eos:
             break
+        logits = next_logits([token])
     return out
+
+
+def transformers_logits(model_dir, prompt: list[int]) -> Callable[[list[int]], torch.Tensor]:
+    """next_logits for constrained_greedy: transformers in fp32, the whole sequence each time."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    seen = list(prompt)
+
+    def next_logits(new: list[int]) -> torch.Tensor:
+        seen.extend(new)
+        with torch.no_grad():
+            return model(torch.tensor([seen])).logits[0, -1]
+
+    return next_logits
 
 
 @pytest.mark.parametrize("method", list(SPECS))
@@ -163,9 +178,9 @@ def test_greedy_under_a_regex_equals_the_targets_constrained_greedy(stack, byte_
         got = stub.Generate(request, timeout=60)
     tokenizer = AutoTokenizer.from_pretrained(byte_models["target"])
     prompt = tokenizer("id: ")["input_ids"]
-    want = constrained_greedy(
-        byte_models["target"], prompt, llguidance.LLMatcher.grammar_from_regex(regex), 40
-    )
+    grammar = llguidance.LLMatcher.grammar_from_regex(regex)
+    next_logits = transformers_logits(byte_models["target"], prompt)
+    want = constrained_greedy(next_logits, tokenizer, grammar, tokenizer.eos_token_id, 40)
     assert list(got.token_ids) == want
     if got.finish_reason == "stop":
         assert re.fullmatch(regex, got.text), got.text
