@@ -317,8 +317,6 @@ class ReplicaPool:
                 await self._changed.wait_for(lambda: len(self.healthy()) >= count)
             return self.healthy()
 
-        # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel that lands as
-        # `ready` completes (CPython gh-86296), and a cancelled request would run on
         async with asyncio.timeout(timeout):
             return await ready()
 

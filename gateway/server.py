@@ -670,8 +670,6 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
     async def _session_run(
         self, plan: GenerationPlan, text: TextStream, deadline: float | None
     ) -> SessionRun:
-        model = self.model
-        assert model is not None
         if plan.dsi is None:
             # off the event loop: the prompt's n-gram hit rate is a pass over the whole prompt
             loop = asyncio.get_running_loop()

@@ -14,15 +14,13 @@ import httpx2 as httpx
 import pytest
 import redis
 
-from specmesh.rpc.proto import load
 from specmesh.stack.ports import free_port
 from specmesh.stack.redis_server import RedisServer
 from tests.servers import Server, replica, start_all, stop_all, wait_until
+from tests.test_gateway import gateway_grpc, make_request
 from tests.test_http_api import WORDS, Stack, assert_no_sessions
 
 pytestmark = pytest.mark.xdist_group("leaving")
-
-gateway_pb2, gateway_grpc = load("gateway")
 
 
 class NoGcServer(Server):
@@ -60,18 +58,11 @@ def assert_nothing_left(stack: Stack, raw_redis: redis.Redis) -> None:
     assert_no_sessions(stack, raw_redis)
 
 
-def request(max_tokens: int) -> gateway_pb2.GenerateRequest:
-    request = gateway_pb2.GenerateRequest(prompt=WORDS, max_new_tokens=max_tokens)
-    request.sampling.temperature = 0.0
-    request.speculation.method, request.speculation.depth = "chain", 2
-    return request
-
-
 @pytest.mark.parametrize("chunks", [1, 3], ids=["after-first", "after-third"])
 def test_a_grpc_stream_cancelled_mid_way_ends_its_session(stack, raw_redis, chunks: int) -> None:
     with grpc.insecure_channel(stack.gateway.address) as channel:
         stub = gateway_grpc.GatewayStub(channel)
-        calls = [stub.GenerateStream(request(150), timeout=60) for _ in range(4)]
+        calls = [stub.GenerateStream(make_request(max_new_tokens=150), timeout=60) for _ in range(4)]
         for call in calls:
             for _, chunk in zip(range(chunks), call, strict=False):
                 assert not chunk.finish_reason
@@ -86,7 +77,7 @@ def test_a_grpc_stream_cancelled_after_its_last_chunk_ends_its_session(stack, ra
     with grpc.insecure_channel(stack.gateway.address) as channel:
         stub = gateway_grpc.GatewayStub(channel)
         for _ in range(4):
-            call = stub.GenerateStream(request(6), timeout=60)
+            call = stub.GenerateStream(make_request(max_new_tokens=6), timeout=60)
             for chunk in call:
                 if chunk.finish_reason:
                     call.cancel()

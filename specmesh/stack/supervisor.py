@@ -298,7 +298,7 @@ class Supervisor:
                 raise ChildFailed(f"{spec.name} was not ready after {spec.ready_timeout:.0f}s")
             if self._done.is_set():
                 raise ChildFailed(f"stopped while waiting for {spec.name}")
-            with contextlib.suppress(TimeoutError):  # not wait_for: it can drop a cancel on 3.11
+            with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.poll_interval):
                     await proc.wait()
 
