@@ -1,55 +1,71 @@
-"""The drafter service: `Draft` builds one tree per request with the engine's tree builders and
-seeding (specmesh.core.rounds.draft_round); the level forwards of concurrent requests share one
-ModelRunner.forward.
+"""The drafter service: trees for a tick of sessions (specmesh.runtime.rounds.draft_steps, the same
+rule as the in-process engine), one draft forward per tree level for all of them.
 
-Every Draft runs `build_tree` in a builder thread (the builders ask for one level at a time,
-synchronously). Each level goes through the shared ForwardBatcher, where every running builder is a
-participant: a level forward starts as soon as all of them have asked for their next level (or
-after --max-wait-ms), so sessions that arrive together draft in lockstep, one forward per level.
+A caller's tick loop sends one `DraftTick` per tick on its `Ticks` stream (every session it has
+ready, in columns) and gets one `DraftTickResult`; `Draft` is a tick of one item, through the same
+code. Concurrent ticks (other callers, DSI's drafts) share forwards through the ForwardBatcher:
+every running tick is a participant, so a level forward starts as soon as all of them have asked
+for their next level (or after --max-wait-ms).
 
-The drafter is never told the verdict: the next Draft's new tokens say what was committed, and
-the pending nodes on that path are kept (specmesh.runtime.rounds, the same rule the in-process
-engine follows). The compaction runs on the model thread right before the root forward.
+The drafter is never told the verdict: the next draft's new tokens say what was committed, and the
+pending nodes on that path are kept (specmesh.runtime.rounds.reusable_nodes). The compaction runs on
+the model thread right before the tick's first forward.
 
-Pipelined rounds (specmesh.core.ahead): a Draft with `guess_next` also runs its tree's likely leaf
+Pipelined rounds (specmesh.core.ahead): a draft with `guess_next` also runs its tree's likely leaf
 and answers the path plus the draft's guess of the next token; the caller then sends those tokens
-as a `speculative` Draft beside its Verify. A later Draft of the session cancels a speculative one
-(or a `supersedable` one: DSI's drafts, which a rejection makes stale while they run) at its next
-level forward (instead of ABORTED); what it had fed stays committed here, and a Draft
-whose position is below what the drafter holds keeps the longest common prefix of the two and
-feeds only the rest.
+as a `speculative` draft beside its verification. A later draft of the session cancels a
+speculative one (or a `supersedable` one: DSI's drafts, which a rejection makes stale while they
+run) at its next level forward (answered superseded) instead of being refused as busy; what it had
+fed stays committed here, and a draft whose position is below what the drafter holds keeps the
+longest common prefix of the two and feeds only the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
-import torch
+import numpy as np
 
-from specmesh.core.ahead import likely_path
 from specmesh.core.drafting import Path
-from specmesh.core.grammar import TokenMask, constrain_draft
+from specmesh.core.grammar import TokenMask
 from specmesh.core.methods import Method
 from specmesh.core.ngram import draft_ngram
-from specmesh.core.rounds import draft_round
 from specmesh.core.tree import DraftTree
 from specmesh.rpc import wire
 from specmesh.rpc.metrics import count_labels
 from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.server import rpc
+from specmesh.rpc.ticks import (
+    GUESS_NEXT,
+    SPECULATIVE,
+    SUPERSEDABLE,
+    DraftAnswer,
+    ItemFailure,
+    TickItems,
+    column,
+    draft_result,
+    draft_specs_from_proto,
+)
 from specmesh.runtime.backend import Backend
 from specmesh.runtime.models import LoadedModel
-from specmesh.runtime.rounds import level_forwards, reusable_nodes
+from specmesh.runtime.rounds import Cancelled, DraftJob, DraftOutcome, draft_steps, reusable_nodes
 from specmesh.runtime.runner import Step
-from specmesh.services.batching import ForwardBatcher
 from specmesh.services.metrics import ServiceMetrics
-from specmesh.services.model_service import ModelService, RequestCancelled, Resume, ServiceConfig, main
+from specmesh.services.model_service import (
+    ModelService,
+    Resume,
+    ServiceConfig,
+    Tick,
+    TickStream,
+    Withdrawn,
+    main,
+    owner_hash,
+)
 
 DEFAULTS = {
     "model": "default-draft",
@@ -59,33 +75,31 @@ DEFAULTS = {
 }
 
 
-class _LevelForward:
-    """`runner_forward` for level_forwards: every level goes through the shared batcher, the
-    first one carries the compaction, and a cancelled request stops at its next level."""
+@dataclass
+class _Item:
+    """A draft of the tick whose session is reserved."""
 
-    def __init__(
-        self, batcher: ForwardBatcher, before: Callable[[], None], cancelled: threading.Event
-    ) -> None:
-        self._batcher, self._before, self._cancelled = batcher, before, cancelled
-        self.calls = 0
+    index: int
+    draft: wire.DraftInput
+    resume: Resume
+    pending: dict[Path, int]  # the session's pending tree before this draft took it
+    job: DraftJob
+    fed: int  # new tokens the drafter already held (pending nodes kept)
+    before: Callable[[], None]  # on the model thread before the first forward: keep / roll back / restart
 
-    def __call__(self, step: Step) -> torch.Tensor:
-        if self._cancelled.is_set():
-            raise RequestCancelled("the caller cancelled the request")
-        before, self._before = self._before, None
-        self.calls += 1
-        return self._batcher.run_threadsafe(step, before)
+
+SUPERSEDED = "superseded"  # a speculative / supersedable draft a later one stopped
 
 
 class DrafterService(ModelService, pb2_grpc.DrafterServicer):
     service_name = "Drafter"
+    tick_method = "DraftTick"
 
     def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
         super().__init__(config, model, metrics)
-        self._builders = ThreadPoolExecutor(config.max_batch_size, thread_name_prefix="draft")
         self._pending: dict[str, dict[Path, int]] = {}  # session -> its pending tree: path -> node
-        # session -> its speculative or supersedable Draft in flight: (its cancel flag, its work)
-        self._supersedable: dict[str, tuple[threading.Event, asyncio.Future]] = {}
+        # session -> its speculative or supersedable draft in flight: (its tick, its job, its end)
+        self._supersedable: dict[str, tuple[Tick, DraftJob, asyncio.Future]] = {}
         self._drafts = metrics.counter("specmesh:drafter_drafts", "trees drafted")
         self._per_depth = metrics.counter(
             "specmesh:drafter_draft_tokens_per_depth",
@@ -96,58 +110,209 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
             "specmesh:drafter_reused_tokens", "committed tokens whose KV was kept from the pending tree"
         )
 
-    async def close(self) -> None:
-        await asyncio.to_thread(self._builders.shutdown)
-        await super().close()
-
     def forget_local(self, session_id: str) -> None:
         super().forget_local(session_id)
         self._pending.pop(session_id, None)
 
+    # ---- RPCs ----------------------------------------------------------------------------------
+
     @rpc
     async def Draft(self, request: pb2.DraftRequest, context: grpc.aio.ServicerContext) -> pb2.DraftResponse:
+        start = time.perf_counter()
         draft = wire.parse_draft_request(request, self.vocab_size, self.limits)
-        self._check_method(draft.spec.method)
-        # n-gram drafts are not masked: the verifier's mask rejects what leaves the grammar
-        masks = await self.grammar_masks(draft) if draft.spec.method is not Method.NGRAM else None
-        await self._supersede(draft.session_id, context)
-        resume = self.begin(draft, context)
-        if draft.speculative and resume is not Resume.CONTINUE:
-            # A pre-draft overtaken by the real Draft (gRPC does not order two calls) would roll the
-            # session back onto a guess: it only ever continues what the drafter holds.
-            self.slots.free(draft.session_id)
+        owner = self._owner(draft.session_id, context)
+        (out,) = await self.draft_items([(draft, owner)], abandoned=context.cancelled)
+        if isinstance(out, BaseException):
+            raise out
+        if out == SUPERSEDED:
             return pb2.DraftResponse(superseded=True)
-        cancelled = threading.Event()
+        tree = out.tree
+        if tree is None:  # an n-gram drafter found no match: an empty tree, the round is a plain step
+            return pb2.DraftResponse(draft_seconds=time.perf_counter() - start)
+        return pb2.DraftResponse(
+            tree=wire.tree_to_proto(tree),
+            draft_calls=out.forwards,
+            draft_seconds=time.perf_counter() - start,
+            likely_token_ids=out.likely,
+            tree_nodes=tree.num_nodes,
+            tree_depth=int(tree.depths().max()),
+        )
+
+    async def tick_items(
+        self, stream: TickStream, message: pb2.DraftTick, items: TickItems
+    ) -> pb2.DraftTickResult:
+        start = time.perf_counter()
+        n = len(items)
+        specs, spec_index = draft_specs_from_proto(message, n, self.limits)
+        flags = column(message.flags, "u1", "flags", n) if n else np.zeros(0, np.uint8)
+        answers: list = [None] * n
+        drafts, where = [], []
+        positions, handles = items.positions.tolist(), items.handles.tolist()
+        for i in range(n):
+            try:
+                o = stream.session(handles[i])
+                spec = specs[int(spec_index[i])]
+                if isinstance(spec, wire.WireError):
+                    raise spec
+                new = items.new_tokens.item(i).tolist()
+                if not new:
+                    raise wire.WireError(
+                        "new_tokens", "must not be empty (the new tokens produce the root distribution)"
+                    )
+                f = int(flags[i])
+                draft = wire.DraftInput(
+                    session_id=o.session_id, position=positions[i], new_tokens=new, params=o.params,
+                    grammar=o.grammar, spec=spec, guess_next=bool(f & GUESS_NEXT),
+                    speculative=bool(f & SPECULATIVE), supersedable=bool(f & SUPERSEDABLE),
+                )  # fmt: skip
+                drafts.append((draft, owner_hash(o.key)))
+                where.append(i)
+            except Exception as exc:
+                answers[i] = self.failure("Draft", "", exc)
+
+        def running(jobs: Sequence[tuple[int, DraftJob]], tick: Tick) -> None:
+            for k, job in jobs:
+                stream.running[handles[where[k]]] = (tick, job)
+
+        outcomes = await self.draft_items(drafts, on_start=running)
+        for k, out in enumerate(outcomes):
+            i = where[k]
+            stream.running.pop(handles[i], None)
+            if isinstance(out, BaseException):
+                answers[i] = self.failure("Draft", drafts[k][0].session_id, out)
+            elif out == SUPERSEDED:
+                answers[i] = ItemFailure(grpc.StatusCode.CANCELLED.value[0], "superseded by a later draft")
+            else:
+                answers[i] = out
+        return draft_result(message.id, answers, self.vocab_size, time.perf_counter() - start)
+
+    # ---- a tick's drafts -----------------------------------------------------------------------
+
+    async def draft_items(
+        self,
+        drafts: Sequence[tuple[wire.DraftInput, bytes]],
+        abandoned: Callable[[], bool] = lambda: False,
+        on_start: Callable[[Sequence[tuple[int, DraftJob]], Tick], None] | None = None,
+    ) -> list[DraftAnswer | BaseException | str]:
+        """The trees of a tick's drafts ((input, its caller's key hash) each): a DraftAnswer, the
+        item's exception, or SUPERSEDED. abandoned(): whether the caller went away."""
+        out: list = [None] * len(drafts)
+        await self._supersede([d.session_id for d, _ in drafts])
+        masks = await asyncio.gather(*(self._masks(d) for d, _ in drafts), return_exceptions=True)
+        items: list[_Item] = []
+        befores: dict[str, Callable[[], None]] = {}
+        ngram: list[_Item] = []
+        for k, ((d, owner), mask) in enumerate(zip(drafts, masks, strict=True)):
+            try:
+                if isinstance(mask, BaseException):
+                    raise mask
+                self._check_method(d.spec.method)
+                resume = self.begin(d, owner)
+            except Exception as exc:
+                out[k] = exc
+                continue
+            if d.speculative and resume is not Resume.CONTINUE:
+                # A pre-draft overtaken by the real draft (two calls are not ordered) would roll the
+                # session back onto a guess: it only ever continues what the drafter holds.
+                self.slots.free(d.session_id)
+                out[k] = SUPERSEDED
+                continue
+            item = self._start(k, d, resume, mask)
+            befores[d.session_id] = item.before
+            (ngram if d.spec.method is Method.NGRAM else items).append(item)
+        for item in ngram:  # no model: a lookup, on the loop
+            out[item.index] = self._draft_ngram(item)
+        if items:
+            await self._run(items, befores, out, abandoned, on_start)
+        return out
+
+    def _start(self, k: int, d: wire.DraftInput, resume: Resume, masks: TokenMask | None) -> _Item:
+        sid = d.session_id
+        pending = self._pending.pop(sid, {})
+        fed, before = self._resume(d, resume, pending)
+        allowed = None
+        if masks is not None and d.grammar is not None:
+            # what the tree drafts after: before this call's forwards change the runner
+            committed = (self.runner.committed_tokens(sid) or [])[: d.position] + d.new_tokens
+            allowed = functools.partial(masks.allowed, committed[d.grammar.start :])
+        job = DraftJob(
+            sid, list(d.new_tokens[fed:]), d.spec, d.params, d.params.seed or 0, d.committed_length,
+            guess_next=d.guess_next, allowed=allowed,
+        )  # fmt: skip
+        return _Item(k, d, resume, pending, job, fed, before)
+
+    async def _run(
+        self,
+        items: list[_Item],
+        befores: dict[str, Callable[[], None]],
+        out: list,
+        abandoned: Callable[[], bool],
+        on_start: Callable[[Sequence[tuple[int, DraftJob]], Tick], None] | None,
+    ) -> None:
+        jobs = [item.job for item in items]
+        tick = Tick(self.batcher, jobs)
+        ended = self.loop.create_future()
+        for item in items:
+            if item.draft.superseded_by_next:
+                self._supersedable[item.draft.session_id] = (tick, item.job, ended)
+        if on_start is not None:
+            on_start([(item.index, item.job) for item in items], tick)
         try:
-            job = self._builders.submit(self._draft, draft, resume, cancelled, masks)
+            try:
+                outcomes = await self.run_tick(tick, lambda: self.drive(tick, draft_steps(jobs), befores))
+            except Withdrawn:
+                outcomes = [DraftOutcome(error=Cancelled("cancelled before its forward")) for _ in items]
+            for item, outcome in zip(items, outcomes, strict=True):
+                out[item.index] = self._settle(item, outcome, tick, abandoned())
         except BaseException:
-            self.slots.free(draft.session_id)
+            for item in items:
+                self.end(item.draft.session_id, item.resume, True, True)
             raise
-        work = asyncio.wrap_future(job)
-        if draft.superseded_by_next:
-            sid = draft.session_id
-            self._supersedable[sid] = (cancelled, work)
-            work.add_done_callback(
-                lambda w: self._supersedable.pop(sid) if self._supersedable.get(sid, (0, 0))[1] is w else None
-            )
+        finally:
+            for item in items:
+                if self._supersedable.get(item.draft.session_id, (None, None, None))[1] is item.job:
+                    del self._supersedable[item.draft.session_id]
+            ended.set_result(None)
 
-        def withdraw() -> None:
-            cancelled.set()
-            job.cancel()
+    def _settle(
+        self, item: _Item, outcome: DraftOutcome, tick: Tick, abandoned: bool
+    ) -> DraftAnswer | BaseException | str:
+        sid, d = item.draft.session_id, item.draft
+        if isinstance(outcome.error, Cancelled) and d.superseded_by_next and not abandoned:
+            # Superseded: nothing ran (the pending tree stays) or what was fed stays committed (the
+            # next draft's position rolls it back); its half-built tree is dropped.
+            self._pending[sid] = item.pending if item.job.forwards == 0 else {}
+            self.end(sid, item.resume, False, False)
+            return SUPERSEDED
+        gone = abandoned or tick.abandoned or item.job.cancelled  # its caller dropped it
+        if outcome.error is not None:
+            if item.job.forwards == 0 and tick.withdrawn:
+                self._pending[sid] = item.pending  # nothing ran
+                self.end(sid, item.resume, False, gone)
+            else:
+                self.end(sid, item.resume, True, gone)
+            return outcome.error
+        self._pending[sid] = item.job.nodes
+        self._record(outcome.tree, item.fed)
+        self.end(sid, item.resume, False, gone)
+        return DraftAnswer(outcome.tree, outcome.likely, item.job.forwards)
 
-        return await self.settle(draft.session_id, resume, context, work, withdraw)
+    async def _supersede(self, session_ids: list[str]) -> None:
+        """Stop these sessions' speculative or supersedable drafts, if any run, and wait until
+        they have stopped (at most their level forward in flight)."""
+        waits = []
+        for sid in session_ids:
+            running = self._supersedable.get(sid)
+            if running is not None:
+                tick, job, ended = running
+                tick.cancel(job)
+                waits.append(ended)
+        if waits:
+            await asyncio.wait(waits)
 
-    async def _supersede(self, session_id: str, context: grpc.aio.ServicerContext) -> None:
-        """Stop the session's speculative or supersedable Draft, if one runs, and wait until it
-        has stopped (at most its level forward in flight)."""
-        running = self._supersedable.get(session_id)
-        if running is None:
-            return
-        self._owner(session_id, context)  # only the session's own caller may cancel it
-        cancelled, work = running
-        cancelled.set()
-        await asyncio.wait({work})
-        await asyncio.sleep(0)  # settle's callback frees the session's slot
+    async def _masks(self, d: wire.DraftInput) -> TokenMask | None:
+        # n-gram drafts are not masked: the verifier's mask rejects what leaves the grammar
+        return await self.grammar_masks(d) if d.spec.method is not Method.NGRAM else None
 
     def _check_method(self, method: Method) -> None:
         """A drafter with a model drafts with it; one with none (--backend ngram) looks up n-grams."""
@@ -162,66 +327,22 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
                 "'ngram' is drafted by drafters started with --backend ngram, not this one",
             )
 
-    def _draft(
-        self, d: wire.DraftInput, resume: Resume, cancelled: threading.Event, masks: TokenMask | None
-    ) -> pb2.DraftResponse:
-        """In a builder thread: compact, build the tree level by level, encode it. masks: the
-        session's grammar, applied to every level's rows."""
-        start = time.perf_counter()
-        sid = d.session_id
-        # what the tree drafts after, for the grammar: before this call's forwards change the runner
-        committed = (self.runner.committed_tokens(sid) or [])[: d.position] + d.new_tokens
-        pending = self._pending.pop(sid, {})
-        fed, compact = self._resume(d, resume, pending)
-        if d.spec.method is Method.NGRAM:
-            return self._draft_ngram(d, fed, compact, start)
-        forward = _LevelForward(self.batcher, compact, cancelled)
-        nodes: dict[Path, int] = {}
-        self.loop.call_soon_threadsafe(self.batcher.join)
-        try:
-            next_logits = level_forwards(forward, sid, d.new_tokens[fed:], nodes)
-            if masks is not None and d.grammar is not None:
-                next_logits = constrain_draft(next_logits, masks, committed[d.grammar.start :])
-            tree = draft_round(d.spec, next_logits, d.params, d.params.seed, d.committed_length)
-            likely = _guess_next(forward, sid, tree, nodes) if d.guess_next else []
-        except RequestCancelled:
-            if not d.superseded_by_next:
-                raise
-            # Superseded: nothing ran (the pending tree stays) or what was fed stays committed
-            # (the next Draft's position rolls it back); its half-built tree is dropped.
-            self._pending[sid] = pending if forward.calls == 0 else {}
-            return pb2.DraftResponse(superseded=True)
-        finally:
-            self.loop.call_soon_threadsafe(self.batcher.leave)
-        self._pending[sid] = nodes
-        self._record(tree, fed)
-        return pb2.DraftResponse(
-            tree=wire.tree_to_proto(tree),
-            draft_calls=forward.calls,
-            draft_seconds=time.perf_counter() - start,
-            likely_token_ids=likely,
-            tree_nodes=tree.num_nodes,
-            tree_depth=int(tree.depths().max()),
-        )
-
-    def _draft_ngram(
-        self, d: wire.DraftInput, fed: int, compact: Callable[[], None], start: float
-    ) -> pb2.DraftResponse:
+    def _draft_ngram(self, item: _Item) -> DraftAnswer | BaseException:
         """No model: record the new tokens and look the proposal up in the session's tokens (the
         token runner is thread-safe and computes nothing, so no batcher and no model thread)."""
-        compact()
-        self.runner.forward([Step(d.session_id, new_tokens=list(d.new_tokens[fed:]))])
-        tokens = self.runner.committed_tokens(d.session_id) or []
-        tree = draft_ngram(tokens, d.spec.depth, self.vocab_size)
-        if tree is None:  # no match: an empty tree, the round is a plain step
-            return pb2.DraftResponse(draft_seconds=time.perf_counter() - start)
-        self._record(tree, fed)
-        return pb2.DraftResponse(
-            tree=wire.tree_to_proto(tree),
-            draft_seconds=time.perf_counter() - start,
-            tree_nodes=tree.num_nodes,
-            tree_depth=tree.num_nodes,
-        )
+        d, sid = item.draft, item.draft.session_id
+        try:
+            item.before()
+            self.runner.forward([Step(sid, new_tokens=list(d.new_tokens[item.fed :]))])
+            tree = draft_ngram(self.runner.committed_tokens(sid) or [], d.spec.depth, self.vocab_size)
+        except Exception as exc:
+            self.end(sid, item.resume, True, False)
+            return exc
+        self._pending[sid] = {}
+        if tree is not None:
+            self._record(tree, item.fed)
+        self.end(sid, item.resume, False, False)
+        return DraftAnswer(tree, [], 0)
 
     def _resume(
         self, d: wire.DraftInput, resume: Resume, pending: dict[Path, int]
@@ -248,22 +369,6 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         self._drafts.inc()
         self._reused.inc(reused)
         count_labels(self._per_depth, tree.depths().tolist())
-
-
-def _guess_next(
-    forward: _LevelForward, session_id: str, tree: DraftTree, nodes: dict[Path, int]
-) -> list[int]:
-    """Run the tree's likely leaf (one more draft forward, kept pending like the tree's nodes) and
-    return its path's tokens plus the draft's most likely next token: what the next round's
-    pre-draft assumes. [] when the leaf already ran (its logits are gone): no pre-draft then."""
-    path = likely_path(tree)
-    tokens = tuple(tree.path(path[-1])) if path else ()
-    if not tokens or tokens in nodes:
-        return []
-    parent = nodes[tokens[:-1]] if len(tokens) > 1 else -1
-    logits = forward(Step(session_id, node_tokens=[tokens[-1]], node_parents=[parent]))
-    nodes[tokens] = len(nodes)
-    return [*tokens, int(logits[-1].argmax())]
 
 
 def run(argv: list[str] | None = None) -> None:

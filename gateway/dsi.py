@@ -40,35 +40,19 @@ import grpc
 
 from gateway.pools import NoHealthyReplica
 from gateway.requests import GenerationPlan
-from gateway.rounds import _STUBS, GatewayEnv, GatewayError, Piece, SessionRun
+from gateway.rounds import GatewayEnv, GatewayError, Piece, SessionRun
 from gateway.session_store import Session
 from gateway.text import TextStream
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.dsi import Block, DsiState, Outcome, acceptance_from_blocks, drafting_limit, guards
 from specmesh.core.methods import Method
 from specmesh.core.stats import GenerationStats
-from specmesh.rpc import wire
 from specmesh.rpc.round_client import Role, needs_resync
+from specmesh.rpc.tick_client import ItemError
 
 COOLDOWN_SECONDS = 0.02  # a replica that answered ABORTED still runs our cancelled call
 ACCEPTANCE_DECAY = 0.5  # weight of the older sessions in the gateway's acceptance estimate
 FORWARD_SCALE_DECAY = 0.9  # weight of the older verifications in the forward-time scale
-
-
-def chain_suffix_message(tree: Any, skip: int) -> Any:
-    """specmesh.core.tree.chain_suffix on a drafted chain as the drafter sent it (a
-    specmesh.v1.DraftTree), without decoding its distributions: the gateway runs no tensor code
-    (a gateway-only install has no torch). Node i + skip becomes node i; draft_probs kept whole."""
-    n = len(tree.tokens)
-    if not 0 < skip < n:
-        raise ValueError(f"skip must be in [1, {n - 1}], got {skip}")
-    if list(tree.parents) != list(range(-1, n - 1)):
-        raise ValueError("chain_suffix takes a chain")
-    suffix = type(tree)()
-    suffix.CopyFrom(tree)
-    del suffix.tokens[:skip], suffix.prob_rows[:skip]
-    suffix.parents[:] = range(-1, n - skip - 1)
-    return suffix
 
 
 @dataclass
@@ -268,12 +252,6 @@ class DsiRun(SessionRun):
         context = self.state.context()
         position = self._position(address, context)
         spec = TreeSpec(Method.CHAIN, depth=depth)
-        # supersedable: after a rejection the next Draft stops this one at its next level instead
-        # of being refused while it runs on
-        request = wire.draft_request(
-            self.id, position, context[position:], self.plan.params, spec, supersedable=True
-        )
-        stub = _STUBS[Role.DRAFTER](self.pool(Role.DRAFTER).channel(address))
         call = _Call(Role.DRAFTER, address, context, self.state.version)
         self._event(
             "draft",
@@ -282,7 +260,12 @@ class DsiRun(SessionRun):
             start=len(context),
             fed=len(context) - position,
         )
-        self._start(stub.Draft(request, timeout=self._time_left(), metadata=self.client.metadata), call)
+        # supersedable: after a rejection the next draft stops this one at its next level instead
+        # of being refused while it runs on
+        loop = self.pool(Role.DRAFTER).loop(address)
+        self._start(
+            loop.draft(self.client.session, position, context[position:], spec, supersedable=True), call
+        )
 
     def _guard(self) -> None:
         """A target-only forward on the committed tokens, while no block is unresolved (and a
@@ -300,19 +283,18 @@ class DsiRun(SessionRun):
         self.state.mark_sent(block)
         tree = block.draft
         if block.skip:  # its first tokens were decided while it was drafted: verify the rest
-            tree = chain_suffix_message(tree, block.skip)
+            tree = tree.chain_suffix(block.skip)
         call = self._send_verify(address, self.state.prefix(block), tree, block=block)
         self._event("verify", block=block.id, replica=address, rows=call.rows)
 
     def _send_verify(self, address: str, prefix: list[int], tree: Any, **what: Any) -> _Call:
         """Verify `tree` (None: a target-only forward) after `prefix` on `address`."""
         position = self._position(address, prefix)
-        request = wire.verify_request(self.id, position, prefix[position:], self.plan.params, tree)
-        stub = _STUBS[Role.VERIFIER](self.env.verifiers.channel(address))
         self.touched.add((Role.VERIFIER, address))
-        rows = len(prefix) - position + (len(tree.tokens) if tree is not None else 0)
+        rows = len(prefix) - position + (tree.nodes if tree is not None else 0)
         call = _Call(Role.VERIFIER, address, prefix, self.state.version, rows=rows, **what)
-        self._start(stub.Verify(request, timeout=self._time_left(), metadata=self.client.metadata), call)
+        loop = self.env.verifiers.loop(address)
+        self._start(loop.verify(self.client.session, position, prefix[position:], tree), call)
         self.max_in_flight = max(self.max_in_flight, self._in_flight(Role.VERIFIER))
         return call
 
@@ -338,21 +320,22 @@ class DsiRun(SessionRun):
         response = future.result()
         if call.role is Role.DRAFTER:
             self.held[call.address] = call.context
-            block = self.state.add(list(response.tree.tokens), call.version, response.tree, len(call.context))
+            tokens = response.tree.tokens if response.tree is not None else []
+            block = self.state.add(tokens, call.version, response.tree, len(call.context))
             self._event(
                 "drafted",
                 replica=call.address,
                 block=None if block is None else block.id,
                 skip=0 if block is None else block.skip,
-                tokens=list(response.tree.tokens),
+                tokens=tokens,
                 version=call.version,
-                draft_seconds=response.draft_seconds,
+                draft_seconds=response.seconds,
             )
             if block is not None:
                 self.queued.append(block)
-                self.spent[block.id] = _Spent(response.draft_calls, response.draft_seconds)
+                self.spent[block.id] = _Spent(response.forwards, response.seconds)
             return GenerationStats(), []
-        verdict = wire.verdict_from_proto(response)
+        verdict = response.verdict
         self.held[call.address] = call.context + list(verdict.accepted_tokens)
         self._learn_forward_scale(response.forward_seconds, call.rows)
         stats = GenerationStats()
@@ -420,7 +403,7 @@ class DsiRun(SessionRun):
         """A failed call: resend everything, retry later, fail over, or give up."""
         if call.block is not None and call.version == self.state.version:
             self.queued.insert(0, call.block)  # verify it again, here or elsewhere
-        if not isinstance(error, grpc.aio.AioRpcError):
+        if not isinstance(error, grpc.aio.AioRpcError | ItemError):
             raise error
         if needs_resync(error):
             self.held.pop(call.address, None)

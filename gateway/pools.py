@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specmesh.rpc.tick_client import Role, TickLoop
 from specmesh.rpc.tls import ClientTls, aio_channel
 from specmesh.rpc.tracing import client_interceptors
 
@@ -126,9 +127,12 @@ class ReplicaPool:
         unhealthy_after: int = 2,
         channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
         tls: ClientTls | None = None,
+        role: Role | None = None,
     ) -> None:
+        """role: the replicas' service, for their tick loops (`loop`)."""
         self.targets = parse_targets(targets)
         self.name = name
+        self.role = role
         self.service = service  # "" = the server as a whole
         self.health_interval = health_interval
         self.health_timeout = health_timeout
@@ -143,6 +147,7 @@ class ReplicaPool:
         self._replicas: dict[str, Replica] = {}
         self._resolved: dict[Target, list[str]] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._loops: dict[str, TickLoop] = {}
         self._affinity: OrderedDict[str, str] = OrderedDict()
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
@@ -164,6 +169,8 @@ class ReplicaPool:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._task, self._probing = None, {}
+        loops, self._loops = list(self._loops.values()), {}
+        await asyncio.gather(*(loop.close() for loop in loops), return_exceptions=True)
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
 
@@ -210,6 +217,9 @@ class ReplicaPool:
             self._server_names.pop(addr, None)
             for session in [s for s, a in self._affinity.items() if a == addr]:
                 del self._affinity[session]
+            loop = self._loops.pop(addr, None)
+            if loop is not None:
+                await loop.close()
             channel = self._channels.pop(addr, None)
             if channel is not None:
                 await channel.close()
@@ -226,6 +236,16 @@ class ReplicaPool:
         if address not in self._channels:
             self._channels[address] = self._channel_factory(address)
         return self._channels[address]
+
+    def loop(self, address: str) -> TickLoop:
+        """The gateway's one tick loop to a replica (created on first use): every session's work
+        for it goes out in its ticks."""
+        loop = self._loops.get(address)
+        if loop is None:
+            if self.role is None:
+                raise ValueError(f"{self.name} pool: no role, no tick loops")
+            loop = self._loops[address] = TickLoop(self.channel(address), self.role, address)
+        return loop
 
     def _open_channel(self, address: str) -> grpc.aio.Channel:
         """The default channel: TLS when the pool has `tls`, the replica's certificate checked

@@ -57,8 +57,6 @@ from specmesh.core.stats import GenerationStats
 from specmesh.rpc.proto import pb2_grpc
 from specmesh.rpc.round_client import (
     Placement,
-    RelayDrafterStub,
-    RelayVerifierStub,
     ReplicaFailure,
     Role,
     RoundClient,
@@ -81,7 +79,6 @@ _FAILOVER = {
     grpc.StatusCode.UNKNOWN,
 }
 _STUBS = {Role.DRAFTER: pb2_grpc.DrafterStub, Role.VERIFIER: pb2_grpc.VerifierStub}
-_RELAY_STUBS = {Role.DRAFTER: RelayDrafterStub, Role.VERIFIER: RelayVerifierStub}  # rounds: trees undecoded
 RELEASE_TIMEOUT = 2.0
 FINISHED_LINGER_LEASES = 5  # a session finished during a handover stays this many leases for a resume
 # seconds: a call that times out this close to the client's deadline ran out of the client's time,
@@ -279,12 +276,16 @@ class SessionRun:
                 with contextlib.suppress(StoreError):
                     await self.env.store.release(self.id, self.owner)
             return
-        touched = sorted(self.touched)
-        stubs = [_STUBS[role](self.pool(role).channel(addr)) for role, addr in touched]
+        # on the tick stream each replica has open (a paused one reads it once it is back); where
+        # that stream is gone, with a Release call, retried while the replica is unreachable
+        unsent = [
+            (role, a) for role, a in sorted(self.touched) if not self.pool(role).loop(a).release(self.id)
+        ]
+        stubs = [_STUBS[role](self.pool(role).channel(addr)) for role, addr in unsent]
         released = await asyncio.gather(
             *(release_session(s, self.id, RELEASE_TIMEOUT, self.key) for s in stubs)
         )
-        for (role, address), stub, outcome in zip(touched, stubs, released, strict=True):
+        for (role, address), stub, outcome in zip(unsent, stubs, released, strict=True):
             if outcome is None:  # unreachable (paused, partitioned): it may still hold the KV
                 self.env.defer(self._release_later(role, address, stub))
         for role in self.roles:
@@ -537,10 +538,10 @@ class SessionRun:
             await self.env.store.assign(
                 self.id, drafter=self.addresses.get(Role.DRAFTER), verifier=self.addresses[Role.VERIFIER]
             )
-        stubs = {role: _RELAY_STUBS[role](self.pool(role).channel(a)) for role, a in self.addresses.items()}
+        loops = {role: self.pool(role).loop(a) for role, a in self.addresses.items()}
         return Placement(
-            verifier=stubs[Role.VERIFIER],
-            drafter=stubs.get(Role.DRAFTER),
+            verifier=loops[Role.VERIFIER],
+            drafter=loops.get(Role.DRAFTER),
             held={role: self.lengths.get(a, 0) for role, a in self.addresses.items()},
             timeout=self._time_left(),
             per_try=self._per_try if self.env.try_timeouts is not None else None,

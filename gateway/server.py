@@ -70,6 +70,7 @@ from specmesh.rpc.server import (
     rpc_stream,
     serve,
 )
+from specmesh.rpc.tick_client import Role
 from specmesh.rpc.tls import ClientTls, client_tls
 from specmesh.rpc.wire import MAX_PLAIN_STEPS, Limits
 from specmesh.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint
@@ -308,9 +309,10 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         self.config = config
         self.metrics = GatewayMetrics(config.served_model_name)  # else the verifier's, once learnt
         pool_options = {"health_interval": config.health_interval, "tls": config.replica_tls()}
-        drafters = ReplicaPool(config.drafters, name="drafter", **pool_options) if config.drafters else None
+        drafting = {**pool_options, "role": Role.DRAFTER}
+        drafters = ReplicaPool(config.drafters, name="drafter", **drafting) if config.drafters else None
         ngram = config.ngram_drafters
-        ngram_drafters = ReplicaPool(ngram, name="ngram-drafter", **pool_options) if ngram else None
+        ngram_drafters = ReplicaPool(ngram, name="ngram-drafter", **drafting) if ngram else None
         self.env = GatewayEnv(
             store=SessionStore(
                 config.redis_url,
@@ -324,7 +326,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             ),
             drafters=drafters,
             ngram_drafters=ngram_drafters,
-            verifiers=ReplicaPool(config.verifiers, name="verifier", **pool_options),
+            verifiers=ReplicaPool(config.verifiers, name="verifier", **pool_options, role=Role.VERIFIER),
             metrics=self.metrics,
             round_timeout=config.round_timeout,
             max_attempts=config.max_attempts,

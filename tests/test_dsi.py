@@ -372,14 +372,14 @@ def test_keeping_a_block_whose_assumed_token_the_guard_contradicts_is_caught() -
 
 
 @pytest.mark.parametrize("skip", [1, 2, 3])
-def test_the_gateways_chain_suffix_of_a_message_is_chain_suffix(skip: int) -> None:
-    """The gateway cuts a drafted chain on the message itself (it has no torch): the same tree as
-    decoding it, taking chain_suffix, and encoding it again; the drafter's message is kept."""
+def test_the_gateways_chain_suffix_of_the_columns_is_chain_suffix(skip: int) -> None:
+    """The gateway cuts a drafted chain on the drafter's columns (it has no torch): the same tree as
+    decoding it and taking chain_suffix; the drafter's columns are kept."""
     import torch
 
-    from gateway.dsi import chain_suffix_message
+    from specmesh.core.ticks import TreeColumns
     from specmesh.core.tree import DraftTree, SamplingMode
-    from specmesh.rpc import wire
+    from specmesh.rpc.tick_client import TreeRef
 
     probs = torch.rand(4, 8, generator=torch.Generator().manual_seed(skip))
     probs[:, :2] = 0.0  # sparse rows on the wire
@@ -391,8 +391,12 @@ def test_the_gateways_chain_suffix_of_a_message_is_chain_suffix(skip: int) -> No
         prob_rows=torch.tensor([0, 1, 2, 3, -1]),
     )
     tree.validate(8)
-    msg = wire.tree_to_proto(tree)
-    assert chain_suffix_message(msg, skip) == wire.tree_to_proto(chain_suffix(tree, skip))
-    assert msg == wire.tree_to_proto(tree)
+    columns = TreeColumns.from_trees([None, tree], 8)  # the chain is the tick's second item
+    suffix = TreeRef(columns, 1).chain_suffix(skip)
+    assert suffix.columns.check(1, 8) == [None]
+    got, want = suffix.columns.tree(0), chain_suffix(tree, skip)
+    for name in ("tokens", "parents", "draft_probs", "prob_rows"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(columns.tree(1).draft_probs, tree.draft_probs)  # the drafter's columns kept
     with pytest.raises(ValueError, match="skip"):
-        chain_suffix_message(msg, 4)
+        TreeRef(columns, 1).chain_suffix(4)

@@ -1,36 +1,52 @@
-"""The verifier service: `Verify` checks one session's tree against the target model.
+"""The verifier service: a tick of sessions' trees checked against the target model in one batched
+tree-attention forward (specmesh.runtime.rounds.verify_steps, the same rule as the in-process
+engine).
 
-Concurrent Verify calls from different sessions are merged by the shared ForwardBatcher into one
-target forward (limits: --max-batch-size, --max-batch-tokens, --max-wait-ms) and split again.
-Right after the forward, still on the model thread, each session gets its verdict and its KV is
-compacted to the accepted path (specmesh.runtime.rounds.verify_and_commit, the same rule as the
-in-process engine), so a session's state never holds half a round. A session has at most one
-request in flight (a second gets ABORTED), which keeps its rounds in order.
+A caller's tick loop sends one `VerifyTick` per tick on its `Ticks` stream and gets one
+`VerifyTickResult`; `Verify` is a tick of one item, through the same code. Concurrent ticks share
+forwards through the ForwardBatcher (limits: --max-batch-size, --max-batch-tokens,
+--max-wait-ms). Right after the forward, still on the model thread, every session gets its verdict
+and its KV is compacted to the accepted path, so a session's state never holds half a round. A
+session has at most one request in flight (a second gets ABORTED), which keeps its rounds in order.
+Plain sessions may decode several tokens per tick (plain_steps); the tick is then a participant
+of the batcher until its last step, so every session's next step makes the same batch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
-import torch
+import numpy as np
 
-from specmesh.core.grammar import TokenMask, constrain_rows, tree_paths
+from specmesh.core.grammar import TokenMask
 from specmesh.core.tree import DraftTree
-from specmesh.core.verification import Verdict
 from specmesh.rpc import wire
 from specmesh.rpc.metrics import RoundMetrics, count_labels
 from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.server import rpc
+from specmesh.rpc.ticks import (
+    TickItems,
+    VerifyAnswer,
+    column,
+    trees_from_proto,
+    verify_result,
+)
 from specmesh.runtime.models import LoadedModel
-from specmesh.runtime.rounds import verify_and_commit
-from specmesh.runtime.runner import Step
-from specmesh.services.batching import ForwardBatcher
+from specmesh.runtime.rounds import Cancelled, VerifyJob, VerifyOutcome, plain_room, verify_steps
 from specmesh.services.metrics import ServiceMetrics
-from specmesh.services.model_service import ModelService, ServiceConfig, main
+from specmesh.services.model_service import (
+    ModelService,
+    Resume,
+    ServiceConfig,
+    Tick,
+    TickStream,
+    Withdrawn,
+    main,
+    owner_hash,
+)
 
 DEFAULTS = {
     "model": "default-target",
@@ -40,8 +56,17 @@ DEFAULTS = {
 }
 
 
+@dataclass
+class _Item:
+    index: int
+    verify: wire.VerifyInput
+    resume: Resume
+    job: VerifyJob
+
+
 class VerifierService(ModelService, pb2_grpc.VerifierServicer):
     service_name = "Verifier"
+    tick_method = "VerifyTick"
 
     def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
         super().__init__(config, model, metrics)
@@ -52,38 +77,153 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             "depth",
         )
 
+    # ---- RPCs ----------------------------------------------------------------------------------
+
     @rpc
     async def Verify(
         self, request: pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> pb2.VerifyResponse:
         v = wire.parse_verify_request(request, self.vocab_size, self.limits)
-        masks = await self.grammar_masks(v)
-        resume = self.begin(v, context)
-        run = _Run(self.batcher, v, self.runner.max_context)
-        before = self.reset(v.session_id, resume, v.position)
-        decide = functools.partial(self._decide, masks)
-        work = asyncio.ensure_future(run(before, decide, self._record))
-        outcome = await self.settle(v.session_id, resume, context, work, run.withdraw)
-        return wire.verdict_to_proto(
-            outcome.verdict, outcome.plain_tokens, outcome.logprobs, **outcome.batch_stats
-        )
+        owner = self._owner(v.session_id, context)
+        (out,), tick = await self.verify_items([(v, owner)], abandoned=context.cancelled)
+        if isinstance(out, BaseException):
+            raise out
+        verdict = out.verdict
+        assert verdict is not None
+        return wire.verdict_to_proto(verdict, out.plain_tokens, out.logprobs, **tick.stats)
 
-    def _decide(
-        self, masks: TokenMask | None, v: wire.VerifyInput, committed_length: int, logits: torch.Tensor
-    ) -> Verdict:
-        """On the model thread, right after the forward: the verdict, then KV compaction. masks:
-        the session's grammar: every row masked after its own path first."""
+    async def tick_items(
+        self, stream: TickStream, message: pb2.VerifyTick, items: TickItems
+    ) -> pb2.VerifyTickResult:
+        n = len(items)
+        trees = trees_from_proto(message.trees, n)
+        problems = trees.check(n, self.vocab_size)
+        rows = trees.dense_rows() if len(trees.row_probs) else None
+        steps = column(message.plain_steps, "u1", "plain_steps", n) if n else np.zeros(0, np.uint8)
+        answers: list = [None] * n
+        verifies, where = [], []
+        positions, handles = items.positions.tolist(), items.handles.tolist()
+        for i in range(n):
+            try:
+                o = stream.session(handles[i])
+                if problems[i] is not None:
+                    raise wire.WireError(
+                        problems[i].field, str(problems[i]).removeprefix(f"{problems[i].field}: ")
+                    )
+                new = items.new_tokens.item(i).tolist()
+                if not new:
+                    raise wire.WireError(
+                        "new_tokens", "must not be empty (the new tokens produce the root distribution)"
+                    )
+                tree = trees.tree(i, rows)
+                plain = max(1, int(steps[i]))
+                v = wire.VerifyInput(
+                    session_id=o.session_id, position=positions[i], new_tokens=new, params=o.params,
+                    grammar=o.grammar, tree=tree, plain_steps=plain, stop_token_ids=o.stop_token_ids,
+                    top_logprobs=o.top_logprobs,
+                )  # fmt: skip
+                wire.check_verify_input(v, self.limits)
+                verifies.append((v, owner_hash(o.key)))
+                where.append(i)
+            except Exception as exc:
+                answers[i] = self.failure("Verify", "", exc)
+
+        def running(jobs: Sequence[tuple[int, VerifyJob]], tick: Tick) -> None:
+            for k, job in jobs:
+                stream.running[handles[where[k]]] = (tick, job)
+
+        outcomes, tick = await self.verify_items(verifies, on_start=running)
+        for k, out in enumerate(outcomes):
+            i = where[k]
+            stream.running.pop(handles[i], None)
+            if isinstance(out, BaseException):
+                answers[i] = self.failure("Verify", verifies[k][0].session_id, out)
+                continue
+            verdict = out.verdict
+            answers[i] = VerifyAnswer(
+                tokens=[*out.plain_tokens, *verdict.emitted_tokens],
+                plain=len(out.plain_tokens),
+                accepted_nodes=list(verdict.accepted_nodes),
+                bonus=verdict.bonus,
+                logprobs=out.logprobs,
+            )
+        return verify_result(message.id, answers, **tick.stats)
+
+    # ---- a tick's verifications ----------------------------------------------------------------
+
+    async def verify_items(
+        self,
+        verifies: Sequence[tuple[wire.VerifyInput, bytes]],
+        abandoned: Callable[[], bool] = lambda: False,
+        on_start: Callable[[Sequence[tuple[int, VerifyJob]], Tick], None] | None = None,
+    ) -> tuple[list[VerifyOutcome | BaseException], Tick]:
+        """The verdicts of a tick's verifications ((input, its caller's key hash) each): per item
+        its VerifyOutcome or its exception; and the tick (its forwards' stats)."""
+        out: list = [None] * len(verifies)
+        masks = await asyncio.gather(*(self.grammar_masks(v) for v, _ in verifies), return_exceptions=True)
+        items: list[_Item] = []
+        befores: dict[str, Callable[[], None]] = {}
+        for k, ((v, owner), mask) in enumerate(zip(verifies, masks, strict=True)):
+            try:
+                if isinstance(mask, BaseException):
+                    raise mask
+                resume = self.begin(v, owner)
+            except Exception as exc:
+                out[k] = exc
+                continue
+            before = self.reset(v.session_id, resume, v.position)
+            if before is not None:
+                befores[v.session_id] = before
+            items.append(_Item(k, v, resume, self._job(v, mask)))
+        tick = Tick(self.batcher, [item.job for item in items])
+        if not items:
+            return out, tick
+        if on_start is not None:
+            on_start([(item.index, item.job) for item in items], tick)
+        jobs = [item.job for item in items]
+        try:
+            try:
+                ticked = verify_steps(jobs, self.runner.commit)
+                outcomes = await self.run_tick(tick, lambda: self.drive(tick, ticked, befores))
+            except Withdrawn:
+                outcomes = [VerifyOutcome(error=Cancelled("cancelled before its forward")) for _ in items]
+        except BaseException:
+            for item in items:
+                self.end(item.verify.session_id, item.resume, True, True)
+            raise
+        for item, outcome in zip(items, outcomes, strict=True):
+            sid = item.verify.session_id
+            gone = abandoned() or tick.abandoned or item.job.cancelled  # its caller dropped it
+            if outcome.error is not None:
+                nothing_ran = tick.withdrawn and outcome.steps == 0
+                self.end(sid, item.resume, not nothing_ran, gone)
+                out[item.index] = outcome.error
+                continue
+            self._record(item.verify.tree, outcome)
+            self.end(sid, item.resume, False, gone)
+            out[item.index] = outcome
+        return out, tick
+
+    def _job(self, v: wire.VerifyInput, masks: TokenMask | None) -> VerifyJob:
+        allowed = None
         if masks is not None and v.grammar is not None:
-            committed = self.runner.committed_tokens(v.session_id) or []
-            tree = v.tree
-            paths = tree_paths(tree.parents.tolist(), tree.tokens.tolist()) if tree is not None else [()]
-            logits = constrain_rows(logits[: len(paths)], masks, committed[v.grammar.start :], paths)
-        return verify_and_commit(
-            self.runner, v.session_id, v.tree, logits, v.params, v.params.seed, committed_length,
-            v.top_logprobs,
+            start, sid = v.grammar.start, v.session_id
+
+            def allowed(paths: list, masks: TokenMask = masks) -> object:
+                # on the model thread after the forward: the runner holds this step's new tokens
+                return masks.allowed((self.runner.committed_tokens(sid) or [])[start:], paths)
+
+        return VerifyJob(
+            v.session_id, list(v.new_tokens), v.tree, v.params, v.params.seed or 0, v.committed_length,
+            plain_steps=plain_room(v.plain_steps, v.committed_length, self.runner.max_context),
+            stop_token_ids=v.stop_token_ids, top_logprobs=v.top_logprobs, allowed=allowed,
         )  # fmt: skip
 
-    def _record(self, tree: DraftTree | None, verdict: Verdict) -> None:
+    def _record(self, tree: DraftTree | None, outcome: VerifyOutcome) -> None:
+        verdict = outcome.verdict
+        assert verdict is not None
+        for _ in range(outcome.steps - 1):  # the plain steps before the last
+            self._rounds.observe(0, 0)
         self._rounds.observe(tree.num_nodes if tree is not None else 0, len(verdict.accepted_nodes))
         if tree is not None:
             count_labels(self._per_depth, tree.depths().tolist())
@@ -91,70 +231,3 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
 
 def run(argv: list[str] | None = None) -> None:
     main(VerifierService, "python -m verifier_service", DEFAULTS, argv)
-
-
-@dataclass
-class _Outcome:
-    verdict: Verdict  # the call's last step
-    plain_tokens: list[int]  # tokens decoded by the steps before it (plain decoding)
-    batch_stats: dict[str, float]
-    logprobs: list  # every step's, when asked for (TokenLogprob, in token order)
-
-
-class _Run:
-    """One Verify call's forwards: the round, then, for plain decoding with plain_steps > 1, more
-    plain steps, each fed the token the step before decoded, until plain_steps tokens, a stop
-    token or the model's context. While it runs it is a participant of the batcher, so that
-    every session's next step makes the same batch. `withdraw` stops it before its next forward."""
-
-    def __init__(self, batcher: ForwardBatcher, v: wire.VerifyInput, max_context: int | None) -> None:
-        """max_context: the model's; the call decodes no token past it."""
-        self.batcher, self.v = batcher, v
-        room = v.plain_steps if max_context is None else max_context - v.committed_length + 1
-        self.steps = max(1, min(v.plain_steps, room))
-        self.stopped = False
-        self._item: asyncio.Future | None = None
-
-    def withdraw(self) -> None:
-        self.stopped = True
-        if self._item is not None:
-            self.batcher.withdraw(self._item)
-
-    async def __call__(
-        self,
-        before: Callable[[], None] | None,
-        decide: Callable[[wire.VerifyInput, int, torch.Tensor], Verdict],
-        record: Callable[[DraftTree | None, Verdict], None],
-    ) -> _Outcome:
-        """before: on the model thread before the first forward; decide(v, committed length,
-        logits): a step's verdict, on the model thread; record: a step's metrics."""
-        batcher, v = self.batcher, self.v
-        tokens, logprobs, new, forward_s, queue_s = [], [], v.new_tokens, 0.0, 0.0
-        nodes, parents = (v.tree.tokens.tolist(), v.tree.parents.tolist()) if v.tree is not None else ([], [])
-        if self.stopped:  # withdrawn before it began: nothing happened
-            raise asyncio.CancelledError
-        participant = self.steps > 1
-        if participant:
-            batcher.join()
-        try:
-            for i in range(self.steps):  # a tree comes with one step only (wire.parse_verify_request)
-                self._item = batcher.enqueue(
-                    Step(v.session_id, new, nodes, parents),
-                    before=before if i == 0 else None,
-                    finish=functools.partial(decide, v, v.committed_length + i),
-                )
-                verdict, batch = await self._item
-                record(v.tree, verdict)
-                forward_s, queue_s = forward_s + batch.forward_seconds, queue_s + batch.queue_seconds
-                tokens.append(verdict.next_token)
-                logprobs += verdict.logprobs
-                new = [verdict.next_token]
-                if self.stopped or verdict.next_token in v.stop_token_ids:
-                    break
-        finally:
-            if participant:
-                batcher.leave()
-        stats = dict(
-            batch_size=batch.size, batch_tokens=batch.tokens, forward_seconds=forward_s, queue_seconds=queue_s
-        )
-        return _Outcome(verdict, tokens[:-1], stats, logprobs)

@@ -22,12 +22,20 @@ over the run, means per session-round):
 
 With pipelined rounds a Draft runs beside the previous Verify; `drafter_call` is then the time the
 round really waited for its tree (0 when the pre-draft was ready), so the split stays additive.
+
+CPU, beside the wall: each process of the stack (Redis, drafter, verifiers, gateway) is charged its
+user + system seconds over the run (/proc/PID/stat, all its threads), per session-round; a model
+service's part inside its forwards is the model thread's CPU time around each forward
+(specmesh:forward_cpu_seconds_total, the emulated floor's sleep not counted), the rest is its
+service work. `rest_per_unit_ms` is the replicas' CPU beyond their forwards per session per draft
+level or verification forward (plain decoding: per token).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import tempfile
 import urllib.request
 from collections.abc import Sequence
@@ -101,6 +109,36 @@ def _delta(after: dict, before: dict) -> dict:
         child: {k: v - before.get(child, {}).get(k, 0.0) for k, v in samples.items()}
         for child, samples in after.items()
     }
+
+
+def process_cpu(pids: dict[str, int]) -> dict[str, float]:
+    """child name -> its CPU seconds so far (user + system, every thread), from /proc/PID/stat."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # it exited
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return out
+
+
+def cpu_split(cpu: dict[str, float], delta: dict[str, dict], rounds: float, units: float) -> dict:
+    """CPU ms per session-round of each child over a run (`cpu`: seconds, `delta`: the metrics'
+    deltas), its forwards' part, and the replicas' rest per level or verification (`units`)."""
+    per_round = {}
+    for name, seconds in sorted(cpu.items()):
+        forward = _get(delta.get(name, {}), "specmesh:forward_cpu_seconds_total")
+        per_round[name] = dict(total=seconds * 1000 / rounds, forward=forward * 1000 / rounds)
+    replicas = [v for k, v in per_round.items() if k.startswith(("drafter", "verifier"))]
+    rest = sum(r["total"] - r["forward"] for r in replicas) * rounds / units if units else 0.0
+    return dict(
+        per_round=per_round,
+        stack=sum(r["total"] for r in per_round.values()),
+        forwards=sum(r["forward"] for r in per_round.values()),
+        rest_per_unit_ms=rest,
+    )
 
 
 def _get(samples: dict, name: str, **labels: str) -> float:
@@ -205,13 +243,16 @@ def bench_stack(
     flags = emulated_stack_flags(draft, models["target"], verifiers, drafter, verifier, gateway)
     texts = prompts(max(cfg.sessions), cfg.seed)
     rows = []
-    with running_stack_plan(flags, f"mesh-{pipeline}", probe=texts[0]) as (address, metrics):
+    with running_stack_plan(flags, f"mesh-{pipeline}", probe=texts[0]) as (address, metrics, pids):
         for shape in shapes:
             _run(address, texts[:2], shape, cfg)  # warm-up: connections, first sessions
             for n in cfg.sessions:
-                before = scrape(metrics)
+                before, cpu_before = scrape(metrics), process_cpu(pids)
                 m = _run(address, texts[:n], shape, cfg)
+                cpu_after = process_cpu(pids)
                 delta = _delta(scrape(metrics), before)
+                cpu = {k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items()}
+                units = m["draft_calls"] + (m["target_calls"] if shape.spec.method.drafts else m["tokens"])
                 levels = m["draft_calls"] / m["target_calls"] if m["target_calls"] else 0.0
                 ideal = ideal_wall(cfg, shape, n, m)
                 verifier = next(v for k, v in delta.items() if k.startswith("verifier"))
@@ -222,6 +263,7 @@ def bench_stack(
                     wall=m["seconds"], ideal_wall=ideal, wall_over_ideal=m["seconds"] / ideal,
                     tokens_per_s=m["tokens"] / m["seconds"], ideal_tokens_per_s=m["tokens"] / ideal,
                     per_round_ms=split(delta, levels),
+                    cpu_ms=cpu_split(cpu, delta, m["target_calls"], units),
                     queue_wait_buckets=dict(
                         verifier=_buckets(verifier, "specmesh:queue_wait_seconds"),
                         drafter=_buckets(drafter, "specmesh:queue_wait_seconds"),
@@ -287,6 +329,28 @@ def markdown(rows: list[dict], cfg: MeshBenchConfig) -> str:
             + " | ".join(f"{s[k]:.1f}" for k in _SPLIT)
             + f" | {r['pipelined']:.0f} / {r['pipeline_misses']:.0f} |"
         )
+    lines += [
+        "",
+        "CPU per session-round (ms; each process's user + system time over the run from /proc, "
+        "a model service's forwards measured by its model thread's CPU time around each forward; "
+        "rest / unit: the replicas' CPU beyond their forwards per session per draft level or "
+        "verification forward):",
+        "",
+        "| shape | sessions | pipeline | drafter fwd / rest | verifier fwd / rest | gateway | redis | stack "
+        "| rest / unit |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        c = r.get("cpu_ms")
+        if not c:
+            continue
+        per = c["per_round"]
+        gateway, redis = (per.get(k, {}).get("total", 0.0) for k in ("gateway", "redis"))
+        lines.append(
+            f"| {r['shape']} | {r['sessions']} | {r['pipeline']} | {_role_cpu(per, 'drafter')} "
+            f"| {_role_cpu(per, 'verifier')} | {gateway:.2f} | {redis:.2f} | {c['stack']:.2f} "
+            f"| {c['rest_per_unit_ms']:.3f} |"
+        )
     lines += ["", "Queue waits (verifier, cumulative count of steps that waited at most le seconds):", ""]
     for r in rows:
         if r["shape"] == "chain 4" and r["sessions"] in (1, max(cfg.sessions)):
@@ -301,20 +365,40 @@ def markdown(rows: list[dict], cfg: MeshBenchConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _role_cpu(per_round: dict, prefix: str) -> str:
+    """'forward / rest' ms of a role's processes (every verifier summed)."""
+    parts = [v for k, v in per_round.items() if k.startswith(prefix)]
+    if not parts:
+        return "-"
+    forward = sum(v["forward"] for v in parts)
+    return f"{forward:.2f} / {sum(v['total'] for v in parts) - forward:.2f}"
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig, (ax, cpu_ax) = plt.subplots(2, 1, figsize=(11, 8), sharex=True)
     labels = [f"{r['shape']}\n{r['sessions']}s {r['pipeline']}" for r in rows]
     x = range(len(rows))
+    bottom = [0.0] * len(rows)
+    for part, color in (("forward", "tab:green"), ("rest", "tab:red")):
+        heights = []
+        for r in rows:
+            c = r.get("cpu_ms", {}).get("per_round", {})
+            fwd = sum(v["forward"] for v in c.values())
+            heights.append(fwd if part == "forward" else sum(v["total"] for v in c.values()) - fwd)
+        cpu_ax.bar(list(x), heights, 0.6, bottom=bottom, color=color, label=f"stack CPU: {part}")
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    cpu_ax.set_ylabel("CPU ms per session-round")
+    cpu_ax.legend()
     ax.bar([i - 0.2 for i in x], [r["tokens_per_s"] for r in rows], 0.4, label="mesh")
     ax.bar(
         [i + 0.2 for i in x], [r["ideal_tokens_per_s"] for r in rows], 0.4, label="ideal (cost model, serial)"
     )
-    ax.set_xticks(list(x), labels, fontsize=6, rotation=90)
+    cpu_ax.set_xticks(list(x), labels, fontsize=6, rotation=90)
     ax.set_ylabel("tokens/s (all sessions)")
     ax.set_yscale("log")
     ax.legend()

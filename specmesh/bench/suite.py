@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -285,13 +286,16 @@ def running_stack(cfg: SuiteConfig, draft_dtype: str | None) -> Iterator[str]:
 def running_up(flags: Sequence[str], name: str, probe: str) -> Iterator[str]:
     """`specmesh up --no-demo <flags>` in a child process; yields the gateway address once a
     one-token request for `probe` succeeds."""
-    with running_stack_plan(flags, name, probe) as (address, _):
+    with running_stack_plan(flags, name, probe) as (address, _, _):
         yield address
 
 
 @contextlib.contextmanager
-def running_stack_plan(flags: Sequence[str], name: str, probe: str) -> Iterator[tuple[str, dict[str, str]]]:
-    """`running_up`, yielding (the gateway address, child name -> its /metrics host:port)."""
+def running_stack_plan(
+    flags: Sequence[str], name: str, probe: str
+) -> Iterator[tuple[str, dict[str, str], dict[str, int]]]:
+    """`running_up`, yielding (the gateway address, child name -> its /metrics host:port, child
+    name -> its pid, Redis included)."""
     import grpc
 
     from specmesh.rpc.proto import load
@@ -320,12 +324,15 @@ def running_stack_plan(flags: Sequence[str], name: str, probe: str) -> Iterator[
                     if time.monotonic() > deadline:
                         raise
             time.sleep(2)
-        metrics = {}
+        metrics, pids = {}, {}
         for line in Path(log.name).read_text().splitlines():
             if line.startswith("--- metrics of "):
                 name_, _, url = line.removeprefix("--- metrics of ").partition(": ")
                 metrics[name_] = url.split("://", 1)[-1].removesuffix("/metrics")
-        yield address, metrics
+            ready = re.match(r"(\S+)\s+\| ready after [\d.]+s \(pid (\d+)\)$", line)
+            if ready:  # the supervisor's line for each child
+                pids[ready.group(1)] = int(ready.group(2))
+        yield address, metrics, pids
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGTERM)

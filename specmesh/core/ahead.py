@@ -4,7 +4,7 @@ While round r is verified, the drafter drafts round r+1 as if the verdict were t
 most likely: every node of `likely_path(tree)` accepted, then the draft's own guess of the next
 (recovered or bonus) token. The pre-drafted tree is used only if the committed tokens turn out to
 be exactly those (`PreDraft.applies`); it is then the very tree a serial Draft would have drafted
-(same tokens before it, same seed: derive_generator(seed, committed length, "draft")). Otherwise it
+(same tokens before it, same seed: the round's draws, specmesh.core.rounds.draft_draws). Otherwise it
 is dropped. Drafts are only proposals, so the verified output keeps the target's distribution
 either way; what pipelining changes is only when the tree is ready.
 
@@ -33,6 +33,8 @@ def likely_path(tree: DraftTree) -> list[int]:
     A chain's is the whole chain."""
     if tree.num_nodes == 0:
         return []
+    if tree.is_chain:
+        return list(range(tree.num_nodes))
     parents = tree.parents.tolist()
     rows = tree.prob_rows[tree.parents + 1]  # the row each node's token was drawn from
     logq = tree.draft_probs[rows, tree.tokens].double().clamp_min(1e-300).log().tolist()

@@ -1,7 +1,9 @@
 """Tree builders: how a draft model's next-token distributions become a DraftTree.
 
-`build_tree(spec, next_logits, params, generator)` asks `next_logits` for one whole tree level
-per call (one draft forward per level) and never sees a model. Methods:
+Every builder is a level protocol (`Levels`): it yields the paths whose draft logits it needs next,
+one whole tree level at a time (one draft forward per level), and never sees a model.
+`draft_many` runs a tick's trees in lockstep (chains vectorized over the tick); `build_tree(spec,
+next_logits, params, draws)` drives one tree with a `next_logits` callable. Methods:
 
   chain   plain speculative decoding: one child per node                      (iid)
   mcsd    per-depth k-config, children i.i.d. or without replacement (MCSD)   (iid | without_replacement)
@@ -17,12 +19,23 @@ any tree is exact; the width only buys more chances to contain the target's argm
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 from specmesh.core.extras import missing
 from specmesh.core.methods import METHODS, Method
-from specmesh.core.sampling import SamplingParams, gumbel_like, gumbel_top_k, sample_iid, warp
+from specmesh.core.sampling import (
+    Draws,
+    SamplingParams,
+    as_draws,
+    gumbel_like,
+    gumbel_top_k,
+    sample_iid,
+    sample_rows,
+    uniform_many,
+    warp,
+    warp_rows,
+)
 from specmesh.core.tree import DraftTree, SamplingMode
 
 try:
@@ -84,21 +97,148 @@ class TreeSpec:
         return sum(math.prod(self.branching[: d + 1]) for d in range(self.depth))
 
 
+# One tree's level protocol: yields the paths whose draft logits it needs next (one forward for the
+# level), is sent those logits [len(paths), V], and returns the tree.
+Levels = Generator[list[Path], "torch.Tensor", DraftTree]
+# Many trees' levels in lockstep (a tick): yields each tree's paths ([] once it is done), is sent
+# each tree's logits, returns the trees.
+ManyLevels = Generator[list[list[Path]], list["torch.Tensor | None"], list["DraftTree | None"]]
+
+
 def build_tree(
-    spec: TreeSpec, next_logits: NextLogits, params: SamplingParams, generator: torch.Generator | None
+    spec: TreeSpec, next_logits: NextLogits, params: SamplingParams, draws: Draws | torch.Generator | None
 ) -> DraftTree:
-    """Draft one tree below the committed context."""
+    """Draft one tree below the committed context: `draft_many` for one session."""
+    levels = draft_many([spec], [params], [as_draws(draws)])
+    paths = next(levels)
+    try:
+        while True:
+            paths = levels.send([next_logits(paths[0])])
+    except StopIteration as done:
+        return done.value[0]
+
+
+def draft_many(
+    specs: Sequence[TreeSpec], params: Sequence[SamplingParams], draws: Sequence[Draws]
+) -> ManyLevels:
+    """The trees of a tick's sessions, level by level in lockstep: every level is one draft forward
+    for all of them. Chains are sampled together (`_chain_levels`, one warp and one inverse CDF per
+    level for the tick); other methods run their own level protocol (`tree_levels`) side by side.
+    Each tree depends only on its own logits, params and draws, never on its neighbours."""
+    chains = [b for b, s in enumerate(specs) if s.method is Method.CHAIN]
+    chain = _chain_levels(
+        [specs[b].depth for b in chains], [params[b] for b in chains], [draws[b] for b in chains]
+    )
+    if len(chains) == len(specs):  # a tick of chains (the usual): nothing to interleave
+        return (yield from chain)
+    others = {
+        b: tree_levels(s, params[b], draws[b]) for b, s in enumerate(specs) if s.method is not Method.CHAIN
+    }
+    trees: dict[int, DraftTree | None] = {}
+    wants: dict[int, list[Path]] = {}
+    for b, levels in others.items():
+        wants[b] = next(levels)
+    chain_paths = next(chain) if chains else None
+    while True:
+        if chain_paths is not None:
+            wants.update(zip(chains, chain_paths, strict=True))
+        if not any(wants.values()):
+            break
+        logits = yield [wants.get(b, []) for b in range(len(specs))]
+        for b in list(others):
+            if not wants[b]:
+                continue
+            if logits[b] is None:  # dropped by the caller (its step failed, it was cancelled)
+                trees[b], wants[b] = None, []
+                del others[b]
+                continue
+            try:
+                wants[b] = others[b].send(logits[b])
+            except StopIteration as done:
+                trees[b], wants[b] = done.value, []
+                del others[b]
+        if chain_paths is not None:
+            try:
+                chain_paths = chain.send([logits[b] for b in chains])
+            except StopIteration as done:
+                trees.update(zip(chains, done.value, strict=True))
+                for b in chains:
+                    wants[b] = []
+                chain_paths = None
+    return [trees[b] for b in range(len(specs))]
+
+
+def _chain_levels(depths: list[int], params: list[SamplingParams], draws: list[Draws]) -> ManyLevels:
+    """Chains of `depths[b]` tokens, drawn i.i.d. from the draft (plain speculative decoding). Level
+    l: greedy chains take the argmax of their row, sampled ones warp their rows together and draw
+    one token each by inverse CDF with their next uniform. A greedy chain keeps no distributions.
+
+        depths [2, 1]: level 0 asks for both chains' root rows, level 1 only the first's."""
+    n_chains = len(depths)
+    tokens: list[list[int]] = [[] for _ in depths]
+    rows: list[list[torch.Tensor]] = [[] for _ in depths]
+    active = [b for b, d in enumerate(depths) if d > 0]
+    vocab = 0
+    dropped: set[int] = set()
+    while active:
+        asked = [[] for _ in range(n_chains)] if len(active) < n_chains else None
+        if asked is None:
+            logits = yield [[tuple(t)] for t in tokens]
+        else:
+            for b in active:
+                asked[b] = [tuple(tokens[b])]
+            logits = yield asked
+        if any(logits[b] is None for b in active):
+            dropped.update(b for b in active if logits[b] is None)
+            active = [b for b in active if logits[b] is not None]
+            if not active:
+                break
+        rows_now = torch.cat([logits[b] for b in active]).float()  # [len(active), V]
+        vocab = rows_now.shape[-1]
+        sampled = [i for i, b in enumerate(active) if not params[b].greedy]
+        if not sampled:  # all greedy: the argmax, no distribution kept
+            picked = rows_now.argmax(-1).tolist()
+        else:
+            picked = rows_now.argmax(-1).tolist() if len(sampled) < len(active) else [0] * len(active)
+            everyone = len(sampled) == len(active)
+            probs = warp_rows(
+                rows_now if everyone else rows_now[sampled], [params[active[i]] for i in sampled]
+            )
+            u = uniform_many([draws[active[i]] for i in sampled], 1)
+            for j, (i, t) in enumerate(zip(sampled, sample_rows(probs, u)[:, 0].tolist(), strict=True)):
+                picked[i] = t
+                rows[active[i]].append(probs[j])
+        for b, t in zip(active, picked, strict=True):
+            tokens[b].append(t)
+        active = [b for b in active if len(tokens[b]) < depths[b]]
+    return [None if b in dropped else _chain_tree(chain, rows[b], vocab) for b, chain in enumerate(tokens)]
+
+
+def _chain_tree(tokens: list[int], rows: list[torch.Tensor], vocab: int) -> DraftTree:
+    """A drafted chain; rows: the distributions its tokens were drawn from (none: greedy)."""
+    n = len(tokens)
+    prob_rows = torch.arange(n + 1) if rows else torch.full((n + 1,), -1)
+    prob_rows[n] = -1  # the root and node i drew from rows 0 and i + 1; the leaf from none
+    return DraftTree(
+        tokens=torch.tensor(tokens, dtype=torch.long),
+        parents=torch.arange(-1, n - 1),
+        mode=SamplingMode.IID,
+        draft_probs=torch.stack(rows) if rows else torch.zeros(0, vocab),
+        prob_rows=prob_rows,
+    )
+
+
+def tree_levels(spec: TreeSpec, params: SamplingParams, draws: Draws) -> Levels:
+    """The level protocol of one tree of a method other than chain."""
     match spec.method:
-        case Method.CHAIN:
-            return _build_kary((1,) * spec.depth, True, next_logits, params, generator)
         case Method.MCSD:
-            return _build_kary(spec.branching, spec.replacement, next_logits, params, generator)
+            return (yield from _build_kary(spec.branching, spec.replacement, params, draws))
         case Method.RSD_C:
-            return _build_kary(spec.branching, False, next_logits, params, generator)
+            return (yield from _build_kary(spec.branching, False, params, draws))
         case Method.RSD_S:
-            return _build_stochastic_beam(spec, next_logits, params, generator)
+            return (yield from _build_stochastic_beam(spec, params, draws))
         case Method.MTAD:
-            return _build_mtad(spec, next_logits, params, generator)
+            return (yield from _build_mtad(spec, params, draws))
     raise ValueError(f"method {spec.method!r} drafts no tree from a draft model")
 
 
@@ -135,30 +275,28 @@ class _TreeBuilder:
 
 
 def _children(
-    probs: torch.Tensor, logits: torch.Tensor, k: int, replacement: bool, params: SamplingParams, g
+    probs: torch.Tensor, logits: torch.Tensor, k: int, replacement: bool, params: SamplingParams, draws: Draws
 ) -> list[int]:
     """k children of one node, in sampling order."""
     if params.greedy:
         return logits.topk(min(k, logits.numel())).indices.tolist()
     if replacement:
-        return sample_iid(probs, k, g).tolist()
-    return gumbel_top_k(probs.log(), k, g).tolist()
+        return sample_iid(probs, k, draws).tolist()
+    return gumbel_top_k(probs.log(), k, draws.generator()).tolist()
 
 
-def _build_kary(
-    branching: Sequence[int], replacement: bool, next_logits: NextLogits, params: SamplingParams, g
-) -> DraftTree:
-    """chain, MCSD and RSD-C: every node of level d gets branching[d] children (fewer when the
-    filtered support is smaller). Flattening is parent-major within a level."""
+def _build_kary(branching: Sequence[int], replacement: bool, params: SamplingParams, draws: Draws) -> Levels:
+    """MCSD and RSD-C: every node of level d gets branching[d] children (fewer when the filtered
+    support is smaller). Flattening is parent-major within a level."""
     tree = _TreeBuilder()
     frontier = [-1]
     for k in branching:
-        logits = next_logits([tree.paths[n] for n in frontier]).float()
+        logits = (yield [tree.paths[n] for n in frontier]).float()
         probs = warp(logits, params)
         frontier = [
             tree.add(node, x, probs[i])
             for i, node in enumerate(frontier)
-            for x in _children(probs[i], logits[i], k, replacement, params, g)
+            for x in _children(probs[i], logits[i], k, replacement, params, draws)
         ]
     mode = SamplingMode.IID if replacement else SamplingMode.WITHOUT_REPLACEMENT
     return tree.finish(mode)
@@ -180,7 +318,7 @@ def truncated_gumbel(parent_score: torch.Tensor, perturbed: torch.Tensor) -> tor
     return parent_score - torch.nn.functional.softplus(v)
 
 
-def _build_stochastic_beam(spec: TreeSpec, next_logits: NextLogits, params: SamplingParams, g) -> DraftTree:
+def _build_stochastic_beam(spec: TreeSpec, params: SamplingParams, draws: Draws) -> Levels:
     """RSD-S: each level keeps the global top-W (parent, token) pairs by truncated perturbed score,
     in decreasing score order. A node may get no children; siblings may be non-contiguous."""
     tree = _TreeBuilder()
@@ -188,11 +326,11 @@ def _build_stochastic_beam(spec: TreeSpec, next_logits: NextLogits, params: Samp
     seq_logp = torch.zeros(1, 1, dtype=torch.float64)  # phi: log p of each beam sequence
     score = torch.zeros(1, 1, dtype=torch.float64)  # psi: truncated perturbed score of each sequence
     for _ in range(spec.depth):
-        logits = next_logits([tree.paths[n] for n in beam]).float()
+        logits = (yield [tree.paths[n] for n in beam]).float()
         probs = warp(logits, params)
         token_logp = (logits.log_softmax(-1) if params.greedy else probs.log()).double()
         phi = seq_logp + token_logp
-        psi = phi if params.greedy else truncated_gumbel(score, phi + gumbel_like(phi, g))
+        psi = phi if params.greedy else truncated_gumbel(score, phi + gumbel_like(phi, draws.generator()))
         width = min(spec.beam_width, int(torch.isfinite(psi).sum()))
         top = psi.flatten().topk(width)
         vocab = psi.shape[-1]
@@ -205,7 +343,7 @@ def _build_stochastic_beam(spec: TreeSpec, next_logits: NextLogits, params: Samp
     return tree.finish(SamplingMode.WITHOUT_REPLACEMENT)
 
 
-def _build_mtad(spec: TreeSpec, next_logits: NextLogits, params: SamplingParams, g) -> DraftTree:
+def _build_mtad(spec: TreeSpec, params: SamplingParams, draws: Draws) -> Levels:
     """MTAD beam sampling: W beams extended for `depth` steps by sampling (beam, token) pairs
     without replacement in proportion to beam weight x p(token | beam); the beam with the highest
     weight (= highest joint draft likelihood) becomes a chain."""
@@ -213,7 +351,7 @@ def _build_mtad(spec: TreeSpec, next_logits: NextLogits, params: SamplingParams,
     weight = torch.zeros(1, dtype=torch.float64)  # log beam weights, renormalised over kept beams
     dists: list[list[torch.Tensor]] = [[]]  # per beam: the p each of its tokens was chosen from
     for _ in range(spec.depth):
-        logits = next_logits(beams).float()
+        logits = (yield list(beams)).float()
         probs = warp(logits, params)
         token_logp = (logits.log_softmax(-1) if params.greedy else probs.log()).double()
         joint = (weight.unsqueeze(-1) + token_logp).flatten()
@@ -221,7 +359,7 @@ def _build_mtad(spec: TreeSpec, next_logits: NextLogits, params: SamplingParams,
         if params.greedy:
             picked = joint.topk(width).indices
         else:
-            picked = (joint + gumbel_like(joint, g)).topk(width).indices
+            picked = (joint + gumbel_like(joint, draws.generator())).topk(width).indices
         vocab = token_logp.shape[-1]
         parent_idx, token = (picked // vocab).tolist(), (picked % vocab).tolist()
         beams = [(*beams[b], x) for b, x in zip(parent_idx, token, strict=True)]

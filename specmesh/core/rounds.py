@@ -3,8 +3,9 @@ engine, the round client (gateway, tests, benchmarks), the drafter and the verif
 
 A session is a `Request` plus a seed; a round drafts a tree after the committed tokens
 (`draft_round`), verifies it (`verify_round`), and the session keeps what `keep_emitted` says.
-Both halves draw their randomness from `derive_generator(seed, committed length, purpose)`, so any
-replica that runs the same round draws the same numbers: a failover cannot change the output.
+Both halves draw their randomness from `Draws.derive(seed, committed length, purpose)`, so any
+replica that runs the same round draws the same numbers, whatever other sessions share its tick:
+a failover cannot change the output, nor can the load.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from enum import StrEnum
 from specmesh.core.drafting import NextLogits, TreeSpec, build_tree
 from specmesh.core.extras import missing
 from specmesh.core.logprobs import token_logprobs
-from specmesh.core.sampling import SamplingParams, derive_generator
+from specmesh.core.sampling import Draws, SamplingParams
 from specmesh.core.tree import DraftTree
-from specmesh.core.verification import Verdict, autoregressive_step, verify_tree
+from specmesh.core.verification import Verdict, verify_many
 
 try:
     import torch
@@ -75,7 +76,12 @@ def draft_round(
     spec: TreeSpec, next_logits: NextLogits, params: SamplingParams, seed: int, committed_length: int
 ) -> DraftTree:
     """The tree a drafter proposes after `committed_length` committed tokens."""
-    return build_tree(spec, next_logits, params, derive_generator(seed, committed_length, "draft"))
+    return build_tree(spec, next_logits, params, draft_draws(seed, committed_length))
+
+
+def draft_draws(seed: int, committed_length: int) -> Draws:
+    """The randomness of a round's draft after `committed_length` committed tokens."""
+    return Draws.derive(seed, committed_length, "draft")
 
 
 def verify_round(
@@ -86,23 +92,33 @@ def verify_round(
     committed_length: int,
     top_logprobs: int | None = None,
 ) -> Verdict:
-    """The verifier's decision for one round.
+    """The verifier's decision for one round: `verify_rounds` of one session."""
+    return verify_rounds([tree], [logits], [params], [seed], [committed_length], [top_logprobs])[0]
 
-    logits: [1 + num_nodes, V] target logits, row 0 after the committed tokens, row i + 1 after
-    node i; tree None is a plain autoregressive step (only row 0 is read). top_logprobs: the
-    verdict carries its emitted tokens' log-probabilities with this many alternatives each (None:
-    none; they cost a log-softmax per emitted token)."""
-    generator = derive_generator(seed, committed_length, "verify")
-    if tree is None:
-        verdict = autoregressive_step(logits[0], params, generator)
-    else:
-        verdict = verify_tree(tree, logits, params, generator)
-    if top_logprobs is None:
-        return verdict
-    rows = logits[verdict.emitted_rows]
-    return dataclasses.replace(
-        verdict, logprobs=token_logprobs(rows, verdict.emitted_tokens, params, top_logprobs)
-    )
+
+def verify_rounds(
+    trees: Sequence[DraftTree | None],
+    logits: Sequence[torch.Tensor],
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    committed_lengths: Sequence[int],
+    top_logprobs: Sequence[int | None],
+) -> list[Verdict]:
+    """The verifier's decisions for a tick's sessions, each what it would be alone.
+
+    logits[b]: [1 + num_nodes, V] target logits, row 0 after the committed tokens, row i + 1 after
+    node i; a tree None is a plain autoregressive step (one row). top_logprobs[b]: the verdict
+    carries its emitted tokens' log-probabilities with this many alternatives each (None: none;
+    they cost a log-softmax per emitted token)."""
+    draws = [Draws.derive(s, n, "verify") for s, n in zip(seeds, committed_lengths, strict=True)]
+    verdicts = verify_many(trees, logits, params, draws)
+    for b, top in enumerate(top_logprobs):
+        if top is not None:
+            v = verdicts[b]
+            rows = logits[b][v.emitted_rows]
+            logprobs = token_logprobs(rows, v.emitted_tokens, params[b], top)
+            verdicts[b] = dataclasses.replace(v, logprobs=logprobs)
+    return verdicts
 
 
 def keep_emitted(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specmesh.core.extras import missing
@@ -17,6 +18,10 @@ try:
     import torch
 except ModuleNotFoundError as exc:  # a gateway-only install (specmesh.core.extras)
     torch = missing(exc)
+try:
+    import numpy as np
+except ModuleNotFoundError as exc:  # numpy comes with transformers; guarded like torch all the same
+    np = missing(exc)
 
 # A top-p cut over the whole vocabulary needs a full sort (about 11 ms at V = 152k on this CPU).
 # The kept set is almost always small, so look at the top candidates first and sort everything
@@ -52,6 +57,24 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def warp_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`warp` of each row [R, V] with its own params: rows that share params are warped together,
+    so a tick of sessions with one setting costs one warp. Every row's result is what `warp` gives
+    it alone (each step of the warp is a per-row reduction)."""
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"{len(params)} params for {logits.shape[0]} rows")
+    groups: dict[tuple[float, int, float], list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
+    if len(groups) == 1:
+        return warp(logits, params[0])
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for rows in groups.values():
+        index = torch.tensor(rows, device=logits.device)
+        out[index] = warp(logits[index], params[rows[0]])
+    return out
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -113,20 +136,102 @@ def gumbel_top_k(logp: torch.Tensor, k: int, generator: torch.Generator | None) 
     return scores.topk(k).indices
 
 
-def sample_iid(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
-    """k tokens drawn independently (with replacement) from a distribution [V].
-
-    Inverse CDF in float64: exact, and at V = 152k about 20x cheaper than torch.multinomial
-    (~11 ms a call on this CPU). Tokens with probability 0 are never drawn: their CDF step is empty.
-    """
+def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: probs [R, V], u [R, K] uniforms in [0, 1) float64 -> [R, K] tokens, row r's
+    drawn from probs[r]. Exact in float64, and at V = 152k about 20x cheaper than
+    torch.multinomial (~11 ms a call on this CPU). Tokens with probability 0 are never drawn: their
+    CDF step is empty."""
     cdf = probs.double().cumsum(-1)
-    u = torch.rand(k, generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
+    scaled = u.to(cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, scaled.contiguous(), right=True).clamp_(max=probs.shape[-1] - 1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+def sample_iid(probs: torch.Tensor, k: int, draws: Draws | torch.Generator | None) -> torch.Tensor:
+    """k tokens drawn independently (with replacement) from a distribution [V]."""
+    return sample_rows(probs.unsqueeze(0), as_draws(draws).uniform(k).unsqueeze(0))[0]
+
+
+def sample(probs: torch.Tensor, draws: Draws | torch.Generator | None) -> int:
     """One token from a distribution [V]."""
-    return int(sample_iid(probs, 1, generator))
+    return int(sample_iid(probs, 1, draws))
+
+
+# ---- randomness ---------------------------------------------------------------------------------
+# A round's randomness is a function of (session seed, committed length, purpose) only, so that
+# any replica (or the in-process engine) running the same round draws the same numbers, whatever
+# other sessions share its tick. `Draws` is that stream: counter-based (splitmix64 of a key and an
+# index), so the uniforms of a whole tick are one numpy expression (`uniform_many`).
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _counter_uniforms(keys: np.ndarray, counters: np.ndarray, n: int) -> np.ndarray:
+    """keys, counters [B] uint64 -> [B, n] float64 in (0, 1): the draws counter .. counter + n - 1
+    of each key's stream."""
+    with np.errstate(over="ignore"):
+        index = counters[:, None] + np.arange(1, n + 1, dtype=np.uint64)[None, :]
+        bits = _mix(keys[:, None] + index * np.uint64(_GOLDEN))
+    return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+
+
+class Draws:
+    """A stream of uniforms in (0, 1): counter-based from a key (`derive`), or a torch generator's
+    `torch.rand` (`from_generator`: tests that share one generator over many rounds). Tree builders
+    that need noise over a whole vocabulary (Gumbel-top-k) take `generator()` instead."""
+
+    def __init__(self, key: int | None = None, generator: torch.Generator | None = None) -> None:
+        self.key, self.counter, self._generator = key, 0, generator
+
+    @classmethod
+    def derive(cls, seed: int, position: int, purpose: str) -> Draws:
+        """The stream of one round's `purpose` ("draft", "verify") after `position` committed tokens."""
+        digest = hashlib.blake2b(f"{seed}:{position}:{purpose}".encode(), digest_size=8).digest()
+        return cls(key=int.from_bytes(digest, "little"))
+
+    @classmethod
+    def from_generator(cls, generator: torch.Generator | None) -> Draws:
+        return cls(generator=generator if generator is not None else torch.default_generator)
+
+    def uniform(self, n: int) -> torch.Tensor:
+        """The next n draws, float64 [n]."""
+        if self.key is None:
+            return torch.rand(n, generator=self._generator, dtype=torch.float64)
+        out = _counter_uniforms(np.array([self.key], np.uint64), np.array([self.counter], np.uint64), n)
+        self.counter += n
+        return torch.from_numpy(out[0])
+
+    def generator(self) -> torch.Generator:
+        """A torch generator for noise over the vocabulary: the wrapped one, or one seeded from the
+        key (made once per stream)."""
+        if self._generator is None:
+            self._generator = torch.Generator().manual_seed(self.key & 0x7FFF_FFFF_FFFF_FFFF)
+        return self._generator
+
+
+def as_draws(draws: Draws | torch.Generator | None) -> Draws:
+    return draws if isinstance(draws, Draws) else Draws.from_generator(draws)
+
+
+def uniform_many(streams: Sequence[Draws], n: int) -> torch.Tensor:
+    """The next n draws of each stream, float64 [len(streams), n]: one numpy expression when all
+    are counter-based (a tick's sessions), else stream by stream."""
+    if not streams:
+        return torch.zeros(0, n, dtype=torch.float64)
+    if any(d.key is None for d in streams):
+        return torch.stack([d.uniform(n) for d in streams])
+    keys = np.fromiter((d.key for d in streams), np.uint64, len(streams))
+    counters = np.fromiter((d.counter for d in streams), np.uint64, len(streams))
+    for d in streams:
+        d.counter += n
+    return torch.from_numpy(_counter_uniforms(keys, counters, n))
 
 
 def derive_generator(seed: int, position: int, purpose: str) -> torch.Generator:

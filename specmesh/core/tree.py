@@ -7,6 +7,7 @@ the verification rule for trees sampled without replacement, so nothing may re-s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -36,7 +37,9 @@ class DraftTree:
     tokens      [N]     int64  drafted token ids, level order
     parents     [N]     int64  parent node index, -1 for children of the root; parents[i] < i
     mode        SamplingMode
-    draft_probs [M, V]  fp32   warped p(.|node) for the root and for every node that has children
+    draft_probs [M, V]  fp32   warped p(.|node) for the root and for every node that has children;
+                               none at all (M = 0) for a greedy draft, whose verification never
+                               reads them
     prob_rows   [N + 1] int64  row of draft_probs for the root (entry 0) and node i (entry i + 1),
                                -1 where the node has no children (its p was never sampled from)
     mtad_threshold             MTAD's acceptance threshold lambda (mode MTAD only)
@@ -56,6 +59,16 @@ class DraftTree:
     @property
     def vocab_size(self) -> int:
         return int(self.draft_probs.shape[-1])
+
+    @property
+    def has_draft_probs(self) -> bool:
+        """False for a greedy draft: no distributions, only tokens (verified greedily)."""
+        return self.draft_probs.shape[0] > 0
+
+    @functools.cached_property
+    def is_chain(self) -> bool:
+        """One node per level, each the child of the one before."""
+        return bool(torch.equal(self.parents, torch.arange(-1, self.num_nodes - 1)))
 
     def depths(self) -> torch.Tensor:
         return tree_depths(self.parents)
@@ -100,6 +113,10 @@ class DraftTree:
             raise ValueError(f"prob_rows must have {n + 1} entries")
         if int(self.prob_rows.max()) >= self.draft_probs.shape[0] or int(self.prob_rows.min()) < -1:
             raise ValueError("prob_rows must index draft_probs or be -1")
+        if not self.has_draft_probs:  # a greedy draft: tokens only
+            if bool((self.prob_rows != -1).any()):
+                raise ValueError("prob_rows: must all be -1 when there are no draft_probs")
+            return
         has_children = torch.zeros(n + 1, dtype=torch.bool)
         has_children[self.parents + 1] = True
         if bool((self.prob_rows[has_children] < 0).any()):
@@ -122,6 +139,8 @@ class DraftTree:
         """Every drafted token has p > 0 under the row it was sampled from (ValueError naming the
         first that has not). Only sampled verification needs it: at temperature 0 the siblings
         are the draft's top-k by logit and the rows are not used."""
+        if not self.has_draft_probs:
+            raise ValueError("draft_probs: a greedy draft carries none; sampled verification needs them")
         drawn_from = self.prob_rows[self.parents + 1]
         p = self.draft_probs[drawn_from, self.tokens]
         zero = (p <= 0).nonzero().flatten()

@@ -16,17 +16,28 @@ The rule comes from the tree's sampling mode (docs/architecture.md), never from 
 At temperature 0 every mode is verified greedily: the target's argmax path through the tree.
 
 Randomness: one uniform per tree node is drawn up front, then one draw for the final token, so a
-seeded generator gives the same verdict whatever path the walk takes.
+seeded stream (`specmesh.core.sampling.Draws`) gives the same verdict whatever path the walk takes,
+and whatever other sessions a tick verifies beside it (`verify_many`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specmesh.core.extras import missing
 from specmesh.core.logprobs import TokenLogprob
-from specmesh.core.sampling import SamplingParams, sample, warp
+from specmesh.core.sampling import (
+    Draws,
+    SamplingParams,
+    as_draws,
+    sample,
+    sample_rows,
+    uniform_many,
+    warp,
+    warp_rows,
+)
 from specmesh.core.tree import DraftTree, SamplingMode
 
 try:
@@ -55,45 +66,95 @@ class Verdict:
 
 
 def verify_tree(
-    tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    tree: DraftTree,
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    draws: Draws | torch.Generator | None,
 ) -> Verdict:
     """target_logits [N + 1, V]: row 0 after the committed context (the root), row i + 1 after node i."""
-    if target_logits.shape[0] != tree.num_nodes + 1:
-        raise ValueError(
-            f"target_logits must have {tree.num_nodes + 1} rows (root + one per node), "
-            f"got {target_logits.shape[0]}"
-        )
-    if params.greedy:
-        return _verify_greedy(tree, target_logits)
-    if tree.mode is SamplingMode.MTAD:
-        return _verify_mtad(tree, target_logits, params, generator)
-    return _verify_rejection(tree, target_logits, params, generator)
+    return verify_many([tree], [target_logits], [params], [as_draws(draws)])[0]
 
 
 def autoregressive_step(
-    root_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    root_logits: torch.Tensor, params: SamplingParams, draws: Draws | torch.Generator | None
 ) -> Verdict:
     """No tree (method "none", the baseline): the next token from q after the committed context.
 
     One rule for the engine and the verifier service. Greedy gives the argmax: what sampling the
     one-hot warp gives, without a vocabulary-wide CDF per token (~0.4 ms at V = 152k).
     """
-    if params.greedy:
-        return Verdict([], [], int(root_logits.argmax()), bonus=True)
-    return Verdict([], [], sample(warp(root_logits, params), generator), bonus=True)
+    return verify_many([None], [root_logits.unsqueeze(0)], [params], [as_draws(draws)])[0]
 
 
-def _children_of(parents: torch.Tensor) -> dict[int, list[int]]:
+def verify_many(
+    trees: Sequence[DraftTree | None],
+    logits: Sequence[torch.Tensor],
+    params: Sequence[SamplingParams],
+    draws: Sequence[Draws],
+) -> list[Verdict]:
+    """The verdicts of a tick's sessions, each exactly what its rule gives it alone.
+
+    trees[b]: session b's tree (None: a plain step); logits[b] [N_b + 1, V]: its target rows (row 0
+    after the committed context, row i + 1 after node i); params[b], draws[b]: its sampling and its
+    round's "verify" stream. Greedy sessions take one argmax over all their rows; sampled chains
+    (plain steps are chains of no node) one vectorized rejection test (`_verify_chains`); other
+    trees their rule one by one."""
+    out: list[Verdict | None] = [None] * len(trees)
+    greedy, chains = [], []
+    for b, (tree, rows, p) in enumerate(zip(trees, logits, params, strict=True)):
+        n = 0 if tree is None else tree.num_nodes
+        if rows.shape[0] != n + 1:
+            raise ValueError(
+                f"target_logits must have {n + 1} rows (root + one per node), got {rows.shape[0]}"
+            )
+        if p.greedy:
+            greedy.append(b)
+        elif tree is None or (tree.mode is not SamplingMode.MTAD and tree.is_chain):
+            chains.append(b)
+        elif tree.mode is SamplingMode.MTAD:
+            out[b] = _verify_mtad(tree, rows, p, draws[b])
+        else:
+            out[b] = _verify_rejection(tree, rows, p, draws[b])
+    if greedy:  # one argmax for every greedy row of the tick
+        argmax = torch.cat([logits[b] for b in greedy]).argmax(-1).tolist()
+        at = 0
+        for b in greedy:
+            n = logits[b].shape[0]
+            out[b] = _verify_greedy(trees[b], argmax[at : at + n])
+            at += n
+    if chains:
+        for b, verdict in zip(
+            chains,
+            _verify_chains(
+                [trees[b] for b in chains],
+                [logits[b] for b in chains],
+                [params[b] for b in chains],
+                [draws[b] for b in chains],
+            ),
+            strict=True,
+        ):
+            out[b] = verdict
+    return out  # type: ignore[return-value]
+
+
+def _children_of(parents: torch.Tensor | list[int]) -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
-    for node, parent in enumerate(parents.tolist()):
+    for node, parent in enumerate(parents.tolist() if isinstance(parents, torch.Tensor) else parents):
         children.setdefault(parent, []).append(node)
     return children
 
 
-def _verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
-    children = _children_of(tree.parents)
+def _verify_greedy(tree: DraftTree | None, argmax: list[int]) -> Verdict:
+    """argmax[i]: the target's argmax at row i. Walk the tree along the argmax path."""
+    if tree is None:
+        return Verdict([], [], argmax[0], bonus=True)
     tokens = tree.tokens.tolist()
-    argmax = target_logits.argmax(-1).tolist()
+    if tree.is_chain:
+        n = 0
+        while n < len(tokens) and tokens[n] == argmax[n]:
+            n += 1
+        return Verdict(tokens[:n], list(range(n)), argmax[n], bonus=n == len(tokens))
+    children = _children_of(tree.parents)
     node, accepted = -1, []
     while True:
         best = argmax[node + 1]
@@ -103,6 +164,75 @@ def _verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
             return Verdict([tokens[n] for n in accepted], accepted, best, bonus=not kids)
         node = match
         accepted.append(node)
+
+
+def _chain_uniforms(draws: Sequence[Draws], lengths: list[int]) -> list[torch.Tensor]:
+    """Per session: one uniform per node, then one for the final token (n + 1 draws, in that
+    order, as `_verify_rejection` draws them)."""
+    if all(d.key is not None for d in draws):
+        u = uniform_many(draws, max(lengths) + 1)
+        for d, n in zip(draws, lengths, strict=True):
+            d.counter -= max(lengths) - n  # as if each had drawn its own n + 1
+        return [u[b, : n + 1] for b, n in enumerate(lengths)]
+    return [torch.cat([d.uniform(n), d.uniform(1)]) for d, n in zip(draws, lengths, strict=True)]
+
+
+def _verify_chains(
+    trees: list[DraftTree | None],
+    logits: list[torch.Tensor],
+    params: list[SamplingParams],
+    draws: list[Draws],
+) -> list[Verdict]:
+    """Sampled chains (a plain step: no node), vectorized over the tick (vLLM's rejection sampler).
+
+    Session b, nodes x_0..x_{n-1}: q_i = warp(row i), p_i the draft row x_i was drawn from. x_i is
+    accepted while u_i * p_i(x_i) < q_i(x_i); at the first rejection j the token comes from
+    (q_j - p_j)+ (q_j where that is empty: q = p, where a rejection has probability 0), after a
+    fully accepted chain from q_n: the bonus. One candidate per node, so the rule is the same for
+    chains drawn i.i.d. or without replacement. Worked example, two sessions:
+
+        lengths       [2, 0]                 (the second a plain step)
+        rows          [q_0, q_1, q_2 | q_0]  flat, offsets [0, 3, 4]
+        accept        [True, False]          (session 0's node 1 rejected)
+        first reject  [1, 0]                 -> session 0 samples (q_1 - p_1)+, session 1 q_0
+    """
+    lengths = [0 if t is None else t.num_nodes for t in trees]
+    u = _chain_uniforms(draws, lengths)
+    rows = torch.cat(logits)  # [sum(n + 1), V]
+    q = warp_rows(rows, [p for p, n in zip(params, lengths, strict=True) for _ in range(n + 1)])
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n + 1)
+    stop = list(lengths)  # first rejected node (n: all accepted)
+    node_rows = [starts[b] + i for b, n in enumerate(lengths) for i in range(n)]
+    if node_rows:
+        tokens = torch.cat([t.tokens for t in trees if t is not None and t.num_nodes])
+        p_rows = torch.cat([t.draft_probs[t.prob_rows[:-1]] for t in trees if t is not None and t.num_nodes])
+        p_x = p_rows.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).double()
+        q_x = q[node_rows].gather(-1, tokens.unsqueeze(-1)).squeeze(-1).double()
+        u_nodes = torch.cat([u[b][:n] for b, n in enumerate(lengths)])
+        rejected = (u_nodes * p_x >= q_x).tolist()
+        at = 0
+        for b, n in enumerate(lengths):
+            first = next((i for i in range(n) if rejected[at + i]), n)
+            stop[b] = first
+            at += n
+    final = []  # per session: the distribution the last token comes from
+    at_node = 0
+    for b, n in enumerate(lengths):
+        row = q[starts[b] + stop[b]]
+        if stop[b] < n:
+            residual = (row - p_rows[at_node + stop[b]]).clamp_(min=0.0)
+            row = residual if float(residual.sum()) > 0.0 else row
+        final.append(row)
+        at_node += n
+    last = sample_rows(torch.stack(final), torch.stack([u[b][n : n + 1] for b, n in enumerate(lengths)]))
+    last = last[:, 0].tolist()
+    out = []
+    for b, (tree, n) in enumerate(zip(trees, lengths, strict=True)):
+        kept = tree.tokens[: stop[b]].tolist() if tree is not None else []
+        out.append(Verdict(kept, list(range(stop[b])), int(last[b]), bonus=stop[b] == n))
+    return out
 
 
 def rejection_step(
@@ -133,12 +263,12 @@ def rejection_step(
 
 
 def _verify_rejection(
-    tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams, draws: Draws
 ) -> Verdict:
     without_replacement = tree.mode is SamplingMode.WITHOUT_REPLACEMENT
     children = _children_of(tree.parents)
     tokens = tree.tokens.tolist()
-    uniforms = torch.rand(tree.num_nodes, generator=generator, dtype=torch.float64).tolist()
+    uniforms = draws.uniform(tree.num_nodes).tolist()
     node, accepted = -1, []
     while True:
         q = warp(target_logits[node + 1], params)
@@ -153,14 +283,14 @@ def _verify_rejection(
             without_replacement,
         )
         if j is None:
-            return Verdict([tokens[n] for n in accepted], accepted, sample(q, generator), bonus=False)
+            return Verdict([tokens[n] for n in accepted], accepted, sample(q, draws), bonus=False)
         node = kids[j]
         accepted.append(node)
-    return Verdict([tokens[n] for n in accepted], accepted, sample(q, generator), bonus=True)
+    return Verdict([tokens[n] for n in accepted], accepted, sample(q, draws), bonus=True)
 
 
 def _verify_mtad(
-    tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams, draws: Draws
 ) -> Verdict:
     """MTAD: keep the LONGEST prefix d_1..d_i with sum log q - sum log p > log(lambda) (strict, so
     lambda = 1 rejects everything); a shorter failing prefix does not stop the scan, because the
@@ -177,5 +307,5 @@ def _verify_mtad(
     log_threshold = math.log(tree.mtad_threshold) if tree.mtad_threshold > 0 else -math.inf
     accepted_len = max((i + 1 for i, r in enumerate(log_ratio) if r > log_threshold), default=0)
     accepted = list(range(accepted_len))
-    next_token = sample(q[accepted_len], generator)
+    next_token = sample(q[accepted_len], draws)
     return Verdict(tokens[:accepted_len].tolist(), accepted, next_token, bonus=accepted_len == n)

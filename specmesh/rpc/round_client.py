@@ -1,28 +1,27 @@
-"""Async client of the drafter and verifier services: one session's rounds over gRPC.
+"""One session's rounds over the replicas' tick loops (specmesh.rpc.tick_client).
 
     result = await generate_remote("127.0.0.1:50061", "127.0.0.1:50062", prompt_ids, spec, params, 64)
 
-`RoundClient.round(tokens, placement)` is THE round (Draft, then Verify with the tree as the
-drafter sent it), shared by `RemoteSession` (tests, benchmarks) and the gateway
+`RoundClient.round(tokens, placement)` is THE round (a draft, then a verification of the tree as
+the drafter sent it), shared by `RemoteSession` (tests, benchmarks) and the gateway
 (gateway/rounds.py, which keeps the committed tokens in Redis and swaps replicas on failover). It
-produces exactly the tokens of the in-process `SpeculativeEngine` for the same seed. The
-`Placement` says which replicas run the round and how many committed tokens each holds; only the
-rest is sent, and the result says what each holds afterwards. A replica that answers
-FAILED_PRECONDITION with `specmesh-resync: 1` (restart, failover, eviction of its state) gets the
-session's full token list with position 0, once per call. Other errors are raised as
-`ReplicaFailure` naming the replica's role: choosing another replica is the caller's business.
+produces exactly the tokens of the in-process `SpeculativeEngine` for the same seed. Each call goes
+into its replica's next tick with every other session's (`TickLoop`); the `Placement` says which
+replicas run the round and how many committed tokens each holds; only the rest is sent, and the
+result says what each holds afterwards. A replica that answers FAILED_PRECONDITION with the resync
+flag (restart, failover, eviction of its state) gets the session's full token list with position 0,
+once per call. Other errors are raised as `ReplicaFailure` naming the replica's role: choosing
+another replica is the caller's business.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from typing import Any
 
 import grpc
@@ -38,7 +37,11 @@ from specmesh.core.stats import GenerationResult, GenerationStats
 from specmesh.core.verification import Verdict
 from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2, pb2_grpc
+from specmesh.rpc.tick_client import Drafted, ItemError, Role, TickLoop, Verified
+from specmesh.rpc.ticks import Opened
 from specmesh.rpc.tls import ClientTls, aio_channel
+
+__all__ = ["Placement", "RemoteSession", "ReplicaFailure", "Role", "RoundClient", "RoundResult"]
 
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -51,53 +54,16 @@ def open_channel(address: str, tls: ClientTls | None = None) -> grpc.aio.Channel
     return aio_channel(address, tls, options=CHANNEL_OPTIONS)
 
 
-class RelayDrafterStub:
-    """A Drafter stub whose Draft answers keep the tree as the drafter encoded it
-    (DraftResponseRelay): the round client hands those bytes to the verifier undecoded."""
-
-    def __init__(self, channel: grpc.aio.Channel) -> None:
-        stub = pb2_grpc.DrafterStub(channel)
-        self.Draft = channel.unary_unary(
-            "/specmesh.v1.Drafter/Draft",
-            request_serializer=pb2.DraftRequest.SerializeToString,
-            response_deserializer=pb2.DraftResponseRelay.FromString,
-        )
-        self.Release, self.Info = stub.Release, stub.Info
-
-
-class RelayVerifierStub:
-    """A Verifier stub whose Verify sends a VerifyRequestRelay (a relayed tree's bytes) as well as
-    a VerifyRequest: the same message on the wire."""
-
-    def __init__(self, channel: grpc.aio.Channel) -> None:
-        stub = pb2_grpc.VerifierStub(channel)
-        self.Verify = channel.unary_unary(
-            "/specmesh.v1.Verifier/Verify",
-            request_serializer=_serialize,
-            response_deserializer=pb2.VerifyResponse.FromString,
-        )
-        self.Release, self.Info = stub.Release, stub.Info
-
-
-def _serialize(message: Any) -> bytes:
-    return message.SerializeToString()
-
-
-def needs_resync(error: grpc.aio.AioRpcError) -> bool:
+def needs_resync(error: Any) -> bool:
     """The replica does not hold the session at the caller's position: resend everything."""
     if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
         return False
     return any(key == wire.RESYNC_KEY and value == "1" for key, value in error.trailing_metadata() or ())
 
 
-class Role(StrEnum):
-    DRAFTER = "drafter"
-    VERIFIER = "verifier"
-
-
 @dataclass(frozen=True)
 class Placement:
-    """Where one round runs: the replicas, what each holds, and how long a call may take.
+    """Where one round runs: the replicas' tick loops, what each holds, and how long a call may take.
 
     held: committed tokens the caller believes each replica holds (0 or missing: nothing, it gets
     everything with position 0). drafter None: method "none" only. timeout: what the round may
@@ -105,8 +71,8 @@ class Placement:
     a call runs before the caller is asked, spare(role), whether to give it up for a spare replica
     (asked again after every such period; None: a call may take the whole timeout)."""
 
-    verifier: pb2_grpc.VerifierStub | RelayVerifierStub
-    drafter: pb2_grpc.DrafterStub | RelayDrafterStub | None = None
+    verifier: TickLoop
+    drafter: TickLoop | None = None
     held: Mapping[Role, int] = field(default_factory=dict)
     timeout: float | None = 60.0
     per_try: Callable[[Role, int, int, int], float] | None = None
@@ -132,13 +98,11 @@ class RoundResult:
 
 
 class ReplicaFailure(Exception):
-    """A Draft or Verify call failed for another reason than a resync; `role` says which replica,
-    `held` what each replica holds as far as the round got (a Draft may have succeeded),
+    """A draft or verification failed for another reason than a resync; `role` says which
+    replica, `held` what each replica holds as far as the round got (a draft may have succeeded),
     `per_try` whether it ran out of its per-try timeout (not of the whole round's)."""
 
-    def __init__(
-        self, role: Role, error: grpc.aio.AioRpcError, held: Mapping[Role, int], per_try: bool = False
-    ) -> None:
+    def __init__(self, role: Role, error: Any, held: Mapping[Role, int], per_try: bool = False) -> None:
         super().__init__(f"{role}: {error.code().name}: {error.details()}")
         self.role = role
         self.error = error
@@ -149,7 +113,8 @@ class ReplicaFailure(Exception):
 class RoundClient:
     """One session's rounds: `round(tokens, placement)` drafts and verifies after the committed
     `tokens` on the replicas the placement names. The client keeps only what belongs to the
-    session (id, sampling, tree family, adaptive policy); where it runs is the caller's."""
+    session (its settings as the replicas get them, tree family, adaptive policy); where it runs is
+    the caller's."""
 
     def __init__(
         self,
@@ -165,15 +130,13 @@ class RoundClient:
         grammar: Grammar | None = None,
     ) -> None:
         """params: with the session's seed fixed. policy: adaptive speculation; `spec` is then only
-        its family and first depth. key: the session's secret, sent with every call (replicas
-        serve the session only to callers that send it). pipeline: whether rounds pre-draft (None:
-        never); the gateway shares one among its sessions, so that what one learnt holds for all.
-        stop_token_ids: where a plain call of several steps stops. top_logprobs: every round returns
-        its tokens' log-probabilities with this many alternatives (None: none). grammar: structured
-        output, sent with every Draft and Verify."""
+        its family and first depth. key: the session's secret (replicas serve the session only to
+        callers that know it). pipeline: whether rounds pre-draft (None: never); the gateway shares
+        one among its sessions, so that what one learnt holds for all. stop_token_ids: where a
+        plain call of several steps stops. top_logprobs: every round returns its tokens'
+        log-probabilities with this many alternatives (None: none). grammar: structured output."""
         self.id, self.params, self.spec, self.policy = session_id, params, spec, policy
-        self.stop_token_ids, self.top_logprobs, self.grammar = list(stop_token_ids), top_logprobs, grammar
-        self.metadata = wire.session_metadata(key)
+        self.session = Opened(session_id, key, params, frozenset(stop_token_ids), top_logprobs, grammar)
         self.pipeline = pipeline or PipelinePolicy(Pipelining.OFF)
         self._ahead: _Ahead | None = None  # the next round's pre-draft, in flight or done
 
@@ -181,21 +144,24 @@ class RoundClient:
         """Draft and verify after the committed `tokens`; commits nothing on the caller's side.
 
         plain_steps: where the round drafts nothing (method none, no adaptive policy), the verifier
-        may decode up to that many tokens in this one call (VerifyRequest.plain_steps).
+        may decode up to that many tokens in this one call.
 
         Pipelined (specmesh.core.ahead): the tree may come from the pre-draft the previous round
-        sent beside its Verify, if it assumed exactly these tokens; this round may send the next
-        one. Stats: draft_seconds and verify_seconds are what the services report (tree build time,
-        batched forward time), total_seconds the round's wall time; the rest is network."""
+        sent beside its verification, if it assumed exactly these tokens; this round may send the
+        next one. Stats: draft_seconds and verify_seconds are what the services report (the draft
+        tick's time, the batched forwards' time), total_seconds the round's wall time."""
         start = time.perf_counter()
         spec = self.policy.next_spec() if self.policy else self.spec
-        call = _Calls(placement, len(tokens), self.metadata)
+        call = _Calls(placement, len(tokens))
         ahead, self._ahead = self._ahead, None
-        drafted, hit, serial_draft = None, None, None
+        drafted: Drafted | None = None
+        hit, serial_draft = None, None
+        session = self.session
         if spec.method.drafts:
-            if placement.drafter is None:
+            drafter = placement.drafter
+            if drafter is None:
                 raise ValueError(f"method {spec.method!r} needs a drafter")
-            want = self.pipeline.wants()  # a pre-draft beside this round's Verify
+            want = self.pipeline.wants()  # a pre-draft beside this round's verification
             if ahead is not None:
                 try:
                     drafted = await ahead.take(tokens, spec, placement)
@@ -206,18 +172,24 @@ class RoundClient:
             if drafted is not None:
                 call.took(Role.DRAFTER, time.perf_counter() - start)  # the wait for the pre-draft
             else:
-                make_draft = functools.partial(self._draft_request, tokens, spec, want)
-                drafted = await call(Role.DRAFTER, placement.drafter.Draft, make_draft, spec.depth)
+
+                def make_draft(position: int) -> asyncio.Future:
+                    return drafter.draft(session, position, tokens[position:], spec, guess_next=want)
+
+                drafted = await call(Role.DRAFTER, make_draft, spec.depth)
                 serial_draft = call.seconds[Role.DRAFTER]
-            if drafted.likely_token_ids and want:
-                self._ahead = self._pre_draft(tokens, spec, placement, drafted.likely_token_ids)
-        # a relayed tree (DraftResponseRelay) goes on as the drafter's bytes, never decoded here
-        tree = drafted.tree if drafted is not None else None
+            if drafted.likely and want:
+                self._ahead = self._pre_draft(tokens, spec, drafter, drafted.likely)
+        tree = drafted.tree if drafted is not None else None  # the drafter's columns, relayed
         steps = plain_steps if drafted is None and self.policy is None else 1
-        make_verify = functools.partial(self._verify_request, tokens, tree, steps)
+        verifier = placement.verifier
+
+        def make_verify(position: int) -> asyncio.Future:
+            return verifier.verify(session, position, tokens[position:], tree, steps)
+
         nodes = drafted.tree_nodes if drafted is not None else 0
         try:
-            verified = await call(Role.VERIFIER, placement.verifier.Verify, make_verify, nodes, steps)
+            verified: Verified = await call(Role.VERIFIER, make_verify, nodes, steps)
         except BaseException:
             if self._ahead is not None:  # the round is redone from the committed tokens
                 self._ahead.cancel()
@@ -227,18 +199,18 @@ class RoundClient:
             verify=call.seconds[Role.VERIFIER],
             beside=self._ahead is not None,
             draft=serial_draft,
-            levels=drafted.draft_calls if serial_draft is not None else 0,
+            levels=drafted.forwards if serial_draft is not None and drafted is not None else 0,
             hit=hit,
         )
-        verdict, plain = wire.verdict_from_proto(verified), list(verified.plain_token_ids)
+        verdict, plain = verified.verdict, verified.plain_tokens
         # it committed the accepted path (a plain call: the tokens before the last) itself
         call.held[Role.VERIFIER] += len(plain) + len(verdict.accepted_tokens)
         stats = GenerationStats.for_round(
             drafted_tokens=nodes,
             accepted_tokens=len(verdict.accepted_tokens),
             tree_depth=drafted.tree_depth if drafted is not None else 0,
-            draft_calls=drafted.draft_calls if drafted is not None else 0,
-            draft_seconds=drafted.draft_seconds if drafted is not None else 0.0,
+            draft_calls=drafted.forwards if drafted is not None else 0,
+            draft_seconds=drafted.seconds if drafted is not None else 0.0,
             verify_seconds=verified.forward_seconds,
             total_seconds=time.perf_counter() - start,
             plain_steps=len(plain) + 1,
@@ -247,30 +219,16 @@ class RoundClient:
             # batch_tokens 0: a replica that does not say; the policy then counts this session alone
             load = Load(verified.batch_size, verified.batch_tokens) if verified.batch_tokens else None
             self.policy.observe(spec, stats, load)
-        logprobs = wire.logprobs_from_proto(verified.logprobs)
         return RoundResult(
-            verdict, stats, dict(call.held), call.resyncs, dict(call.seconds), hit, plain, logprobs
+            verdict, stats, dict(call.held), call.resyncs, dict(call.seconds), hit, plain, verified.logprobs
         )
 
-    def _draft_request(
-        self, tokens: Sequence[int], spec: TreeSpec, guess_next: bool, position: int
-    ) -> pb2.DraftRequest:
-        return wire.draft_request(
-            self.id, position, list(tokens[position:]), self.params, spec, guess_next=guess_next,
-            grammar=self.grammar,
-        )  # fmt: skip
-
     def _pre_draft(
-        self, tokens: Sequence[int], spec: TreeSpec, placement: Placement, likely: Sequence[int]
+        self, tokens: Sequence[int], spec: TreeSpec, drafter: TickLoop, likely: Sequence[int]
     ) -> _Ahead:
-        """Send the next round's Draft now, assuming its committed tokens will be `likely` more."""
-        assert placement.drafter is not None
-        request = wire.draft_request(
-            self.id, len(tokens), list(likely), self.params, spec, guess_next=True, speculative=True,
-            grammar=self.grammar,
-        )  # fmt: skip
-        call = placement.drafter.Draft(request, timeout=placement.timeout, metadata=self.metadata)
-        return _Ahead(PreDraft(len(tokens), tuple(likely)), spec, asyncio.ensure_future(call))
+        """Queue the next round's draft now, assuming its committed tokens will be `likely` more."""
+        future = drafter.draft(self.session, len(tokens), likely, spec, guess_next=True, speculative=True)
+        return _Ahead(PreDraft(len(tokens), tuple(likely)), spec, future)
 
     def close(self) -> None:
         """Drop a pre-draft in flight (the session ends)."""
@@ -278,28 +236,20 @@ class RoundClient:
             self._ahead.cancel()
             self._ahead = None
 
-    def _verify_request(
-        self, tokens: Sequence[int], tree: pb2.DraftTree | bytes | None, plain_steps: int, position: int
-    ) -> pb2.VerifyRequest | pb2.VerifyRequestRelay:
-        new, stops = list(tokens[position:]), self.stop_token_ids
-        return wire.verify_request(
-            self.id, position, new, self.params, tree, plain_steps, stops, self.top_logprobs, self.grammar
-        )
-
 
 @dataclass
 class _Ahead:
-    """A pre-draft in flight: what it assumes, its shape, its call."""
+    """A pre-draft in flight: what it assumes, its shape, its future."""
 
     pre: PreDraft
     spec: TreeSpec
     call: asyncio.Future
 
-    async def take(self, tokens: Sequence[int], spec: TreeSpec, placement: Placement) -> Any:
-        """Its DraftResponse if it applies to this round (the committed tokens it assumed, the
-        same shape, the drafter still holding what it was sent on), else None, cancelled. A
-        pre-draft that fails or runs past the per-try timeout is None too: the round's own Draft
-        then meets the replica's trouble with the usual retries."""
+    async def take(self, tokens: Sequence[int], spec: TreeSpec, placement: Placement) -> Drafted | None:
+        """Its answer if it applies to this round (the committed tokens it assumed, the same
+        shape, the drafter still holding what it was sent on), else None, cancelled. A pre-draft
+        that fails or runs past the per-try timeout is None too: the round's own draft then meets
+        the replica's trouble with the usual retries."""
         held = placement.held.get(Role.DRAFTER, 0)
         if spec != self.spec or held != self.pre.base or not self.pre.applies(tokens):
             self.cancel()
@@ -313,7 +263,7 @@ class _Ahead:
         return None if response.superseded else response
 
     def cancel(self) -> None:
-        """Cancel the call (the drafter stops it at its next level; a real Draft supersedes it)."""
+        """Cancel it (the drafter stops it at its next level; a real draft supersedes it)."""
         self.call.cancel()
         self.call.add_done_callback(_retrieve)
 
@@ -327,41 +277,35 @@ def _retrieve(future: asyncio.Future) -> None:
 class _Calls:
     """The replica calls of one round, tracking what each replica holds."""
 
-    def __init__(self, placement: Placement, committed: int, metadata: tuple) -> None:
+    def __init__(self, placement: Placement, committed: int) -> None:
         self.held = {role: placement.held.get(role, 0) for role in Role}
         self.timeout, self.per_try, self.spare = placement.timeout, placement.per_try, placement.spare
         self.committed, self.resyncs = committed, 0
-        self.metadata = metadata
         self.seconds: dict[Role, float] = {}
 
     async def __call__(
-        self,
-        role: Role,
-        method: Callable[..., Awaitable[Any]],
-        make: Callable[[int], Any],
-        work: int,
-        steps: int = 1,
+        self, role: Role, make: Callable[[int], asyncio.Future], work: int, steps: int = 1
     ) -> Any:
-        """method(make(position)); on a resync answer, once more with position 0 (all tokens).
-        work: the tree levels a Draft builds / the nodes a Verify checks, steps: the plain steps a
-        Verify may decode (both for the per-try timeout).
+        """make(position); on a resync answer, once more with position 0 (all tokens). work: the
+        tree levels a draft builds / the nodes a verification checks, steps: the plain steps it
+        may decode (both for the per-try timeout).
 
-        With nothing new for the replica (a round retried after its Verify failed), restart the
-        session there: new_token_ids may not be empty, they produce the root distribution."""
+        With nothing new for the replica (a round retried after its verification failed),
+        restart the session there: new tokens may not be empty, they produce the root distribution."""
         held = self.held[role]
         position = held if held < self.committed else 0
         start = time.perf_counter()
         try:
             try:
-                response = await self._try(role, method, make(position), position, work, steps)
-            except grpc.aio.AioRpcError as error:
+                response = await self._try(role, make(position), position, work, steps)
+            except (ItemError, grpc.aio.AioRpcError) as error:
                 if position == 0 or not needs_resync(error):
                     raise
                 self.resyncs += 1
-                response = await self._try(role, method, make(0), 0, work, steps)
+                response = await self._try(role, make(0), 0, work, steps)
         except _GivenUp as given_up:
             raise ReplicaFailure(role, given_up.error, self.held, per_try=True) from None
-        except grpc.aio.AioRpcError as error:
+        except (ItemError, grpc.aio.AioRpcError) as error:
             raise ReplicaFailure(role, error, self.held) from error
         self.took(role, time.perf_counter() - start)
         return response
@@ -372,29 +316,30 @@ class _Calls:
         self.held[role] = self.committed
         self.seconds[role] = seconds
 
-    async def _try(
-        self, role: Role, method: Callable[..., Any], request: Any, position: int, work: int, steps: int
-    ) -> Any:
-        """One call, with the round's timeout; every per-try period it runs past, the caller is
+    async def _try(self, role: Role, call: asyncio.Future, position: int, work: int, steps: int) -> Any:
+        """One call, within the round's timeout; every per-try period it runs past, the caller is
         asked whether a spare replica could take it (then it is cancelled: _GivenUp)."""
-        call = method(request, timeout=self.timeout, metadata=self.metadata)
-        if self.per_try is None:
-            return await call
-        period = self.per_try(role, self.committed - position, work, steps)
-        task = asyncio.ensure_future(call)
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=period)
-                if done:
-                    return task.result()
-                if self.spare(role):
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-                    raise _GivenUp(period)
+            async with asyncio.timeout(self.timeout):
+                if self.per_try is None:
+                    return await asyncio.shield(call)
+                period = self.per_try(role, self.committed - position, work, steps)
+                while True:
+                    done, _ = await asyncio.wait({call}, timeout=period)
+                    if done:
+                        return call.result()
+                    if self.spare(role):
+                        raise _GivenUp(period)
+        except TimeoutError:
+            raise ItemError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the round's timeout"
+            ) from None
         finally:
-            # Cancelled ourselves (the client left): cancel the call too. Left running, it could
-            # reach the replica after the session's Release and make the session there anew.
-            task.cancel()
+            # Given up, timed out or cancelled ourselves (the client left): the item goes too. Left
+            # running, it could reach the replica after the session's release and make it anew.
+            if not call.done():
+                call.cancel()
+                call.add_done_callback(_retrieve)
 
 
 class _GivenUp(Exception):
@@ -402,9 +347,7 @@ class _GivenUp(Exception):
 
     def __init__(self, period: float) -> None:
         super().__init__(f"no answer within the per-try timeout of {period:.2f} s")
-        self.error = grpc.aio.AioRpcError(
-            grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), details=str(self)
-        )
+        self.error = ItemError(grpc.StatusCode.DEADLINE_EXCEEDED, str(self))
 
 
 async def release_session(
@@ -421,12 +364,13 @@ async def release_session(
 
 
 class RemoteSession:
-    """One whole generation against a drafter and a verifier, the committed tokens kept here."""
+    """One whole generation against a drafter and a verifier (their tick loops), the committed
+    tokens kept here."""
 
     def __init__(
         self,
-        drafter: pb2_grpc.DrafterStub | None,
-        verifier: pb2_grpc.VerifierStub,
+        drafter: TickLoop | None,
+        verifier: TickLoop,
         request: Request,
         *,
         session_id: str | None = None,
@@ -443,6 +387,7 @@ class RemoteSession:
             request.spec,
             policy=policy,
             pipeline=PipelinePolicy(pipelining),
+            stop_token_ids=request.stop_token_ids,
         )
         self.drafter, self.verifier, self.timeout = drafter, verifier, timeout
         self.held: dict[Role, int] = {}
@@ -467,7 +412,8 @@ class RemoteSession:
 
     async def step(self) -> list[int]:
         """One round; returns the tokens it emitted (cut at max_new_tokens or a stop token).
-        A failed replica call raises its grpc.aio.AioRpcError; the next step retries the round."""
+        A failed replica call raises its error (ItemError or the stream's); the next step retries
+        the round."""
         placement = Placement(self.verifier, self.drafter, self.held, self.timeout)
         try:
             result = await self.client.round(self.tokens, placement)
@@ -493,9 +439,32 @@ class RemoteSession:
     async def release(self) -> None:
         """Free the session's KV on both replicas (best effort: a replica may be gone)."""
         self.client.close()
-        for stub in (self.drafter, self.verifier):
-            if stub is not None:
-                await release_session(stub, self.id, self.timeout)
+        for loop in (self.drafter, self.verifier):
+            if loop is not None:
+                loop.release(self.id)
+        await asyncio.sleep(0)  # the release goes out with the loops' next message
+
+
+class Replicas:
+    """A drafter and a verifier by address, each behind its own tick loop (tests, benchmarks)."""
+
+    def __init__(self, drafter_address: str | None, verifier_address: str) -> None:
+        self._channels = [open_channel(verifier_address)]
+        self.verifier = TickLoop(self._channels[0], Role.VERIFIER, verifier_address)
+        self.drafter = None
+        if drafter_address:
+            self._channels.append(open_channel(drafter_address))
+            self.drafter = TickLoop(self._channels[1], Role.DRAFTER, drafter_address)
+
+    async def __aenter__(self) -> Replicas:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.sleep(0.05)  # releases queued by the sessions go out first
+        for loop in (self.drafter, self.verifier):
+            if loop is not None:
+                await loop.close()
+        await asyncio.gather(*(c.close() for c in self._channels))
 
 
 async def generate_remote(
@@ -510,17 +479,9 @@ async def generate_remote(
 ) -> GenerationResult:
     """One whole generation over gRPC; the session is released on both replicas afterwards."""
     request = Request(prompt_ids, spec, params, max_new_tokens, tuple(stop_token_ids))
-    verifier_channel = open_channel(verifier_address)
-    drafter_channel = open_channel(drafter_address) if drafter_address else None
-    try:
-        drafter = pb2_grpc.DrafterStub(drafter_channel) if drafter_channel else None
-        verifier = pb2_grpc.VerifierStub(verifier_channel)
-        session = RemoteSession(drafter, verifier, request, pipelining=pipelining)
+    async with Replicas(drafter_address, verifier_address) as replicas:
+        session = RemoteSession(replicas.drafter, replicas.verifier, request, pipelining=pipelining)
         try:
             return await session.run()
         finally:
             await session.release()
-    finally:
-        await verifier_channel.close()
-        if drafter_channel is not None:
-            await drafter_channel.close()

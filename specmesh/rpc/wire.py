@@ -375,21 +375,37 @@ def parse_draft_request(req: pb2.DraftRequest, vocab_size: int, limits: Limits) 
 def parse_verify_request(req: pb2.VerifyRequest, vocab_size: int, limits: Limits) -> VerifyInput:
     fields = _round_fields(req, vocab_size)
     tree = tree_from_proto(req.tree, vocab_size, limits)
-    if tree is not None and not fields["params"].greedy:
-        try:
-            tree.check_drawable()
-        except ValueError as exc:
-            raise core_error("tree", exc) from None
-    steps = max(req.plain_steps, 1)
-    if steps > 1 and tree is not None:
-        raise WireError("plain_steps", "is for plain decoding only; a request with a tree decodes one round")
-    if steps > MAX_PLAIN_STEPS:
-        raise WireError("plain_steps", f"must be at most {MAX_PLAIN_STEPS}, got {steps}")
     stops = frozenset(token_ids_from_proto(req.stop_token_ids, vocab_size, "stop_token_ids", empty=True))
     top = req.top_logprobs if req.HasField("top_logprobs") else None
     if top is not None and top > MAX_TOP_LOGPROBS:
         raise WireError("top_logprobs", f"must be at most {MAX_TOP_LOGPROBS}, got {top}")
-    return VerifyInput(**fields, tree=tree, plain_steps=steps, stop_token_ids=stops, top_logprobs=top)
+    v = VerifyInput(
+        **fields, tree=tree, plain_steps=max(req.plain_steps, 1), stop_token_ids=stops, top_logprobs=top
+    )
+    check_verify_input(v, limits)
+    return v
+
+
+def check_verify_input(v: VerifyInput, limits: Limits, field: str = "tree") -> None:
+    """What a verification may be, however it came (a Verify call, an item of a tick): a tree
+    within the replica's limits whose tokens its rows could have drawn (sampled verification), one
+    plain step with a tree, at most MAX_PLAIN_STEPS without."""
+    tree = v.tree
+    if tree is not None:
+        _check_limit(
+            f"{field}.tokens", tree.num_nodes, limits.max_tree_nodes, "--max-tree-nodes", what="nodes"
+        )
+        depth = int(tree.depths().max()) if not tree.is_chain else tree.num_nodes
+        _check_limit(f"{field}.parents", depth, limits.max_depth, "--max-depth", what="levels")
+        if not v.params.greedy:
+            try:
+                tree.check_drawable()
+            except ValueError as exc:
+                raise core_error(field, exc) from None
+    if v.plain_steps > 1 and tree is not None:
+        raise WireError("plain_steps", "is for plain decoding only; a request with a tree decodes one round")
+    if v.plain_steps > MAX_PLAIN_STEPS:
+        raise WireError("plain_steps", f"must be at most {MAX_PLAIN_STEPS}, got {v.plain_steps}")
 
 
 def _round_message(

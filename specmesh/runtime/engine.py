@@ -3,9 +3,8 @@
 This is the reference the services must match token for token (same trees, same verdicts, same
 randomness) and the baseline that shows what the network costs. One round of a session:
 
-  1. draft   build_tree asks for one tree level per call; each call is one draft forward over
-             that level's nodes (tree attention over the draft KV cache). Concurrent sessions'
-             levels go into the same forward.
+  1. draft   every tree asks for one level at a time; each level is one draft forward over the
+             level's nodes of every session (tree attention over the draft KV cache).
   2. verify  one target forward over [the tokens the target has not seen] + the whole tree, for
              all sessions at once; verify_tree picks the accepted path and one more token.
   3. commit  the target's KV keeps only prefix + accepted path right away; the draft's keeps the
@@ -19,10 +18,8 @@ target through the same code.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -32,17 +29,17 @@ from specmesh.core.adaptive import AdaptivePolicy, Load, PolicyMemory
 from specmesh.core.drafting import Path, TreeSpec
 from specmesh.core.methods import Method
 from specmesh.core.ngram import draft_ngram
-from specmesh.core.rounds import Request, draft_round, keep_emitted, session_seed
+from specmesh.core.rounds import Request, keep_emitted, session_seed
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.stats import GenerationResult, GenerationStats
 from specmesh.core.tree import DraftTree
 from specmesh.runtime.backend import ModelBackend
 from specmesh.runtime.costs import measure_forward_cost
 from specmesh.runtime.models import LoadedModel, check_pair
-from specmesh.runtime.rounds import level_forwards, reusable_nodes, verify_and_commit
-from specmesh.runtime.runner import ModelRunner, Step
+from specmesh.runtime.rounds import DraftJob, VerifyJob, draft_steps, reusable_nodes, run_ticked, verify_steps
+from specmesh.runtime.runner import ModelRunner
 
-__all__ = ["LevelBatcher", "Request", "SpeculativeEngine"]  # Request: core.rounds, re-exported
+__all__ = ["Request", "SpeculativeEngine"]  # Request: core.rounds, re-exported
 
 
 @dataclass
@@ -59,49 +56,6 @@ class _Session:
     policy: AdaptivePolicy | None = None
     spec: TreeSpec = field(default_factory=lambda: TreeSpec(Method.NONE))  # this round's
     last_round: tuple[int, int] = (0, 0)  # (tree nodes, accepted) of the last verified round
-
-
-class LevelBatcher:
-    """Gathers one forward step from each participating thread and runs them as ONE model call.
-
-    Drafting sessions call `forward(step)` once per tree level; when every participant still
-    drafting has submitted, the steps run together. A participant that is done calls `leave()`.
-    """
-
-    def __init__(self, runner: ModelBackend, participants: int) -> None:
-        self.runner = runner
-        self.participants = participants
-        self._cv = threading.Condition()
-        self._waiting: dict[str, Step] = {}
-        self._results: dict[str, torch.Tensor | BaseException] = {}
-
-    def forward(self, step: Step) -> torch.Tensor:
-        with self._cv:
-            self._waiting[step.session_id] = step
-            self._flush_if_complete()
-            while step.session_id not in self._results:
-                self._cv.wait()
-            result = self._results.pop(step.session_id)
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    def leave(self) -> None:
-        with self._cv:
-            self.participants -= 1
-            self._flush_if_complete()
-
-    def _flush_if_complete(self) -> None:
-        if not self._waiting or len(self._waiting) < self.participants:
-            return
-        steps = list(self._waiting.values())
-        self._waiting.clear()
-        try:
-            outputs: Sequence[torch.Tensor | BaseException] = self.runner.forward(steps)
-        except BaseException as exc:  # every waiting caller gets the error
-            outputs = [exc] * len(steps)
-        self._results.update((st.session_id, out) for st, out in zip(steps, outputs, strict=True))
-        self._cv.notify_all()
 
 
 class SpeculativeEngine:
@@ -201,24 +155,17 @@ class SpeculativeEngine:
         drafting = [s for s in sessions if s.spec.method.needs_model]
         if not drafting:
             return
-        new_tokens = {s.id: self._resume_draft(s) for s in drafting}
-        batcher = LevelBatcher(self.drafter, len(drafting))
-
-        def run(s: _Session) -> None:
-            try:
-                s.draft_nodes = {}
-                next_logits = level_forwards(batcher.forward, s.id, new_tokens[s.id], s.draft_nodes)
-                s.tree = draft_round(s.spec, next_logits, s.request.params, s.seed, len(s.tokens))
-                s.stats.draft_calls += s.spec.depth
-            finally:
-                batcher.leave()
-
-        if len(drafting) == 1:
-            run(drafting[0])
-            return
-        with ThreadPoolExecutor(len(drafting)) as pool:
-            for future in [pool.submit(run, s) for s in drafting]:
-                future.result()
+        jobs = []
+        for s in drafting:
+            feed = self._resume_draft(s)
+            s.draft_nodes = {}
+            p = s.request.params
+            jobs.append(DraftJob(s.id, feed, s.spec, p, s.seed, len(s.tokens), nodes=s.draft_nodes))
+        for s, out in zip(drafting, run_ticked(draft_steps(jobs), self.drafter.forward), strict=True):
+            if out.error is not None:
+                raise out.error
+            s.tree = out.tree
+            s.stats.draft_calls += s.spec.depth
 
     def _resume_draft(self, s: _Session) -> list[int]:
         """Keep the drafter's pending nodes on the committed path; -> the tokens it must still run."""
@@ -232,22 +179,23 @@ class SpeculativeEngine:
 
     def _verify(self, sessions: list[_Session]) -> Load:
         """One target forward for every session's round; -> what that forward held."""
-        trees = [s.tree if s.spec.method.drafts else None for s in sessions]  # None: a plain step
-        steps = []
-        for s, tree in zip(sessions, trees, strict=True):
+        jobs = []
+        for s in sessions:
+            tree = s.tree if s.spec.method.drafts else None  # None: a plain step
             known = len(self.verifier.committed_tokens(s.id) or ())
-            nodes = tree.tokens.tolist() if tree is not None else []
-            parents = tree.parents.tolist() if tree is not None else []
-            steps.append(Step(s.id, s.tokens[known:], nodes, parents))
-        for s, tree, logits in zip(sessions, trees, self.verifier.forward(steps), strict=True):
-            verdict = verify_and_commit(
-                self.verifier, s.id, tree, logits, s.request.params, s.seed, len(s.tokens)
-            )
-            s.stats.record(tree, len(verdict.accepted_nodes))
-            s.last_round = (tree.num_nodes if tree is not None else 0, len(verdict.accepted_nodes))
+            jobs.append(VerifyJob(s.id, s.tokens[known:], tree, s.request.params, s.seed, len(s.tokens)))
+        outcomes = run_ticked(verify_steps(jobs, self.verifier.commit), self.verifier.forward)
+        for s, job, out in zip(sessions, jobs, outcomes, strict=True):
+            if out.error is not None:
+                raise out.error
+            verdict = out.verdict
+            assert verdict is not None
+            s.stats.record(job.tree, len(verdict.accepted_nodes))
+            s.last_round = (job.tree.num_nodes if job.tree is not None else 0, len(verdict.accepted_nodes))
             self._emit(s, verdict.emitted_tokens)
             s.tree = None
-        return Load(len(steps), sum(len(st.new_tokens) + len(st.node_tokens) for st in steps))
+        rows = sum(len(j.new_tokens) + (j.tree.num_nodes if j.tree is not None else 0) for j in jobs)
+        return Load(len(jobs), rows)
 
     @staticmethod
     def _emit(s: _Session, tokens: list[int]) -> None:

@@ -1,32 +1,159 @@
-"""The model side of a round on a ModelRunner, shared by the in-process engine and the two model
-services: the drafter's level forwards and KV reuse, the verifier's verdict-then-commit.
+"""The model side of a tick, shared by the in-process engine and the two model services: the
+drafter's level forwards and KV reuse, the verifier's verdict-then-commit, for every session of a
+tick at once.
 
-Drafter. `level_forwards` turns build_tree's one-call-per-level requests into runner steps. After
-a round the session's tree stays pending in the drafter's runner, with a map path -> pending node.
-The next round's new tokens (those committed since: normally the accepted path plus the recovered
-or bonus token) decide what to keep: `reusable_nodes` are the pending nodes whose paths are proper
-prefixes of them, exactly the accepted nodes the draft has run (an accepted leaf of the last
-level never ran). They are committed before the next root forward and the rest of the new tokens
-is fed; the last new token is always fed, its logits are the root of the next tree. Whatever the
-caller sends (a verdict from another replica, a restart) is handled the same way, because a kept
-node's KV is the KV of that token at that position.
+Both are step protocols (`Ticked`): a generator that yields the runner steps of its next forward
+(one `Step` per session, all in ONE `forward`), is sent their logits (per step: a tensor, or the
+exception that failed that step alone), and returns one outcome per job. The engine drives them
+with `runner.forward`; the services through their ForwardBatcher, which merges concurrent ticks
+into the same forwards and runs each resumption on the model thread right after its forward.
 
-Verifier. `verify_and_commit` decides the round (core.rounds.verify_round) and compacts the KV to
-the accepted path right away, so a session's state never holds half a round.
+Drafter. After a round the session's tree stays pending in the drafter's runner, with a map path
+-> pending node (`DraftJob.nodes`). The next round's new tokens (those committed since: normally
+the accepted path plus the recovered or bonus token) decide what to keep: `reusable_nodes` are the
+pending nodes whose paths are proper prefixes of them, exactly the accepted nodes the draft has run
+(an accepted leaf of the last level never ran). They are committed before the next root forward
+and the rest of the new tokens is fed; the last new token is always fed, its logits are the root
+of the next tree. Whatever the caller sends (a verdict from another replica, a restart) is handled
+the same way, because a kept node's KV is the KV of that token at that position.
+
+Verifier. `verify_steps` decides every session's round (core.rounds.verify_rounds) and compacts
+each session's KV to its accepted path right away, so a session's state never holds half a round;
+plain sessions (no tree) may go on for more steps in the same call (`VerifyJob.plain_steps`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from specmesh.core.drafting import NextLogits, Path
-from specmesh.core.rounds import verify_round
+from specmesh.core.ahead import likely_path
+from specmesh.core.drafting import NextLogits, Path, TreeSpec, draft_many
+from specmesh.core.grammar import mask_logits, tree_paths
+from specmesh.core.logprobs import TokenLogprob
+from specmesh.core.rounds import draft_draws, verify_rounds
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.tree import DraftTree
 from specmesh.core.verification import Verdict
-from specmesh.runtime.runner import ModelRunner, Step
+from specmesh.runtime.backend import Step
+
+# steps of one forward -> per step its logits or the exception that failed it alone
+Ticked = Generator[list[Step], list["torch.Tensor | BaseException"], list]
+# a grammar's rows: (paths below the committed tokens) -> allowed [len(paths), V] bool
+Allowed = Callable[[list[Path]], torch.Tensor]
+
+
+class Cancelled(Exception):
+    """The job's caller went away or superseded it: it stopped before its next forward."""
+
+
+# ---- drafter -----------------------------------------------------------------------------------
+
+
+@dataclass
+class DraftJob:
+    """One session's draft in a tick."""
+
+    session_id: str
+    feed: list[int]  # committed tokens the drafter has not run yet (the root step's new tokens)
+    spec: TreeSpec
+    params: SamplingParams
+    seed: int
+    committed_length: int  # committed tokens once `feed` is in: the round's randomness
+    guess_next: bool = False  # also run the likely leaf: the next round's pre-draft guess
+    allowed: Allowed | None = None  # structured output: every level's rows masked
+    cancelled: bool = False  # set from outside: the job stops before its next forward
+    nodes: dict[Path, int] = field(default_factory=dict)  # out: path -> the runner's pending node
+    forwards: int = 0  # out: forwards the job took part in
+
+
+@dataclass
+class DraftOutcome:
+    tree: DraftTree | None = None
+    likely: list[int] = field(default_factory=list)  # guess_next: the likely path, then the guess
+    error: BaseException | None = None
+
+
+def draft_steps(jobs: Sequence[DraftJob]) -> Ticked:
+    """The drafts of a tick: one forward per tree level for every job (core.drafting.draft_many),
+    then one more for the jobs that guess the next round's start. A job whose step fails, or that
+    is cancelled between levels, drops out alone."""
+    outcomes = [DraftOutcome() for _ in jobs]
+    if not jobs:
+        return outcomes
+    levels = draft_many([j.spec for j in jobs], [j.params for j in jobs],
+                        [draft_draws(j.seed, j.committed_length) for j in jobs])  # fmt: skip
+    wants, trees = next(levels), None
+    while trees is None:
+        for b, paths in enumerate(wants):
+            if paths and jobs[b].cancelled and outcomes[b].error is None:
+                outcomes[b].error = Cancelled("the caller cancelled the draft")
+        live = [b for b, paths in enumerate(wants) if paths and outcomes[b].error is None]
+        logits: list[torch.Tensor | None] = [None] * len(jobs)  # None: the tree is dropped
+        if live:
+            rows = [_level_step(jobs[b], wants[b]) for b in live]
+            results = yield [step for step, _ in rows]
+            for b, (_, pick), out in zip(live, rows, results, strict=True):
+                jobs[b].forwards += 1
+                if isinstance(out, BaseException):
+                    outcomes[b].error = out
+                    continue
+                out = out[pick]
+                allowed = jobs[b].allowed
+                logits[b] = mask_logits(out, allowed(wants[b])) if allowed is not None else out
+        try:
+            wants = levels.send(logits)
+        except StopIteration as done:
+            trees = done.value
+    for b, tree in enumerate(trees):
+        if outcomes[b].error is None:
+            outcomes[b].tree = tree
+    yield from _guess_next(jobs, outcomes)
+    return outcomes
+
+
+def _level_step(job: DraftJob, paths: list[Path]) -> tuple[Step, list[int]]:
+    """The runner step that gives `paths` their logits, and which of its rows is whose: the root
+    feeds the new tokens; a level appends the paths' last tokens under their cached parents (i.i.d.
+    siblings can repeat a path: each distinct path runs once)."""
+    if paths == [()]:
+        return Step(job.session_id, new_tokens=list(job.feed)), [0]
+    unique = list(dict.fromkeys(paths))
+    base = len(job.nodes)
+    parents = [job.nodes[p[:-1]] if len(p) > 1 else -1 for p in unique]
+    job.nodes.update((p, base + i) for i, p in enumerate(unique))
+    step = Step(job.session_id, node_tokens=[p[-1] for p in unique], node_parents=parents)
+    return step, [job.nodes[p] - base for p in paths]
+
+
+def _guess_next(jobs: Sequence[DraftJob], outcomes: list[DraftOutcome]) -> Ticked:
+    """Run each guessing job's likely leaf (kept pending like the tree's nodes) and answer its path's
+    tokens plus the draft's most likely next token: what the next round's pre-draft assumes.
+    Nothing when the leaf already ran (its logits are gone)."""
+    guesses = []
+    for job, out in zip(jobs, outcomes, strict=True):
+        if not job.guess_next or out.tree is None or job.cancelled:
+            continue
+        path = likely_path(out.tree)
+        tokens = tuple(out.tree.path(path[-1])) if path else ()
+        if tokens and tokens not in job.nodes:
+            guesses.append((job, out, tokens))
+    if not guesses:
+        return
+    steps = []
+    for job, _, tokens in guesses:
+        parent = job.nodes[tokens[:-1]] if len(tokens) > 1 else -1
+        job.nodes[tokens] = len(job.nodes)
+        steps.append(Step(job.session_id, node_tokens=[tokens[-1]], node_parents=[parent]))
+    results = yield steps
+    for (job, out, tokens), logits in zip(guesses, results, strict=True):
+        job.forwards += 1
+        if isinstance(logits, BaseException):
+            out.error, out.tree = logits, None
+        else:
+            out.likely = [*tokens, int(logits[-1].argmax())]
 
 
 def level_forwards(
@@ -35,23 +162,13 @@ def level_forwards(
     new_tokens: list[int],
     nodes: dict[Path, int],
 ) -> NextLogits:
-    """The model-backed `next_logits` for build_tree: one draft forward per tree level.
-
-    The root call feeds the committed tokens the draft has not seen; later calls append the
-    requested paths' last tokens as tree nodes under their (already cached) parents. `nodes`
-    records path -> the runner's pending node index, for `reusable_nodes` next round.
-    """
+    """A model-backed `next_logits` for core.drafting.build_tree (one session, one draft forward per
+    tree level): what `draft_steps` does for a tick, for callers that drive one tree themselves."""
+    job = DraftJob(session_id, list(new_tokens), TreeSpec(), SamplingParams(), 0, 0, nodes=nodes)
 
     def next_logits(paths: list[Path]) -> torch.Tensor:
-        if paths == [()]:
-            return runner_forward(Step(session_id, new_tokens=list(new_tokens)))
-        # i.i.d. siblings can repeat a token: run each distinct path once
-        unique = list(dict.fromkeys(paths))
-        base = len(nodes)
-        parents = [nodes[p[:-1]] if len(p) > 1 else -1 for p in unique]
-        logits = runner_forward(Step(session_id, node_tokens=[p[-1] for p in unique], node_parents=parents))
-        nodes.update((p, base + i) for i, p in enumerate(unique))
-        return logits[[nodes[p] - base for p in paths]]
+        step, pick = _level_step(job, paths)
+        return runner_forward(step)[pick]
 
     return next_logits
 
@@ -67,17 +184,113 @@ def reusable_nodes(pending: dict[Path, int], new_tokens: list[int]) -> list[int]
     return keep
 
 
-def verify_and_commit(
-    runner: ModelRunner,
-    session_id: str,
-    tree: DraftTree | None,
-    logits: torch.Tensor,
-    params: SamplingParams,
-    seed: int,
-    committed_length: int,
-    top_logprobs: int | None = None,
-) -> Verdict:
-    """The round's verdict, then the session's KV compacted to prefix + accepted path."""
-    verdict = verify_round(tree, logits, params, seed, committed_length, top_logprobs)
-    runner.commit(session_id, verdict.accepted_nodes)
-    return verdict
+# ---- verifier ----------------------------------------------------------------------------------
+
+
+@dataclass
+class VerifyJob:
+    """One session's verification in a tick (and its further plain steps)."""
+
+    session_id: str
+    new_tokens: list[int]  # committed tokens the verifier has not run yet
+    tree: DraftTree | None  # None: plain decoding
+    params: SamplingParams
+    seed: int
+    committed_length: int  # committed tokens once `new_tokens` are in
+    plain_steps: int = 1  # no tree: tokens to decode in this call (stops after a stop token)
+    stop_token_ids: frozenset[int] = frozenset()
+    top_logprobs: int | None = None
+    allowed: Allowed | None = None  # grammar: paths below the runner's committed tokens -> rows
+    cancelled: bool = False  # set from outside: no further plain step
+
+
+@dataclass
+class VerifyOutcome:
+    verdict: Verdict | None = None  # the last step's
+    plain_tokens: list[int] = field(default_factory=list)  # decoded by the steps before it
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # every step's, in token order
+    error: BaseException | None = None
+    steps: int = 0  # forwards it took part in
+
+
+def verify_steps(jobs: Sequence[VerifyJob], commit: Callable[[str, list[int]], None]) -> Ticked:
+    """Verify every job's tree (or take its plain step) in one forward, commit each session's
+    accepted path (`commit(session, nodes)`, on the model thread), then run further plain steps
+    for the jobs that asked for them, each fed the token the step before decoded."""
+    outcomes = [VerifyOutcome() for _ in jobs]
+    feed = {b: list(j.new_tokens) for b, j in enumerate(jobs)}
+    trees: dict[int, DraftTree | None] = {b: j.tree for b, j in enumerate(jobs)}
+    live = list(range(len(jobs)))
+    while live:
+        steps = []
+        for b in live:
+            tree = trees[b]
+            nodes = (tree.tokens.tolist(), tree.parents.tolist()) if tree is not None else ([], [])
+            steps.append(Step(jobs[b].session_id, feed[b], *nodes))
+        results = yield steps
+        ok = []
+        for b, out in zip(live, results, strict=True):
+            outcomes[b].steps += 1
+            if isinstance(out, BaseException):
+                outcomes[b].error = out
+            else:
+                ok.append((b, out))
+        if ok:
+            logits = [_grammar_rows(jobs[b], trees[b], out) for b, out in ok]
+            verdicts = verify_rounds(
+                [trees[b] for b, _ in ok], logits, [jobs[b].params for b, _ in ok],
+                [jobs[b].seed for b, _ in ok],
+                [jobs[b].committed_length + outcomes[b].steps - 1 for b, _ in ok],
+                [jobs[b].top_logprobs for b, _ in ok],
+            )  # fmt: skip
+            for (b, _), verdict in zip(ok, verdicts, strict=True):
+                try:
+                    commit(jobs[b].session_id, verdict.accepted_nodes)
+                except Exception as exc:  # this session fails alone
+                    outcomes[b].error = exc
+                    continue
+                out = outcomes[b]
+                if out.verdict is not None:
+                    out.plain_tokens.append(out.verdict.next_token)
+                out.verdict = verdict
+                out.logprobs += verdict.logprobs
+        live = [b for b in live if _continues(jobs[b], outcomes[b])]
+        for b in live:
+            feed[b], trees[b] = [outcomes[b].verdict.next_token], None  # type: ignore[union-attr]
+    return outcomes
+
+
+def _continues(job: VerifyJob, out: VerifyOutcome) -> bool:
+    """Whether a plain job takes another step in this call."""
+    if out.error is not None or out.verdict is None or job.cancelled or job.tree is not None:
+        return False
+    return out.steps < job.plain_steps and out.verdict.next_token not in job.stop_token_ids
+
+
+def _grammar_rows(job: VerifyJob, tree: DraftTree | None, logits: torch.Tensor) -> torch.Tensor:
+    """Every row masked after its own path (structured output), else as it is."""
+    if job.allowed is None:
+        return logits
+    paths = tree_paths(tree.parents.tolist(), tree.tokens.tolist()) if tree is not None else [()]
+    return mask_logits(logits[: len(paths)], job.allowed(paths))
+
+
+def plain_room(plain_steps: int, committed_length: int, max_context: int | None) -> int:
+    """Plain steps a call may take: no token past the model's context."""
+    room = plain_steps if max_context is None else max_context - committed_length + 1
+    return max(1, min(plain_steps, room))
+
+
+def run_ticked(ticked: Ticked, forward: Callable[[list[Step]], list[torch.Tensor]]) -> list:
+    """Drive a step protocol with a runner's forward (the in-process engine): a forward that fails
+    fails every step in it."""
+    try:
+        steps = next(ticked)
+        while True:
+            try:
+                results: list = list(forward(steps))
+            except Exception as exc:
+                results = [exc] * len(steps)
+            steps = ticked.send(results)
+    except StopIteration as done:
+        return done.value

@@ -1,14 +1,15 @@
-"""Dynamic batching of model steps: concurrent requests' steps become one runner forward.
+"""Dynamic batching of model steps: concurrent ticks' step groups become one runner forward.
 
-Continuous batching: when the model is free it takes what is queued, at once, unless a step is
-known to be coming: a registered participant (the drafter's running tree builders, the verifier's
-plain runs of several steps) that has not asked for its next step yet. Then it waits for them, at
-most --max-wait-ms, or until the batch is full (--max-batch-size sessions or --max-batch-tokens
-tokens). Nothing else ever waits: a Verify, or a Draft with no other builder running, goes straight
-to the model when it is free. While a forward runs, new steps accumulate, so under load batches
-form without any waiting. A step that does not fit waits for the next batch, in arrival order.
-Every forward runs on ONE model thread, so the runner never sees two calls at once and the event
-loop never blocks on the model.
+A tick (specmesh.runtime.rounds) asks for one forward at a time: a group of steps, one per session
+(a draft level, a verification, a plain step). Continuous batching: when the model is free it takes
+what is queued, at once, unless a group is known to be coming: a registered participant (a tick
+with more levels or plain steps to go) that has not asked for its next forward yet. Then it waits
+for them, at most --max-wait-ms, or until the batch is full (--max-batch-size sessions or
+--max-batch-tokens tokens). Nothing else ever waits. While a forward runs, new groups accumulate, so
+under load batches form without any waiting. A group that does not fit waits for the next batch, in
+arrival order. Every forward runs on ONE model thread, so the runner never sees two calls at once
+and the event loop never blocks on the model; each group's `finish` (sampling, verification) runs
+there too, right after its forward.
 """
 
 from __future__ import annotations
@@ -65,24 +66,26 @@ class BatchInfo:
 
 @dataclass(eq=False)
 class _Item:
-    step: Step
-    before: Callable[[], None] | None  # on the model thread, right before the forward
-    finish: Callable[[torch.Tensor], Any] | None  # on the model thread, on this step's logits
+    """A group of steps that wait for the same forward: a tick's level, one plain step of its runs."""
+
+    steps: list[Step]
+    before: dict[str, Callable[[], None]]  # session -> on the model thread, right before the forward
+    finish: Callable[[list[torch.Tensor | Exception]], Any] | None  # on the model thread, on the results
     future: asyncio.Future
     queued_at: float
+    tokens: int = 0
 
-    @property
-    def tokens(self) -> int:
-        return len(self.step.new_tokens) + len(self.step.node_tokens)
+    def __post_init__(self) -> None:
+        self.tokens = sum(len(st.new_tokens) + len(st.node_tokens) for st in self.steps)
 
 
 class ForwardBatcher:
-    """Merges steps of concurrent requests into one runner forward on the model thread.
+    """Merges the step groups of concurrent ticks into runner forwards on the model thread.
 
-    Use from the event loop (`enqueue`, `withdraw`, `join`, `leave`) or from a worker thread
-    (`run_threadsafe`). See the module docstring for when a batch is dispatched. With
-    participants, the max-wait clock also restarts when the model becomes idle, so a builder that
-    is still sampling its level gets the same grace after every forward.
+    Use from the event loop (`enqueue`, `withdraw`, `join`, `leave`). See the module docstring for
+    when a batch is dispatched. With participants, the max-wait clock also restarts when the model
+    becomes idle, so a tick that is still sampling its level gets the same grace after every
+    forward. A batch larger than the limits (one big tick) runs as several forwards in a row.
     """
 
     def __init__(
@@ -114,33 +117,26 @@ class ForwardBatcher:
 
     def enqueue(
         self,
-        step: Step,
+        steps: list[Step],
         *,
-        before: Callable[[], None] | None = None,
-        finish: Callable[[torch.Tensor], Any] | None = None,
+        before: dict[str, Callable[[], None]] | None = None,
+        finish: Callable[[list[torch.Tensor | Exception]], Any] | None = None,
     ) -> asyncio.Future:
-        """-> a future of (finish(logits) or logits, BatchInfo)."""
-        item = _Item(step, before, finish, self._loop.create_future(), self._loop.time())
+        """-> a future of (finish(results) or results, BatchInfo); results: per step its logits or
+        the exception that failed it alone."""
+        item = _Item(list(steps), before or {}, finish, self._loop.create_future(), self._loop.time())
         self._queue.append(item)
         self._poke()
         return item.future
 
     def withdraw(self, future: asyncio.Future) -> None:
-        """Take a step back if its forward has not started (then nothing happened to its session)."""
+        """Take a group back if its forward has not started (then nothing happened to its sessions)."""
         for item in self._queue:
             if item.future is future:
                 self._queue.remove(item)
                 future.cancel()
                 self._poke()
                 return
-
-    def run_threadsafe(self, step: Step, before: Callable[[], None] | None = None) -> torch.Tensor:
-        """From a worker thread: queue the step and block until its logits are back."""
-
-        async def queued() -> tuple[torch.Tensor, BatchInfo]:
-            return await self.enqueue(step, before=before)
-
-        return asyncio.run_coroutine_threadsafe(queued(), self._loop).result()[0]
 
     def _poke(self) -> None:
         if self._timer is not None:
@@ -158,7 +154,7 @@ class ForwardBatcher:
 
     def _ready(self) -> bool:
         queued = len(self._queue)
-        if queued >= self._limits.max_batch_size:
+        if sum(len(item.steps) for item in self._queue) >= self._limits.max_batch_size:
             return True
         if sum(item.tokens for item in self._queue) >= self._limits.max_batch_tokens:
             return True
@@ -170,17 +166,20 @@ class ForwardBatcher:
         return start + self._limits.max_wait_s
 
     def _take(self) -> list[_Item]:
+        """Groups in arrival order while they fit; a group is never split across batches (one that
+        is larger than the limits alone runs as several forwards, `_execute`)."""
         batch: list[_Item] = []
-        tokens = 0
-        while self._queue and len(batch) < self._limits.max_batch_size:
+        steps = tokens = 0
+        while self._queue:
             item = self._queue[0]
             if item.future.done():  # cancelled, withdrawal pending
                 self._queue.popleft()
                 continue
-            if batch and tokens + item.tokens > self._limits.max_batch_tokens:
+            full = steps + len(item.steps) > self._limits.max_batch_size
+            if batch and (full or tokens + item.tokens > self._limits.max_batch_tokens):
                 break
             batch.append(self._queue.popleft())
-            tokens += item.tokens
+            steps, tokens = steps + len(item.steps), tokens + item.tokens
         return batch
 
     def _dispatch(self, batch: list[_Item]) -> None:
@@ -193,13 +192,10 @@ class ForwardBatcher:
         self._busy = False
         self._idle_since = self._loop.time()
         try:
-            outcomes, forward_s = job.result()
+            outcomes, info = job.result()
         except BaseException:  # the model thread was shut down
-            outcomes, forward_s = [RuntimeError("the model thread stopped")] * len(batch), 0.0
-        tokens = sum(item.tokens for item in batch)
-        self._metrics.batch_size.observe(len(batch))
-        self._metrics.batch_tokens.observe(tokens)
-        self._metrics.forward_time.observe(forward_s)
+            outcomes, info = [RuntimeError("the model thread stopped")] * len(batch), (0, 0, 0.0)
+        size, tokens, forward_s = info
         for item, outcome in zip(batch, outcomes, strict=True):
             waited = dispatched - item.queued_at
             self._metrics.queue_wait.observe(waited)
@@ -208,38 +204,70 @@ class ForwardBatcher:
             if isinstance(outcome, BaseException):
                 item.future.set_exception(outcome)
             else:
-                item.future.set_result((outcome, BatchInfo(len(batch), tokens, waited, forward_s)))
-        # one loop turn later: the callers these results wake (a plain run's next token, a level's
-        # next forward) enqueue their next steps first, and make the next batch together
+                item.future.set_result((outcome, BatchInfo(size, tokens, waited, forward_s)))
+        # one loop turn later: the ticks these results wake (a plain run's next step, a level's
+        # next forward) enqueue their next groups first, and make the next batch together
         self._loop.call_soon(self._poke)
 
     # ---- model thread --------------------------------------------------------------------------
 
-    def _execute(self, batch: list[_Item]) -> tuple[list[Any], float]:
-        outcomes: list[Any] = [None] * len(batch)
-        ready = []
-        for i, item in enumerate(batch):
-            try:
-                if item.before is not None:
-                    item.before()
-            except Exception as exc:  # this step fails alone and stays out of the forward
-                outcomes[i] = exc
-            else:
-                ready.append(i)
-        start = time.perf_counter()
-        logits = self._forward([batch[i].step for i in ready])
-        if ready:
-            rows = sum(batch[i].tokens for i in ready)
+    def _execute(self, batch: list[_Item]) -> tuple[list[Any], tuple[int, int, float]]:
+        """Run the groups' steps (their sessions' `before` first; a step whose before fails stays
+        out and fails alone) in as few forwards as the limits allow, then each group's finish."""
+        results: list[list[Any]] = [[None] * len(item.steps) for item in batch]
+        ready: list[tuple[int, int]] = []  # (group, step)
+        for g, item in enumerate(batch):
+            for k, step in enumerate(item.steps):
+                hook = item.before.get(step.session_id)
+                try:
+                    if hook is not None:
+                        hook()
+                except Exception as exc:  # this step fails alone and stays out of the forward
+                    results[g][k] = exc
+                else:
+                    ready.append((g, k))
+        size = tokens = 0
+        forward_s = 0.0
+        for chunk in self._chunks(batch, ready):
+            steps = [batch[g].steps[k] for g, k in chunk]
+            rows = sum(len(st.new_tokens) + len(st.node_tokens) for st in steps)
+            start, cpu = time.perf_counter(), time.thread_time()
+            logits = self._forward(steps)
+            self._metrics.forward_cpu.inc(time.thread_time() - cpu)
             time.sleep(max(0.0, start + self._floor(rows) - time.perf_counter()))
-        forward_s = time.perf_counter() - start
-        for i, out in zip(ready, logits, strict=True):
-            outcomes[i] = _finish(batch[i], out)
+            seconds = time.perf_counter() - start
+            self._metrics.batch_size.observe(len(steps))
+            self._metrics.batch_tokens.observe(rows)
+            self._metrics.forward_time.observe(seconds)
+            size, tokens, forward_s = max(size, len(steps)), max(tokens, rows), forward_s + seconds
+            for (g, k), out in zip(chunk, logits, strict=True):
+                results[g][k] = out
+        outcomes = [_finish(item, out) for item, out in zip(batch, results, strict=True)]
         self._metrics.observe_runner(self._runner)
-        return outcomes, forward_s
+        return outcomes, (size, tokens, forward_s)
+
+    def _chunks(self, batch: list[_Item], ready: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        """The ready steps cut into forwards within --max-batch-size and --max-batch-tokens."""
+        chunks: list[list[tuple[int, int]]] = []
+        current: list[tuple[int, int]] = []
+        tokens = 0
+        for g, k in ready:
+            st = batch[g].steps[k]
+            rows = len(st.new_tokens) + len(st.node_tokens)
+            if current and (
+                len(current) >= self._limits.max_batch_size or tokens + rows > self._limits.max_batch_tokens
+            ):
+                chunks.append(current)
+                current, tokens = [], 0
+            current.append((g, k))
+            tokens += rows
+        if current:
+            chunks.append(current)
+        return chunks
 
     def _forward(self, steps: list[Step]) -> list[torch.Tensor | Exception]:
         """One forward for all steps; if it fails, each step alone, so that a step that cannot run
-        fails only its own request (the runner validates a whole call before changing anything)."""
+        fails only its own session (the runner validates a whole call before changing anything)."""
         if not steps:
             return []
         try:
@@ -251,10 +279,10 @@ class ForwardBatcher:
             return [self._forward([step])[0] for step in steps]
 
 
-def _finish(item: _Item, logits: torch.Tensor | Exception) -> Any:
-    if isinstance(logits, Exception) or item.finish is None:
-        return logits
+def _finish(item: _Item, results: list[torch.Tensor | Exception]) -> Any:
+    if item.finish is None:
+        return results
     try:
-        return item.finish(logits)
+        return item.finish(results)
     except Exception as exc:
         return exc

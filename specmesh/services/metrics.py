@@ -22,6 +22,11 @@ class ServiceMetrics(RpcMetrics):
         self.forward_time = self.histogram(
             f"{NS}forward_seconds", "duration of one batched model forward", TIME_BUCKETS
         )
+        self.forward_cpu = self.counter(
+            f"{NS}forward_cpu_seconds",
+            "CPU time of the model thread inside the model's forwards (thread time, the forward floor's "
+            "sleep not counted): what the model costs, against the process's whole CPU time",
+        )
         self.sessions = self.gauge(f"{NS}num_sessions", "sessions the model runner holds")
         self.cached_tokens = self.gauge(f"{NS}kv_cache_tokens", "KV positions held over all sessions")
         self.kv_usage = self.gauge(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import hashlib
 import logging
@@ -43,14 +44,24 @@ import grpc
 import torch
 from transformers.utils import logging as hf_logging
 
-from specmesh.rpc import wire
+from specmesh.rpc import decoding, wire
 from specmesh.rpc.proto import pb2
-from specmesh.rpc.server import RpcService, ServerConfig, configure_logging, parse_flags, rpc, serve
+from specmesh.rpc.server import (
+    RpcService,
+    ServerConfig,
+    configure_logging,
+    parse_flags,
+    rpc,
+    rpc_stream,
+    serve,
+)
+from specmesh.rpc.ticks import ItemFailure, Opened, TickItems, items_from_proto, opened_from_proto
 from specmesh.runtime.backend import Backend, UnknownSessionError
 from specmesh.runtime.costs import measure_forward_cost
 from specmesh.runtime.grammar import GrammarMasks, SessionGrammars
 from specmesh.runtime.models import LoadedModel, load_model
-from specmesh.services.batching import BatchLimits, ForwardBatcher, ForwardFloor
+from specmesh.runtime.rounds import Cancelled, Ticked
+from specmesh.services.batching import BatchInfo, BatchLimits, ForwardBatcher, ForwardFloor
 from specmesh.services.metrics import ServiceMetrics
 
 log = logging.getLogger("specmesh.services")
@@ -75,10 +86,6 @@ class SessionClosedError(Exception):
 
 CLOSED_SECONDS = 300.0  # how long a released keyed session stays closed: past any late call's deadline
 CLOSED_MAX = 100_000  # closed sessions remembered at most (about 10 MB)
-
-
-class RequestCancelled(Exception):
-    """The caller went away while a tree was being built."""
 
 
 class Resume(Enum):
@@ -229,6 +236,99 @@ class SessionSlots:
             self._forget(session_id)
 
 
+def owner_hash(key: str) -> bytes:
+    """What a replica keeps of a session key."""
+    return hashlib.sha256(key.encode()).digest()
+
+
+class Withdrawn(Exception):
+    """A tick taken back before its first forward: nothing happened to its sessions."""
+
+
+class Tick:
+    """One tick's run on this replica: its jobs (to cancel them), the batcher group it waits for,
+    and what its forwards looked like."""
+
+    def __init__(self, batcher: ForwardBatcher, jobs: list) -> None:
+        self.batcher, self.jobs = batcher, jobs
+        self.pending: asyncio.Future | None = None
+        self.groups = 0  # forwards it has had
+        self.withdrawn = self.abandoned = False
+        self.size = self.tokens = 0
+        self.forward_seconds = self.queue_seconds = 0.0
+
+    def observe(self, batch: BatchInfo) -> None:
+        self.groups += 1
+        self.size, self.tokens = max(self.size, batch.size), max(self.tokens, batch.tokens)
+        self.forward_seconds += batch.forward_seconds
+        self.queue_seconds += batch.queue_seconds
+
+    def cancel(self, job: Any) -> None:
+        """Stop one job before its next forward; the whole tick is taken back if that was its
+        last job and its first forward has not started."""
+        job.cancelled = True
+        if all(j.cancelled for j in self.jobs) and self.pending is not None and self.groups == 0:
+            self.withdrawn = True
+            self.batcher.withdraw(self.pending)
+
+    def cancel_all(self) -> None:
+        for job in self.jobs:
+            self.cancel(job)
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return dict(
+            batch_size=self.size, batch_tokens=self.tokens,
+            forward_seconds=self.forward_seconds, queue_seconds=self.queue_seconds,
+        )  # fmt: skip
+
+
+class TickStream:
+    """What one Ticks stream has told this replica: its handles' sessions, and the jobs of its
+    ticks in flight (a `cancel` stops them)."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[int, Opened | wire.WireError] = {}
+        self.running: dict[int, tuple[Tick, Any]] = {}  # handle -> (its tick, its job)
+
+    def open(self, handle: int, opened: Opened) -> None:
+        self.sessions[handle] = opened
+
+    def refuse(self, handle: int, error: wire.WireError) -> None:
+        """An open that could not be read: the handle's items get its error."""
+        self.sessions[handle] = error
+
+    def session(self, handle: int) -> Opened:
+        o = self.sessions.get(handle)
+        if o is None:
+            raise wire.WireError("handles", f"handle {handle} was never opened on this stream")
+        if isinstance(o, wire.WireError):
+            raise o
+        return o
+
+    def close(self, handle: int) -> Opened | None:
+        o = self.sessions.pop(handle, None)
+        return o if isinstance(o, Opened) else None
+
+    def cancel(self, handle: int) -> None:
+        running = self.running.get(handle)
+        if running is not None:
+            running[0].cancel(running[1])
+
+
+@dataclass
+class _Done:
+    value: Any
+
+
+def _advance(ticked: Ticked, results: list) -> Any:
+    """On the model thread, right after a forward: the protocol's next steps, or _Done."""
+    try:
+        return ticked.send(results)
+    except StopIteration as done:
+        return _Done(done.value)
+
+
 # ---- the service ------------------------------------------------------------------------------
 
 
@@ -300,11 +400,11 @@ class ModelService(RpcService):
 
     # ---- sessions ------------------------------------------------------------------------------
 
-    def begin(self, r: wire.RoundInput, context: grpc.aio.ServicerContext) -> Resume:
-        """Check the caller's key and the context, reserve the session for one request and check
-        the caller's position: how the request starts (`Resume`)."""
+    def begin(self, r: wire.RoundInput, owner: bytes) -> Resume:
+        """Check the caller's key (`owner`: its hash) and the context, reserve the session for one
+        request and check the caller's position: how the request starts (`Resume`)."""
         session_id, position = r.session_id, r.position
-        owner = self._owner(session_id, context)
+        self.check_owner(session_id, owner)
         if self._is_closed(session_id, owner):
             raise SessionClosedError(f"session_id: session {session_id!r} was released on this replica")
         context_length = self.runner.max_context  # None: the model does not say
@@ -324,12 +424,146 @@ class ModelService(RpcService):
         self._used[session_id] = time.monotonic()
         return resume
 
-    def _owner(self, session_id: str, context: grpc.aio.ServicerContext) -> bytes:
-        """The hash of the caller's session key; NotOwnerError if the session has another."""
-        owner = hashlib.sha256(wire.session_key(context.invocation_metadata()).encode()).digest()
+    def check_owner(self, session_id: str, owner: bytes) -> None:
+        """NotOwnerError if the session was created with another key."""
         if self._owners.get(session_id, owner) != owner:
             raise NotOwnerError("session_id: this caller's session key does not open that session")
+
+    def _owner(self, session_id: str, context: grpc.aio.ServicerContext) -> bytes:
+        """The hash of a call's session key; NotOwnerError if the session has another."""
+        owner = owner_hash(wire.session_key(context.invocation_metadata()))
+        self.check_owner(session_id, owner)
         return owner
+
+    def end(self, session_id: str, resume: Resume, failed: bool, abandoned: bool) -> None:
+        """An item's work has really ended (a forward in flight may change its session until then):
+        free the session; forget it if the work failed (the caller resyncs), or if this item
+        (re)started the session and its caller went away (the caller's Release may have arrived
+        before the item began, found nothing to release, and will not come again)."""
+        if failed or (resume is Resume.RESTART and abandoned):
+            self.forget(session_id)
+        self.slots.free(session_id)
+
+    def failure(self, method: str, session: str, exc: BaseException) -> ItemFailure:
+        """An item's error as a call would have had it (`status`)."""
+        if isinstance(exc, Cancelled | asyncio.CancelledError):
+            return ItemFailure(grpc.StatusCode.CANCELLED.value[0], "cancelled")
+        code, details, trailers = self.status(method, session, exc)  # type: ignore[arg-type]
+        return ItemFailure(code.value[0], details, any(k == wire.RESYNC_KEY for k, _ in trailers))
+
+    # ---- ticks ---------------------------------------------------------------------------------
+
+    async def drive(self, tick: Tick, ticked: Ticked, before: dict[str, Callable[[], None]]) -> list:
+        """Run a step protocol (specmesh.runtime.rounds) through the batcher: each forward's group
+        of steps is queued, and the protocol resumes on the model thread right after it. The tick
+        is a participant while it runs, so that concurrent ticks' forwards wait for each other."""
+        steps = next(ticked)  # the first steps: cheap, on the loop (the sessions' resets run later)
+        self.batcher.join()
+        try:
+            while True:
+                finish = functools.partial(_advance, ticked)
+                tick.pending = self.batcher.enqueue(steps, before=before, finish=finish)
+                before = {}
+                try:
+                    steps, batch = await tick.pending
+                except asyncio.CancelledError:
+                    if tick.withdrawn:  # taken back before its first forward: nothing ran
+                        raise Withdrawn from None
+                    raise
+                finally:
+                    tick.pending = None
+                tick.observe(batch)
+                if isinstance(steps, _Done):
+                    return steps.value
+        finally:
+            self.batcher.leave()
+
+    async def run_tick(self, tick: Tick, work: Callable[[], Any]) -> Any:
+        """Run a tick's work to its end even if its caller goes away (then its jobs stop before
+        their next forward): a forward in flight changes sessions until it is done."""
+        task = asyncio.ensure_future(work())
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            tick.abandoned = True
+            tick.cancel_all()
+            with contextlib.suppress(BaseException):
+                await task
+            raise
+
+    @rpc_stream
+    async def Ticks(self, requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        """The stream a caller's tick loop keeps open to this replica (see the proto)."""
+        stream = TickStream()
+        results: asyncio.Queue = asyncio.Queue()
+        running: set[asyncio.Task] = set()
+
+        async def read() -> None:
+            try:
+                async for message in requests:
+                    if isinstance(message, decoding.Undecodable):
+                        raise message.error
+                    task = asyncio.ensure_future(self.stream_tick(stream, message))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                    task.add_done_callback(lambda t: results.put_nowait(t))
+                await asyncio.gather(*running, return_exceptions=True)
+            finally:
+                results.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while True:
+                done = await results.get()
+                if done is None:
+                    break
+                if not done.cancelled() and done.exception() is None:
+                    yield done.result()
+                elif not done.cancelled():
+                    raise done.exception()
+            await reader  # a bad message's error ends the stream with its status
+        finally:
+            reader.cancel()
+            for task in list(running):
+                task.cancel()
+            await asyncio.gather(reader, *running, return_exceptions=True)
+
+    async def stream_tick(self, stream: TickStream, message: Any) -> Any:
+        """One tick of a stream: open its sessions, cancel and release what it says, run its items
+        (the service's `tick_items`), answer its result."""
+        start = time.perf_counter()
+        for opened in message.open:
+            try:
+                stream.open(opened.handle, opened_from_proto(opened, self.vocab_size))
+            except wire.WireError as exc:
+                stream.refuse(opened.handle, exc)
+        items = items_from_proto(message, self.vocab_size)
+        for handle in items.cancel.tolist():
+            stream.cancel(handle)
+        for handle in items.release.tolist():
+            o = stream.close(handle)
+            if o is not None:
+                self.release_with_key(o.session_id, owner_hash(o.key), bool(o.key))
+        result = await self.tick_items(stream, message, items)
+        self.answered(self.tick_method, "", grpc.StatusCode.OK, start)
+        return result
+
+    def release_with_key(self, session_id: str, owner: bytes, keyed: bool) -> bool:
+        """Release (the RPC, or a stream's `release`): False if the caller does not own the
+        session or the replica did not hold it."""
+        try:
+            self.check_owner(session_id, owner)
+        except NotOwnerError:
+            return False
+        if keyed:
+            self._close(session_id, owner)
+        held = session_id not in self._releasing and self.runner.committed_tokens(session_id) is not None
+        self.slots.release(session_id)
+        return held
+
+    async def tick_items(self, stream: TickStream, message: Any, items: TickItems) -> Any:
+        """A service's tick: its result message."""
+        raise NotImplementedError
 
     def _close(self, session_id: str, owner: bytes) -> None:
         """Remember that the caller with this key released the session. Keyed callers (the
@@ -369,36 +603,6 @@ class ModelService(RpcService):
         if resume is Resume.ROLLBACK:
             return functools.partial(self.runner.truncate, session_id, position)
         return None
-
-    async def settle(
-        self,
-        session_id: str,
-        resume: Resume,
-        context: grpc.aio.ServicerContext,
-        work: asyncio.Future,
-        withdraw: Callable[[], None],
-    ) -> Any:
-        """Await the session's work. The session stays reserved until the work has really ended
-        (a dispatched forward or a running tree builder still changes it after the caller left).
-        Then the replica forgets the session if the work failed (the caller resyncs), or if this
-        request (re)started the session and its caller went away: the caller's Release may have
-        arrived before this request began, found nothing to release, and will not come again."""
-        abandoned = False
-
-        def settled(work: asyncio.Future) -> None:
-            failed = not work.cancelled() and work.exception() is not None
-            if failed or (resume is Resume.RESTART and (abandoned or context.cancelled())):
-                self.forget(session_id)
-            self.slots.free(session_id)
-
-        work.add_done_callback(settled)
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            abandoned = True
-            if not work.done():
-                withdraw()
-            raise
 
     def forget(self, session_id: str) -> None:
         """Drop the session here; until the model thread has released it, it counts as unknown."""
@@ -441,15 +645,8 @@ class ModelService(RpcService):
         self, request: pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb2.ReleaseResponse:
         session_id = wire.session_id_from_proto(request.session_id)
-        try:
-            owner = self._owner(session_id, context)
-        except NotOwnerError:
-            return pb2.ReleaseResponse(released=False)
-        if wire.session_key(context.invocation_metadata()):
-            self._close(session_id, owner)
-        held = session_id not in self._releasing and self.runner.committed_tokens(session_id) is not None
-        self.slots.release(session_id)
-        return pb2.ReleaseResponse(released=held)
+        key = wire.session_key(context.invocation_metadata())
+        return pb2.ReleaseResponse(released=self.release_with_key(session_id, owner_hash(key), bool(key)))
 
     @rpc
     async def Info(self, request: pb2.InfoRequest, context: grpc.aio.ServicerContext) -> pb2.InfoResponse:

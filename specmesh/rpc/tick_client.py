@@ -1,0 +1,523 @@
+"""A caller's tick loop to one replica: every session's draft or verification queued while the
+replica works goes out in the next tick, as one message on a long-lived `Ticks` stream, and comes
+back as one message (proto/specmesh/v1, "ticks"; docs/services.md).
+
+    loop = TickLoop(channel, Role.VERIFIER, "127.0.0.1:50062")
+    verified = await loop.verify(session, position, new_tokens, tree, plain_steps)
+
+One loop per replica and caller: the gateway keeps one per replica of its pools, a RemoteSession
+its own. A tick is sent as soon as the replica has none in flight and the event loop has nothing
+else to run (every session that woke in this turn has queued its work), so sessions that run in
+step share one message and one forward. Sessions are opened on the stream once (their key, sampling
+and settings), then named by a handle; a tick carries only positions, new tokens and trees, in
+columns. A drafted tree stays the drafter's columns (`TreeRef`) until a verify tick relays it:
+never decoded here (a gateway-only install has no torch).
+
+Failures: an item's own error is an `ItemError` (shaped like grpc.aio.AioRpcError: code(),
+details(), trailing_metadata(), so a resync answer reads the same); a stream that fails fails every
+item in flight with its error, and the next tick opens a new stream. Cancelling an item's future
+takes it out of the queue, or, once sent, tells the replica to stop it before its next forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import grpc
+import numpy as np
+
+from specmesh.core.drafting import TreeSpec
+from specmesh.core.logprobs import TokenLogprob
+from specmesh.core.ticks import Ragged, TreeColumns
+from specmesh.core.verification import Verdict
+from specmesh.rpc import wire
+from specmesh.rpc.proto import pb2
+from specmesh.rpc.ticks import (
+    GUESS_NEXT,
+    SPECULATIVE,
+    SUPERSEDABLE,
+    Opened,
+    column,
+    item_failures,
+    items_fields,
+    opened_to_proto,
+    packed,
+    ragged_from_proto,
+    trees_from_proto,
+    trees_to_proto,
+)
+
+log = logging.getLogger("specmesh.rpc.tick_client")
+
+FLUSH_TURNS = 4  # event-loop turns a tick waits at most for more sessions to queue their work
+
+
+class Role(StrEnum):
+    DRAFTER = "drafter"
+    VERIFIER = "verifier"
+
+
+class ItemError(Exception):
+    """One item's failure, with AioRpcError's reading methods (a resync answer reads the same)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, resync: bool = False) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details, self.resync = code, details, resync
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple:
+        return ((wire.RESYNC_KEY, "1"),) if self.resync else ()
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+@dataclass(frozen=True)
+class TreeRef:
+    """A drafted tree as its drafter sent it: item `index` of a tick result's columns."""
+
+    columns: TreeColumns
+    index: int
+
+    @property
+    def nodes(self) -> int:
+        return int(self.columns.tokens.offsets[self.index + 1] - self.columns.tokens.offsets[self.index])
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.columns.tokens.item(self.index).tolist()
+
+    @property
+    def depth(self) -> int:
+        start, end = self.columns.tokens.offsets[self.index : self.index + 2]
+        parents = self.columns.parents[start:end].tolist()
+        depth: list[int] = []
+        for p in parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return max(depth, default=0)
+
+    def chain_suffix(self, skip: int) -> TreeRef:
+        """A chain without its first `skip` nodes (core.tree.chain_suffix, on the columns):
+        node i + skip becomes node i, the rows kept whole."""
+        c, i = self.columns.take([self.index]), 0
+        n = self.nodes
+        if not 0 < skip < n:
+            raise ValueError(f"skip must be in [1, {n - 1}], got {skip}")
+        if not np.array_equal(c.parents, np.arange(-1, n - 1)):
+            raise ValueError("chain_suffix takes a chain")
+        suffix = TreeColumns(
+            tokens=Ragged(np.array([0, n - skip], np.int64), c.tokens.values[skip:]),
+            parents=np.arange(-1, n - skip - 1, dtype=np.int32),
+            modes=c.modes,
+            thresholds=c.thresholds,
+            prob_rows=c.prob_rows[skip:],
+            item_rows=c.item_rows,
+            row_ids=c.row_ids,
+            row_probs=c.row_probs,
+            vocab_size=c.vocab_size,
+        )
+        return TreeRef(suffix, i)
+
+
+@dataclass
+class Drafted:
+    """A draft's answer."""
+
+    tree: TreeRef | None  # None: an n-gram drafter found no match (the round is a plain step)
+    likely: list[int] = field(default_factory=list)  # guess_next: the likely path, then the guess
+    forwards: int = 0
+    seconds: float = 0.0  # the tick's time on the drafter
+    superseded: bool = False
+
+    @property
+    def tree_nodes(self) -> int:
+        return self.tree.nodes if self.tree is not None else 0
+
+    @property
+    def tree_depth(self) -> int:
+        return self.tree.depth if self.tree is not None else 0
+
+
+@dataclass
+class Verified:
+    """A verification's answer: the tokens it emitted (plain steps first) and how."""
+
+    tokens: list[int]
+    plain: int
+    accepted_nodes: list[int]
+    bonus: bool
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    batch_size: int = 0
+    batch_tokens: int = 0
+    forward_seconds: float = 0.0
+    queue_seconds: float = 0.0
+
+    @property
+    def verdict(self) -> Verdict:
+        emitted = self.tokens[self.plain :]
+        accepted = emitted[:-1]
+        return Verdict(accepted, list(self.accepted_nodes), emitted[-1], self.bonus)
+
+    @property
+    def plain_tokens(self) -> list[int]:
+        return self.tokens[: self.plain]
+
+
+@dataclass(eq=False)
+class _Work:
+    session: Opened
+    position: int
+    new_tokens: list[int]
+    future: asyncio.Future
+    spec: TreeSpec | None = None  # a draft
+    flags: int = 0
+    tree: TreeRef | None = None  # a verification
+    plain_steps: int = 1
+    handle: int = 0
+
+
+class TickLoop:
+    """One caller's ticks to one replica (module docstring)."""
+
+    def __init__(self, channel: grpc.aio.Channel, role: Role, name: str = "", max_in_flight: int = 1) -> None:
+        self.role, self.name = role, name
+        service = "Drafter" if role is Role.DRAFTER else "Verifier"
+        message, result = (
+            (pb2.DraftTick, pb2.DraftTickResult)
+            if role is Role.DRAFTER
+            else (pb2.VerifyTick, pb2.VerifyTickResult)
+        )
+        self._method = channel.stream_stream(
+            f"/specmesh.v1.{service}/Ticks",
+            request_serializer=message.SerializeToString,
+            response_deserializer=result.FromString,
+        )
+        self._message = message
+        self.max_in_flight = max_in_flight
+        self._queue: list[_Work] = []
+        self._in_flight: dict[int, list[_Work]] = {}
+        self._ids = itertools.count(1)
+        self._call: Any = None
+        self._reader: asyncio.Task | None = None
+        self._writer: asyncio.Task | None = None
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._handles: dict[str, int] = {}  # session -> its handle on the current stream
+        self._opened: dict[str, Opened] = {}  # what the current stream was told of each session
+        self._handle_ids = itertools.count(1)
+        self._cancel: list[int] = []
+        self._release: list[int] = []
+        self._flush_at: asyncio.Handle | None = None
+        self._turns = 0
+        self._queued_at_check = 0
+        self._closed = False
+        self.ticks = 0  # sent, for tests and metrics
+
+    # ---- the caller's side ---------------------------------------------------------------------
+
+    def draft(
+        self, session: Opened, position: int, new_tokens: Sequence[int], spec: TreeSpec, *,
+        guess_next: bool = False, speculative: bool = False, supersedable: bool = False,
+    ) -> asyncio.Future:  # fmt: skip
+        """-> a future of Drafted (or ItemError / the stream's error)."""
+        flags = (GUESS_NEXT if guess_next else 0) | (SPECULATIVE if speculative else 0)
+        flags |= SUPERSEDABLE if supersedable else 0
+        return self._put(_Work(session, position, list(new_tokens), self._future(), spec=spec, flags=flags))
+
+    def verify(
+        self,
+        session: Opened,
+        position: int,
+        new_tokens: Sequence[int],
+        tree: TreeRef | None,
+        plain_steps: int = 1,
+    ) -> asyncio.Future:
+        """-> a future of Verified; tree None: plain decoding of up to `plain_steps` tokens."""
+        return self._put(
+            _Work(session, position, list(new_tokens), self._future(), tree=tree, plain_steps=plain_steps)
+        )
+
+    def release(self, session_id: str) -> bool:
+        """The session is over: the replica releases it (as Release) with the next message. False
+        when the stream that named it is gone (the caller then releases it some other way)."""
+        handle = self._handles.pop(session_id, None)
+        self._opened.pop(session_id, None)
+        if handle is None or self._call is None:
+            return False
+        self._release.append(handle)
+        self._schedule()
+        return True
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+        self._fail_all(ItemError(grpc.StatusCode.CANCELLED, f"{self.name}: the tick loop closed"))
+        await self._end_stream()
+
+    # ---- queueing ------------------------------------------------------------------------------
+
+    def _future(self) -> asyncio.Future:
+        return asyncio.get_running_loop().create_future()
+
+    def _put(self, work: _Work) -> asyncio.Future:
+        if self._closed:
+            work.future.set_exception(
+                ItemError(grpc.StatusCode.UNAVAILABLE, f"{self.name}: the tick loop is closed")
+            )
+            return work.future
+        self._queue.append(work)
+        work.future.add_done_callback(lambda f, w=work: self._cancelled(w) if f.cancelled() else None)
+        self._schedule()
+        return work.future
+
+    def _cancelled(self, work: _Work) -> None:
+        """The caller dropped the item: out of the queue, or the replica stops it."""
+        if work in self._queue:
+            self._queue.remove(work)
+            return
+        if any(work in items for items in self._in_flight.values()):
+            self._cancel.append(work.handle)
+            self._schedule(now=True)
+
+    def _schedule(self, now: bool = False) -> None:
+        if self._flush_at is None:
+            self._turns, self._queued_at_check = 0, len(self._queue)
+            self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
+        if now:
+            self._turns = FLUSH_TURNS
+
+    def _flush(self) -> None:
+        """Send a tick when the replica has room: after the event loop turn in which no more work
+        was queued (the sessions woken together have all queued theirs), at most FLUSH_TURNS."""
+        self._flush_at = None
+        if self._closed:
+            return
+        grew = len(self._queue) != self._queued_at_check
+        if grew and self._turns < FLUSH_TURNS:
+            self._turns, self._queued_at_check = self._turns + 1, len(self._queue)
+            self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
+            return
+        control = bool(self._cancel or self._release)
+        if (self._queue and len(self._in_flight) < self.max_in_flight) or control:
+            self._send()
+
+    def _send(self) -> None:
+        room = len(self._in_flight) < self.max_in_flight
+        work, self._queue = (self._queue, []) if room else ([], self._queue)
+        self._ensure_stream()
+        tick_id = next(self._ids)
+        try:
+            message = self._tick(tick_id, work)
+        except Exception as exc:  # a bug in building the tick: its items fail, the loop goes on
+            log.exception("could not build a tick", extra={"replica": self.name})
+            for w in work:
+                if not w.future.done():
+                    w.future.set_exception(exc)
+            return
+        if work:
+            self._in_flight[tick_id] = work
+        self.ticks += 1
+        self._outbox.put_nowait(message)
+
+    def _ensure_stream(self) -> None:
+        if self._call is not None:
+            return
+        self._call = self._method()
+        self._handles, self._opened = {}, {}
+        self._outbox = asyncio.Queue()
+        self._reader = asyncio.ensure_future(self._read(self._call))
+        self._writer = asyncio.ensure_future(self._write(self._call, self._outbox))
+
+    async def _write(self, call: Any, outbox: asyncio.Queue) -> None:
+        """The stream's one writer: messages in the order they were made."""
+        try:
+            while True:
+                await call.write(await outbox.get())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            error = exc if isinstance(exc, grpc.aio.AioRpcError) else ItemError(
+                grpc.StatusCode.UNAVAILABLE, f"{self.name}: the tick stream is closed ({exc!r})"
+            )  # fmt: skip
+            self._stream_failed(call, error)
+
+    # ---- building a tick -----------------------------------------------------------------------
+
+    def _tick(self, tick_id: int, work: list[_Work]) -> Any:
+        opens = []
+        for w in work:
+            sid = w.session.session_id
+            handle = self._handles.get(sid)
+            if handle is None or self._opened.get(sid) is not w.session:
+                handle = self._handles.setdefault(sid, next(self._handle_ids))
+                self._opened[sid] = w.session
+                opens.append(opened_to_proto(handle, w.session))
+            w.handle = handle
+        fields = items_fields(
+            [w.handle for w in work], [w.position for w in work], [w.new_tokens for w in work]
+        )
+        cancel, release = packed(self._cancel, "<u4"), packed(self._release, "<u4")
+        self._cancel, self._release = [], []
+        if self.role is Role.DRAFTER:
+            specs: dict[TreeSpec, int] = {}
+            index = [specs.setdefault(w.spec, len(specs)) for w in work]  # type: ignore[arg-type]
+            return pb2.DraftTick(
+                id=tick_id, open=opens, **fields,
+                specs=[wire.tree_spec_to_proto(s) for s in specs],
+                spec_index=packed(index, "u1"), flags=packed([w.flags for w in work], "u1"),
+                cancel=cancel, release=release,
+            )  # fmt: skip
+        return pb2.VerifyTick(
+            id=tick_id, open=opens, **fields, trees=trees_to_proto(_relay([w.tree for w in work])),
+            plain_steps=packed([min(w.plain_steps, 255) for w in work], "u1"), cancel=cancel, release=release,
+        )  # fmt: skip
+
+    # ---- results -------------------------------------------------------------------------------
+
+    async def _read(self, call: Any) -> None:
+        try:
+            while True:
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    raise ItemError(
+                        grpc.StatusCode.UNAVAILABLE, f"{self.name}: the replica ended the tick stream"
+                    )
+                work = self._in_flight.pop(message.id, None)
+                if work is not None:
+                    self._resolve(message, work)
+                if self._queue or self._cancel or self._release:
+                    self._schedule()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._stream_failed(call, exc)
+
+    def _resolve(self, message: Any, work: list[_Work]) -> None:
+        n = len(work)
+        try:
+            failures = item_failures(message, n)
+            answers = _drafted(message, n) if self.role is Role.DRAFTER else _verified(message, n)
+        except Exception as exc:  # an answer we cannot read fails its items, as a broken stream would
+            failures, answers = {i: exc for i in range(n)}, [None] * n  # type: ignore[misc]
+        for i, w in enumerate(work):
+            if w.future.done():
+                continue
+            failure = failures.get(i)
+            if isinstance(failure, Exception):
+                w.future.set_exception(failure)
+            elif failure is not None:
+                code = _CODES.get(failure.code, grpc.StatusCode.UNKNOWN)
+                if code is grpc.StatusCode.CANCELLED and w.flags & (SPECULATIVE | SUPERSEDABLE):
+                    w.future.set_result(Drafted(None, superseded=True))
+                else:
+                    w.future.set_exception(ItemError(code, failure.message, failure.resync))
+            else:
+                w.future.set_result(answers[i])
+
+    def _stream_failed(self, call: Any, error: BaseException) -> None:
+        """The stream broke: every item sent on it fails with its error; the next tick opens anew."""
+        if call is not self._call:
+            return
+        self._call = None
+        for task in (self._reader, self._writer):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+        self._reader = self._writer = None
+        with contextlib.suppress(Exception):
+            call.cancel()
+        if not isinstance(error, grpc.aio.AioRpcError | ItemError):
+            error = ItemError(grpc.StatusCode.UNAVAILABLE, f"{self.name}: tick stream failed: {error!r}")
+        in_flight, self._in_flight = self._in_flight, {}
+        self._cancel, self._release = [], []
+        for work in in_flight.values():
+            for w in work:
+                if not w.future.done():
+                    w.future.set_exception(error)
+        if self._queue:
+            self._schedule()
+
+    def _fail_all(self, error: BaseException) -> None:
+        for w in [*self._queue, *(w for work in self._in_flight.values() for w in work)]:
+            if not w.future.done():
+                w.future.set_exception(error)
+        self._queue, self._in_flight = [], {}
+
+    async def _end_stream(self) -> None:
+        call, tasks = self._call, [t for t in (self._reader, self._writer) if t is not None]
+        self._call = self._reader = self._writer = None
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if call is not None:
+            call.cancel()
+
+
+def _relay(trees: list[TreeRef | None]) -> TreeColumns:
+    """The verify tick's trees: each drafter result's columns sliced once for all of its items."""
+    parts: list[TreeColumns] = []
+    run: list[int] = []
+    run_columns: TreeColumns | None = None
+    plain = 0
+    for ref in trees:
+        if ref is None:
+            if run:
+                parts.append(run_columns.take(run))  # type: ignore[union-attr]
+                run, run_columns = [], None
+            plain += 1
+            continue
+        if plain:
+            parts.append(TreeColumns.none(plain, ref.columns.vocab_size))
+            plain = 0
+        if run and ref.columns is not run_columns:
+            parts.append(run_columns.take(run))  # type: ignore[union-attr]
+            run = []
+        run_columns = ref.columns
+        run.append(ref.index)
+    if run:
+        parts.append(run_columns.take(run))  # type: ignore[union-attr]
+    if plain:
+        parts.append(TreeColumns.none(plain, max((p.vocab_size for p in parts), default=0)))
+    return TreeColumns.concat(parts) if parts else TreeColumns.none(0)
+
+
+def _drafted(message: Any, n: int) -> list[Drafted]:
+    trees = trees_from_proto(message.trees, n)
+    likely = ragged_from_proto(message.likely, n, "likely").lists()
+    forwards = column(message.forwards, "<u2", "forwards", n).tolist() if n else []
+    sizes = trees.tokens.lengths().tolist()
+    return [
+        Drafted(TreeRef(trees, i) if sizes[i] else None, likely[i], forwards[i], message.seconds)
+        for i in range(n)
+    ]
+
+
+def _verified(message: Any, n: int) -> list[Verified]:
+    tokens = ragged_from_proto(message.tokens, n, "tokens").lists()
+    nodes = ragged_from_proto(message.accepted_nodes, n, "accepted_nodes").lists()
+    plain = column(message.plain, "<i4", "plain", n).tolist() if n else []
+    bonus = column(message.bonus, "u1", "bonus", n).tolist() if n else []
+    counts = column(message.logprob_counts, "<i4", "logprob_counts", n).tolist() if n else []
+    logprobs = wire.logprobs_from_proto(message.logprobs)
+    stats = dict(
+        batch_size=message.batch_size, batch_tokens=message.batch_tokens,
+        forward_seconds=message.forward_seconds, queue_seconds=message.queue_seconds,
+    )  # fmt: skip
+    out, at = [], 0
+    for i in range(n):
+        out.append(
+            Verified(tokens[i], plain[i], nodes[i], bool(bonus[i]), logprobs[at : at + counts[i]], **stats)
+        )
+        at += counts[i]
+    return out
