@@ -58,6 +58,13 @@ class GatewayMetrics(RpcMetrics):
             f"{NS}failovers", "replica calls that failed and moved the session, by role", "role"
         )
         self.phase = h(f"{NS}round_phase_seconds", _PHASES, _ROUND_BUCKETS, "phase")
+        self._phases = {p: self.phase.labels(p) for p in ("draft", "verify", "network")}  # made once
+        self.tick_items = h(
+            f"{NS}tick_items",
+            "sessions' drafts or verifications in one tick the gateway sent a replica, by role",
+            (1, 2, 4, 8, 16, 32, 64, 128, 256),
+            "role",
+        )
         self.pre_drafts = self.counter(
             f"{NS}pipelined_rounds",
             "rounds that had a pre-draft (pipelined rounds), by outcome: hit (its tree was used), "
@@ -70,9 +77,15 @@ class GatewayMetrics(RpcMetrics):
         gateway's own timings (`phases`: commit, drafter_call, verifier_call, round)."""
         self.round_counts.observe(stats.drafted_tokens, stats.accepted_tokens)
         self.generation_tokens.inc(tokens)
-        reported = {"draft": stats.draft_seconds, "verify": stats.verify_seconds}
-        for phase, seconds in {**reported, "network": stats.network_seconds, **phases}.items():
-            self.phase.labels(phase).observe(seconds)
+        phase = self._phases
+        phase["draft"].observe(stats.draft_seconds)
+        phase["verify"].observe(stats.verify_seconds)
+        phase["network"].observe(stats.network_seconds)
+        for name, seconds in phases.items():
+            child = phase.get(name)
+            if child is None:
+                child = phase[name] = self.phase.labels(name)
+            child.observe(seconds)
 
 
 class RequestClock:

@@ -128,11 +128,13 @@ class ReplicaPool:
         channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
         tls: ClientTls | None = None,
         role: Role | None = None,
+        on_tick: Callable[[int], None] | None = None,
     ) -> None:
-        """role: the replicas' service, for their tick loops (`loop`)."""
+        """role: the replicas' service, for their tick loops (`loop`); on_tick(items): told of
+        every tick those send."""
         self.targets = parse_targets(targets)
         self.name = name
-        self.role = role
+        self.role, self._on_tick = role, on_tick
         self.service = service  # "" = the server as a whole
         self.health_interval = health_interval
         self.health_timeout = health_timeout
@@ -244,7 +246,8 @@ class ReplicaPool:
         if loop is None:
             if self.role is None:
                 raise ValueError(f"{self.name} pool: no role, no tick loops")
-            loop = self._loops[address] = TickLoop(self.channel(address), self.role, address)
+            loop = TickLoop(self.channel(address), self.role, address, on_tick=self._on_tick)
+            self._loops[address] = loop
         return loop
 
     def _open_channel(self, address: str) -> grpc.aio.Channel:

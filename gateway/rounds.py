@@ -63,10 +63,11 @@ from specmesh.rpc.round_client import (
     RoundResult,
     release_session,
 )
-from specmesh.rpc.tracing import tracer
+from specmesh.rpc.tracing import tracer, tracing_on
 
 log = logging.getLogger("specmesh.gateway.rounds")
 _tracer = tracer("specmesh.gateway")
+_NO_SPAN = contextlib.nullcontext()
 
 # What a replica's transport or host does, never a request's own fault: only these move a
 # session to another replica. Our replicas answer UNKNOWN for nothing (a failing handler is
@@ -301,6 +302,8 @@ class SessionRun:
     async def step(self) -> Piece:
         """One round, committed; retried on other replicas when one fails. Traced as a span
         "round" with the Draft and Verify calls and the commit under it."""
+        if not tracing_on():
+            return await self._step()
         with _tracer.start_as_current_span("round", attributes={"session": self.id, "round": self.round}):
             return await self._step()
 
@@ -311,6 +314,8 @@ class SessionRun:
             lengths = {self.addresses[role]: result.held[role] for role in self.roles}
             if finish is None:  # the next round need not wait for Redis (docs/decisions.md)
                 self._start_round([*self.tokens, *kept])
+            else:
+                self.client.finished()
             try:
                 piece = await self._commit(kept, finish, result.stats, lengths, start, result)
             except BaseException:
@@ -343,7 +348,11 @@ class SessionRun:
         round. began: when the round started (perf_counter), result: the round's calls, for the
         round's metrics."""
         start = time.perf_counter()
-        with _tracer.start_as_current_span("commit", attributes={"tokens": len(kept)}):
+        with (
+            _tracer.start_as_current_span("commit", attributes={"tokens": len(kept)})
+            if tracing_on()
+            else _NO_SPAN
+        ):
             try:
                 committed = await self.env.store.commit_round(
                     self.id, self.round, kept, stats, lengths, finish_reason=finish, owner=self.owner

@@ -309,7 +309,8 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         self.config = config
         self.metrics = GatewayMetrics(config.served_model_name)  # else the verifier's, once learnt
         pool_options = {"health_interval": config.health_interval, "tls": config.replica_tls()}
-        drafting = {**pool_options, "role": Role.DRAFTER}
+        ticks = {role: self.metrics.tick_items.labels(role.value).observe for role in Role}
+        drafting = {**pool_options, "role": Role.DRAFTER, "on_tick": ticks[Role.DRAFTER]}
         drafters = ReplicaPool(config.drafters, name="drafter", **drafting) if config.drafters else None
         ngram = config.ngram_drafters
         ngram_drafters = ReplicaPool(ngram, name="ngram-drafter", **drafting) if ngram else None
@@ -326,7 +327,13 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             ),
             drafters=drafters,
             ngram_drafters=ngram_drafters,
-            verifiers=ReplicaPool(config.verifiers, name="verifier", **pool_options, role=Role.VERIFIER),
+            verifiers=ReplicaPool(
+                config.verifiers,
+                name="verifier",
+                **pool_options,
+                role=Role.VERIFIER,
+                on_tick=ticks[Role.VERIFIER],
+            ),
             metrics=self.metrics,
             round_timeout=config.round_timeout,
             max_attempts=config.max_attempts,

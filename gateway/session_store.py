@@ -478,6 +478,10 @@ class SessionStore:
         self._lease = self._redis.register_script(_LEASE)
         self._assign = self._redis.register_script(_ASSIGN)
         self._touch = self._redis.register_script(_TOUCH)
+        # commits queued this event-loop turn, sent as one pipeline (`_pipelined_commit`)
+        self._commits: list[tuple[list[str], list[Any], asyncio.Future]] = []
+        self._commit_flush: asyncio.Handle | None = None
+        self._sending: set[asyncio.Task] = set()
 
     async def __aenter__(self) -> SessionStore:
         return self
@@ -697,12 +701,62 @@ class SessionStore:
         header = [int(expected_round), commit_id, self._ttl_ms, repr(time.time()), finish_reason or ""]
         counts = [len(tokens), len(replicas), len(ints), len(floats), owner, self._lease_ms]
         args = [*header, *counts, *tokens, *replicas, *ints, *floats]
-        result = await self._call("commit_round", lambda: self._commit(keys=keys.with_owner(), args=args))
+        result = await self._pipelined_commit(keys.with_owner(), args)
         if result == -1:
             raise SessionNotFound(f"session {session_id!r} does not exist (expired or deleted)")
         if result == -2:
             raise NotOwner(f"session {session_id!r}: another gateway took it over")
         return result in (1, 2)
+
+    def _pipelined_commit(self, keys: list[str], args: list[Any]) -> asyncio.Future:
+        """Queue a commit script: every commit queued in one event-loop turn (a tick's sessions)
+        goes to Redis in one pipelined round trip, each script still atomic and fenced on its own."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commits.append((keys, args, future))
+        if self._commit_flush is None:
+            self._commit_flush = loop.call_soon(self._flush_commits)
+        return future
+
+    def _flush_commits(self) -> None:
+        self._commit_flush = None
+        batch, self._commits = self._commits, []
+        task = asyncio.ensure_future(self._send_commits(batch))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _send_commits(self, batch: list[tuple[list[str], list[Any], asyncio.Future]]) -> None:
+        """One pipeline of EVALSHA, retried as a whole while Redis is unreachable (each commit's id
+        makes a replay of one that was applied return 2, writing nothing)."""
+        sha = self._commit.sha
+
+        async def send() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=False)
+            for keys, args, _ in batch:
+                pipe.evalsha(sha, len(keys), *keys, *args)
+            results = await pipe.execute(raise_on_error=False)
+            for i, result in enumerate(results):  # the script is not loaded (a Redis restart)
+                if isinstance(result, redis.exceptions.NoScriptError):
+                    keys, args, _ = batch[i]
+                    results[i] = await self._commit(keys=keys, args=args)
+            return results
+
+        try:
+            results = await self._call("commit_round", send)
+        except BaseException as exc:
+            for *_, future in batch:
+                if not future.done():
+                    future.set_exception(exc if isinstance(exc, Exception) else StoreUnavailable(repr(exc)))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (*_, future), result in zip(batch, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, redis.exceptions.RedisError):
+                future.set_exception(StoreError(f"session store: Redis refused commit_round: {result}"))
+            else:
+                future.set_result(result)
 
     async def take(self, session_id: str) -> Session:
         """Take a session over (a resume): a new owner token for this gateway, once no other

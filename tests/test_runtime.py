@@ -259,11 +259,11 @@ def test_failed_call_keeps_sessions_consistent(sdpa_model: torch.nn.Module) -> N
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("device lost")
 
-    runner.model = broken  # type: ignore[assignment]
+    runner._decoder = broken  # type: ignore[assignment]
     with pytest.raises(RuntimeError, match="device lost"):
         runner.forward([Step("a", [13])])
     assert runner.cache_length("a") == 0 and runner.committed_tokens("a") == [1, 2, 3, 4, 5, 6]
-    runner.model = sdpa_model
+    runner._decoder = sdpa_model.get_decoder()
     (out,) = runner.forward([Step("a", [13])])
     assert_close(out, ref(sdpa_model, [1, 2, 3, 4, 5, 6, 13])[None])
     assert runner.stats["rebuilds"] == 1

@@ -13,11 +13,11 @@ round split by where it went, from the Prometheus metrics of the gateway and the
 over the run, means per session-round):
 
   redis         the gateway's commit (phase "commit")
-  queue         batching waits: a Verify's, and a Draft's level steps' (specmesh:queue_wait_seconds)
-  grpc          replica call wall seen by the gateway minus the replica's handler time:
-                transport, the client's serialisation, gRPC's own threads
-  replica_cpu   handler time minus queue waits and forwards: request decoding and validation,
-                sampling, tree building, response encoding
+  queue         batching waits of a tick's forwards (specmesh:queue_wait_seconds)
+  grpc          a session's wait for its replica's answer seen by the gateway minus the tick's time
+                on the replica: waiting for the tick to be sent, transport, (de)serialisation
+  replica_cpu   a tick's time on the replica minus its queue waits and forwards: decoding and
+                validation, sampling, tree building, encoding
   gateway_cpu   the round minus its replica calls and commit: planning, cutting, bookkeeping
 
 With pipelined rounds a Draft runs beside the previous Verify; `drafter_call` is then the time the
@@ -155,32 +155,28 @@ def _buckets(samples: dict, name: str) -> dict[str, float]:
     return {dict(k[1])["le"]: v for k, v in samples.items() if k[0] == f"{name}_bucket"}
 
 
-def split(delta: dict[str, dict], levels_per_round: float) -> dict[str, float]:
-    """Means per session-round, in ms (module docstring)."""
+def split(delta: dict[str, dict]) -> dict[str, float]:
+    """Means per session-round, in ms (module docstring); a replica's parts are per tick, what
+    every session in the tick waits."""
     gw = delta["gateway"]
     drafter = next((v for k, v in delta.items() if k.startswith("drafter")), {})
     verifiers = [v for k, v in delta.items() if k.startswith("verifier")]
     phase = "specmesh:round_phase_seconds"
     out = {p: _mean(gw, phase, phase=p) for p in ("round", "commit", "drafter_call", "verifier_call")}
 
-    def replica(samples: list[dict], method: str, steps_per_call: float) -> dict[str, float]:
-        calls = sum(_get(s, "specmesh:rpc_handler_seconds_count", method=method) for s in samples)
-        if not calls:
+    def replica(samples: list[dict], method: str) -> dict[str, float]:
+        """Per tick (what every session in it waits): its handler's wall, its groups' queue waits,
+        its forwards."""
+        ticks = sum(_get(s, "specmesh:rpc_handler_seconds_count", method=method) for s in samples)
+        if not ticks:
             return dict(handler=0.0, queue=0.0, forward=0.0)
         handler = sum(_get(s, "specmesh:rpc_handler_seconds_sum", method=method) for s in samples)
         queue = sum(_get(s, "specmesh:queue_wait_seconds_sum") for s in samples)
-        forwards = sum(_get(s, "specmesh:forward_seconds_count") for s in samples)
-        forward = (
-            sum(_get(s, "specmesh:forward_seconds_sum") for s in samples) / forwards if forwards else 0.0
-        )
-        return dict(handler=handler / calls, queue=queue / calls, forward=forward * steps_per_call)
+        forward = sum(_get(s, "specmesh:forward_seconds_sum") for s in samples)
+        return dict(handler=handler / ticks, queue=queue / ticks, forward=forward / ticks)
 
-    d = (
-        replica([drafter], "Draft", levels_per_round)
-        if drafter
-        else dict(handler=0.0, queue=0.0, forward=0.0)
-    )
-    v = replica(verifiers, "Verify", 1.0)
+    d = replica([drafter], "DraftTick") if drafter else dict(handler=0.0, queue=0.0, forward=0.0)
+    v = replica(verifiers, "VerifyTick")
     grpc = max(0.0, out["drafter_call"] - d["handler"]) + max(0.0, out["verifier_call"] - v["handler"])
     rows = dict(
         round=out["round"],
@@ -253,7 +249,6 @@ def bench_stack(
                 delta = _delta(scrape(metrics), before)
                 cpu = {k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items()}
                 units = m["draft_calls"] + (m["target_calls"] if shape.spec.method.drafts else m["tokens"])
-                levels = m["draft_calls"] / m["target_calls"] if m["target_calls"] else 0.0
                 ideal = ideal_wall(cfg, shape, n, m)
                 verifier = next(v for k, v in delta.items() if k.startswith("verifier"))
                 drafter = next((v for k, v in delta.items() if k.startswith("drafter")), {})
@@ -262,7 +257,7 @@ def bench_stack(
                     tokens=m["tokens"], rounds=m["target_calls"], block_efficiency=m["block_efficiency"],
                     wall=m["seconds"], ideal_wall=ideal, wall_over_ideal=m["seconds"] / ideal,
                     tokens_per_s=m["tokens"] / m["seconds"], ideal_tokens_per_s=m["tokens"] / ideal,
-                    per_round_ms=split(delta, levels),
+                    per_round_ms=split(delta),
                     cpu_ms=cpu_split(cpu, delta, m["target_calls"], units),
                     queue_wait_buckets=dict(
                         verifier=_buckets(verifier, "specmesh:queue_wait_seconds"),

@@ -78,7 +78,14 @@ class GenerationStats:
         )
 
     def __iadd__(self, other: GenerationStats) -> GenerationStats:
-        self.__dict__.update((self + other).__dict__)
+        """In place (a session adds every round's delta): no new object, no dict per round."""
+        for name in _SCALARS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        a, b = self.accepted_per_depth, other.accepted_per_depth
+        if b:  # a new list: the old one may be another's too
+            self.accepted_per_depth = [
+                (a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(max(len(a), len(b)))
+            ]
         return self
 
     def __add__(self, other: GenerationStats) -> GenerationStats:
@@ -96,6 +103,9 @@ class GenerationStats:
             acceptance_per_depth=self.acceptance_per_depth,
         )
         return out
+
+
+_SCALARS = tuple(f.name for f in fields(GenerationStats) if f.name != "accepted_per_depth")
 
 
 @dataclass

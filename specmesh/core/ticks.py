@@ -353,7 +353,7 @@ class TreeColumns:
             return None
         n = end - start
         first, last = int(self.item_rows[i]), int(self.item_rows[i + 1])
-        if rows is None:
+        if rows is None and last > first:
             rows = self.take([i]).dense_rows()
             first, last = 0, rows.shape[0]
         pr_start = start + i
@@ -361,7 +361,9 @@ class TreeColumns:
             tokens=torch.from_numpy(self.tokens.values[start:end].astype(np.int64)),
             parents=torch.from_numpy(self.parents[start:end].astype(np.int64)),
             mode=MODES[int(self.modes[i]) - 1],
-            draft_probs=rows[first:last] if last > first else torch.zeros(0, self.vocab_size),
+            draft_probs=rows[first:last]
+            if rows is not None and last > first
+            else torch.zeros(0, self.vocab_size),
             prob_rows=torch.from_numpy(self.prob_rows[pr_start : pr_start + n + 1].astype(np.int64)),
             mtad_threshold=float(self.thresholds[i]),
         )

@@ -112,6 +112,7 @@ class RoundMetrics:
         self.accepted = c(f"{prefix}spec_decode_num_accepted_tokens", "drafted tokens accepted")
         per_pos = "accepted tokens by position (0 = depth 1)"
         self.accepted_per_pos = c(f"{prefix}spec_decode_num_accepted_tokens_per_pos", per_pos, "position")
+        self._per_pos: list[Any] = []  # accepted_per_pos's children by position, made once
 
     def observe(self, tree_nodes: int, accepted: int) -> None:
         """One round: a tree of `tree_nodes` nodes (0: a plain autoregressive step) and the length
@@ -123,4 +124,7 @@ class RoundMetrics:
         self.drafts.inc()
         self.draft_tokens.inc(tree_nodes)
         self.accepted.inc(accepted)
-        count_labels(self.accepted_per_pos, range(accepted))
+        while len(self._per_pos) < accepted:
+            self._per_pos.append(self.accepted_per_pos.labels(str(len(self._per_pos))))
+        for child in self._per_pos[:accepted]:
+            child.inc()

@@ -37,7 +37,7 @@ from specmesh.core.stats import GenerationResult, GenerationStats
 from specmesh.core.verification import Verdict
 from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2, pb2_grpc
-from specmesh.rpc.tick_client import Drafted, ItemError, Role, TickLoop, Verified
+from specmesh.rpc.tick_client import Drafted, ItemError, Role, TickLoop, Timing, Verified
 from specmesh.rpc.ticks import Opened
 from specmesh.rpc.tls import ClientTls, aio_channel
 
@@ -139,6 +139,7 @@ class RoundClient:
         self.session = Opened(session_id, key, params, frozenset(stop_token_ids), top_logprobs, grammar)
         self.pipeline = pipeline or PipelinePolicy(Pipelining.OFF)
         self._ahead: _Ahead | None = None  # the next round's pre-draft, in flight or done
+        self._expected_by: TickLoop | None = None  # the drafter loop told to expect the next round
 
     async def round(self, tokens: Sequence[int], placement: Placement, plain_steps: int = 1) -> RoundResult:
         """Draft and verify after the committed `tokens`; commits nothing on the caller's side.
@@ -173,10 +174,17 @@ class RoundClient:
                 call.took(Role.DRAFTER, time.perf_counter() - start)  # the wait for the pre-draft
             else:
 
-                def make_draft(position: int) -> asyncio.Future:
-                    return drafter.draft(session, position, tokens[position:], spec, guess_next=want)
+                def make_draft(position: int, timing: Timing) -> asyncio.Future:
+                    return drafter.draft(  # its verification comes next: `then`
+                        session, position, tokens[position:], spec, guess_next=want, timing=timing,
+                        then=placement.verifier,
+                    )  # fmt: skip
 
-                drafted = await call(Role.DRAFTER, make_draft, spec.depth)
+                try:
+                    drafted = await call(Role.DRAFTER, make_draft, spec.depth)
+                except BaseException:
+                    placement.verifier.unexpect(self.id)  # no verification will follow
+                    raise
                 serial_draft = call.seconds[Role.DRAFTER]
             if drafted.likely and want:
                 self._ahead = self._pre_draft(tokens, spec, drafter, drafted.likely)
@@ -184,8 +192,12 @@ class RoundClient:
         steps = plain_steps if drafted is None and self.policy is None else 1
         verifier = placement.verifier
 
-        def make_verify(position: int) -> asyncio.Future:
-            return verifier.verify(session, position, tokens[position:], tree, steps)
+        def make_verify(position: int, timing: Timing) -> asyncio.Future:
+            then = placement.drafter if spec.method.drafts and self._ahead is None else None
+            self._expected_by = then  # its next draft comes next (unless pre-drafted already)
+            return verifier.verify(
+                session, position, tokens[position:], tree, steps, timing=timing, then=then
+            )
 
         nodes = drafted.tree_nodes if drafted is not None else 0
         try:
@@ -194,6 +206,7 @@ class RoundClient:
             if self._ahead is not None:  # the round is redone from the committed tokens
                 self._ahead.cancel()
                 self._ahead = None
+            self.finished()  # the next round's draft is not on its way
             raise
         self.pipeline.observe(
             verify=call.seconds[Role.VERIFIER],
@@ -231,10 +244,17 @@ class RoundClient:
         return _Ahead(PreDraft(len(tokens), tuple(likely)), spec, future)
 
     def close(self) -> None:
-        """Drop a pre-draft in flight (the session ends)."""
+        """Drop a pre-draft in flight (the session ends), and any tick loop's wait for it."""
         if self._ahead is not None:
             self._ahead.cancel()
             self._ahead = None
+        self.finished()
+
+    def finished(self) -> None:
+        """The session drafts no more: the drafter's tick loop does not wait for it."""
+        if self._expected_by is not None:
+            self._expected_by.unexpect(self.id)
+            self._expected_by = None
 
 
 @dataclass
@@ -282,13 +302,14 @@ class _Calls:
         self.timeout, self.per_try, self.spare = placement.timeout, placement.per_try, placement.spare
         self.committed, self.resyncs = committed, 0
         self.seconds: dict[Role, float] = {}
+        self.deadline = None if self.timeout is None else asyncio.get_running_loop().time() + self.timeout
 
     async def __call__(
-        self, role: Role, make: Callable[[int], asyncio.Future], work: int, steps: int = 1
+        self, role: Role, make: Callable[[int, Timing], asyncio.Future], work: int, steps: int = 1
     ) -> Any:
-        """make(position); on a resync answer, once more with position 0 (all tokens). work: the
-        tree levels a draft builds / the nodes a verification checks, steps: the plain steps it
-        may decode (both for the per-try timeout).
+        """make(position, timing); on a resync answer, once more with position 0 (all tokens).
+        work: the tree levels a draft builds / the nodes a verification checks, steps: the plain
+        steps it may decode (both for the per-try timeout, which the tick loop keeps).
 
         With nothing new for the replica (a round retried after its verification failed),
         restart the session there: new tokens may not be empty, they produce the root distribution."""
@@ -297,16 +318,14 @@ class _Calls:
         start = time.perf_counter()
         try:
             try:
-                response = await self._try(role, make(position), position, work, steps)
+                response = await self._try(make, role, position, work, steps)
             except (ItemError, grpc.aio.AioRpcError) as error:
                 if position == 0 or not needs_resync(error):
                     raise
                 self.resyncs += 1
-                response = await self._try(role, make(0), 0, work, steps)
-        except _GivenUp as given_up:
-            raise ReplicaFailure(role, given_up.error, self.held, per_try=True) from None
+                response = await self._try(make, role, 0, work, steps)
         except (ItemError, grpc.aio.AioRpcError) as error:
-            raise ReplicaFailure(role, error, self.held) from error
+            raise ReplicaFailure(role, error, self.held, per_try=getattr(error, "per_try", False)) from error
         self.took(role, time.perf_counter() - start)
         return response
 
@@ -316,38 +335,20 @@ class _Calls:
         self.held[role] = self.committed
         self.seconds[role] = seconds
 
-    async def _try(self, role: Role, call: asyncio.Future, position: int, work: int, steps: int) -> Any:
-        """One call, within the round's timeout; every per-try period it runs past, the caller is
-        asked whether a spare replica could take it (then it is cancelled: _GivenUp)."""
+    async def _try(
+        self, make: Callable[[int, Timing], asyncio.Future], role: Role, position: int, work: int, steps: int
+    ) -> Any:
+        """One call, within the round's deadline and per-try timeout (the tick loop fails it
+        when they run out)."""
+        patience = self.per_try(role, self.committed - position, work, steps) if self.per_try else None
+        call = make(position, Timing(self.deadline, patience, lambda: self.spare(role)))
         try:
-            async with asyncio.timeout(self.timeout):
-                if self.per_try is None:
-                    return await asyncio.shield(call)
-                period = self.per_try(role, self.committed - position, work, steps)
-                while True:
-                    done, _ = await asyncio.wait({call}, timeout=period)
-                    if done:
-                        return call.result()
-                    if self.spare(role):
-                        raise _GivenUp(period)
-        except TimeoutError:
-            raise ItemError(
-                grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the round's timeout"
-            ) from None
+            return await call
         finally:
-            # Given up, timed out or cancelled ourselves (the client left): the item goes too. Left
-            # running, it could reach the replica after the session's release and make it anew.
+            # Cancelled ourselves (the client left): the item goes too. Left running, it could reach
+            # the replica after the session's release and make it anew there.
             if not call.done():
                 call.cancel()
-                call.add_done_callback(_retrieve)
-
-
-class _GivenUp(Exception):
-    """A call that ran past its per-try timeout while a spare replica was there."""
-
-    def __init__(self, period: float) -> None:
-        super().__init__(f"no answer within the per-try timeout of {period:.2f} s")
-        self.error = ItemError(grpc.StatusCode.DEADLINE_EXCEEDED, str(self))
 
 
 async def release_session(

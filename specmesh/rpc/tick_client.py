@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -65,11 +65,14 @@ class Role(StrEnum):
 
 
 class ItemError(Exception):
-    """One item's failure, with AioRpcError's reading methods (a resync answer reads the same)."""
+    """One item's failure, with AioRpcError's reading methods (a resync answer reads the same).
+    per_try: it ran past its per-try timeout while a spare replica was there (`Timing`)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, resync: bool = False) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, details: str, resync: bool = False, per_try: bool = False
+    ) -> None:
         super().__init__(f"{code.name}: {details}")
-        self._code, self._details, self.resync = code, details, resync
+        self._code, self._details, self.resync, self.per_try = code, details, resync, per_try
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -175,6 +178,17 @@ class Verified:
         return self.tokens[: self.plain]
 
 
+@dataclass(frozen=True)
+class Timing:
+    """How long an item may take. deadline: the loop's time by which it fails (DEADLINE_EXCEEDED);
+    patience: every such period without an answer, spare() is asked whether a spare replica could
+    take it, and if so it fails (per_try), so that the caller moves it there."""
+
+    deadline: float | None = None
+    patience: float | None = None
+    spare: Callable[[], bool] = lambda: False
+
+
 @dataclass(eq=False)
 class _Work:
     session: Opened
@@ -186,13 +200,26 @@ class _Work:
     tree: TreeRef | None = None  # a verification
     plain_steps: int = 1
     handle: int = 0
+    timing: Timing | None = None
+    due: float = 0.0  # when its patience runs out next
+    then: TickLoop | None = None  # where the session goes next: told to expect it once this is sent
 
 
 class TickLoop:
     """One caller's ticks to one replica (module docstring)."""
 
-    def __init__(self, channel: grpc.aio.Channel, role: Role, name: str = "", max_in_flight: int = 1) -> None:
-        self.role, self.name = role, name
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        role: Role,
+        name: str = "",
+        max_in_flight: int = 1,
+        on_tick: Callable[[int], None] | None = None,
+        max_hold: float = 0.25,
+    ) -> None:
+        """on_tick(items): told of every tick sent (the gateway's metrics); max_hold: the longest a
+        tick waits for sessions it expects (`expect`)."""
+        self.role, self.name, self._on_tick = role, name, on_tick
         service = "Drafter" if role is Role.DRAFTER else "Verifier"
         message, result = (
             (pb2.DraftTick, pb2.DraftTickResult)
@@ -222,6 +249,14 @@ class TickLoop:
         self._turns = 0
         self._queued_at_check = 0
         self._closed = False
+        self._timed: set[_Work] = set()  # items with a deadline or a per-try timeout, unanswered
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self.max_hold = max_hold
+        self._expected: dict[str, None] = {}  # sessions a tick waits for (`expect`), in order
+        self._hold_since: float | None = None  # when a tick that could go began to wait
+        self._hold_timer: asyncio.TimerHandle | None = None
+        self._queued_since = 0.0  # when the oldest queued item was queued
         self.ticks = 0  # sent, for tests and metrics
 
     # ---- the caller's side ---------------------------------------------------------------------
@@ -229,24 +264,25 @@ class TickLoop:
     def draft(
         self, session: Opened, position: int, new_tokens: Sequence[int], spec: TreeSpec, *,
         guess_next: bool = False, speculative: bool = False, supersedable: bool = False,
+        timing: Timing | None = None, then: TickLoop | None = None,
     ) -> asyncio.Future:  # fmt: skip
-        """-> a future of Drafted (or ItemError / the stream's error)."""
+        """-> a future of Drafted (or ItemError / the stream's error). then: the loop the session
+        goes to next (its verifier's), told to expect it (`expect`) once the draft is sent."""
         flags = (GUESS_NEXT if guess_next else 0) | (SPECULATIVE if speculative else 0)
         flags |= SUPERSEDABLE if supersedable else 0
-        return self._put(_Work(session, position, list(new_tokens), self._future(), spec=spec, flags=flags))
+        work = _Work(session, position, list(new_tokens), self._future(), spec=spec, flags=flags)
+        work.timing, work.then = timing, then
+        return self._put(work)
 
     def verify(
-        self,
-        session: Opened,
-        position: int,
-        new_tokens: Sequence[int],
-        tree: TreeRef | None,
-        plain_steps: int = 1,
-    ) -> asyncio.Future:
-        """-> a future of Verified; tree None: plain decoding of up to `plain_steps` tokens."""
-        return self._put(
-            _Work(session, position, list(new_tokens), self._future(), tree=tree, plain_steps=plain_steps)
-        )
+        self, session: Opened, position: int, new_tokens: Sequence[int], tree: TreeRef | None,
+        plain_steps: int = 1, timing: Timing | None = None, then: TickLoop | None = None,
+    ) -> asyncio.Future:  # fmt: skip
+        """-> a future of Verified; tree None: plain decoding of up to `plain_steps` tokens.
+        then: as `draft`'s (its drafter's, for the next round)."""
+        work = _Work(session, position, list(new_tokens), self._future(), tree=tree, plain_steps=plain_steps)
+        work.timing, work.then = timing, then
+        return self._put(work)
 
     def release(self, session_id: str) -> bool:
         """The session is over: the replica releases it (as Release) with the next message. False
@@ -261,8 +297,9 @@ class TickLoop:
 
     async def close(self) -> None:
         self._closed = True
-        if self._flush_at is not None:
-            self._flush_at.cancel()
+        for handle in (self._flush_at, self._timer, self._hold_timer):
+            if handle is not None:
+                handle.cancel()
         self._fail_all(ItemError(grpc.StatusCode.CANCELLED, f"{self.name}: the tick loop closed"))
         await self._end_stream()
 
@@ -277,10 +314,27 @@ class TickLoop:
                 ItemError(grpc.StatusCode.UNAVAILABLE, f"{self.name}: the tick loop is closed")
             )
             return work.future
+        if not self._queue:
+            self._queued_since = asyncio.get_running_loop().time()
         self._queue.append(work)
+        if self._expected.pop(work.session.session_id, 0) is None and not self._expected:
+            self._schedule(now=True)  # the last one we waited for
         work.future.add_done_callback(lambda f, w=work: self._cancelled(w) if f.cancelled() else None)
+        if work.timing is not None:
+            self._time(work)
         self._schedule()
         return work.future
+
+    def expect(self, session_id: str) -> None:
+        """The session will queue work here as soon as another replica answers it: a tick that
+        could go waits for it (at most `max_hold`), so that sessions in step stay in one tick
+        instead of splitting into groups that take turns (continuous batching's straggler wait)."""
+        self._expected[session_id] = None
+
+    def unexpect(self, session_id: str) -> None:
+        """It will not come after all (it finished, or its round failed)."""
+        if self._expected.pop(session_id, 0) is not None and not self._expected and self._queue:
+            self._schedule(now=True)
 
     def _cancelled(self, work: _Work) -> None:
         """The caller dropped the item: out of the queue, or the replica stops it."""
@@ -290,6 +344,56 @@ class TickLoop:
         if any(work in items for items in self._in_flight.values()):
             self._cancel.append(work.handle)
             self._schedule(now=True)
+
+    # ---- timing --------------------------------------------------------------------------------
+
+    def _time(self, work: _Work) -> None:
+        """Watch an item's deadline and patience: one timer for the loop, at the earliest."""
+        timing = work.timing
+        assert timing is not None
+        now = asyncio.get_running_loop().time()
+        work.due = now + timing.patience if timing.patience is not None else float("inf")
+        self._timed.add(work)
+        self._arm(min(work.due, timing.deadline if timing.deadline is not None else float("inf")))
+
+    def _arm(self, at: float) -> None:
+        if at == float("inf") or (self._timer is not None and self._timer_at <= at):
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = asyncio.get_running_loop().call_at(at, self._expire), at
+
+    def _expire(self) -> None:
+        self._timer = None
+        now = asyncio.get_running_loop().time()
+        for work in list(self._timed):
+            timing = work.timing
+            assert timing is not None
+            if work.future.done():
+                self._timed.discard(work)
+            elif timing.deadline is not None and now >= timing.deadline:
+                self._give_up(
+                    work, ItemError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the round's timeout")
+                )
+            elif now >= work.due:
+                if timing.spare():
+                    message = f"no answer within the per-try timeout of {timing.patience:.2f} s"
+                    self._give_up(work, ItemError(grpc.StatusCode.DEADLINE_EXCEEDED, message, per_try=True))
+                else:  # a slow replica is better than none: wait another period
+                    work.due = now + (timing.patience or 0.0)
+        inf = float("inf")
+        self._arm(min((min(w.due, w.timing.deadline or inf) for w in self._timed), default=inf))  # type: ignore[union-attr]
+
+    def _give_up(self, work: _Work, error: ItemError) -> None:
+        """Fail an item (out of the queue, or cancelled on the replica)."""
+        self._timed.discard(work)
+        if work in self._queue:
+            self._queue.remove(work)
+        elif any(work in items for items in self._in_flight.values()):
+            self._cancel.append(work.handle)
+            self._schedule(now=True)
+        if not work.future.done():
+            work.future.set_exception(error)
 
     def _schedule(self, now: bool = False) -> None:
         if self._flush_at is None:
@@ -310,12 +414,41 @@ class TickLoop:
             self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
             return
         control = bool(self._cancel or self._release)
-        if (self._queue and len(self._in_flight) < self.max_in_flight) or control:
+        room = self._queue and len(self._in_flight) < self.max_in_flight
+        if room and not control and self._hold():
+            return
+        if room or control:
             self._send()
+
+    def _hold(self) -> bool:
+        """Whether a tick that could go waits for expected sessions (`expect`): at most
+        `max_hold` from when it could first have gone. A timer comes back then."""
+        if not self._expected:
+            self._hold_since = None
+            return False
+        now = asyncio.get_running_loop().time()
+        if self._hold_since is None:
+            self._hold_since = now
+        until = self._hold_since + self.max_hold
+        if now >= until:
+            self._hold_since = None
+            self._expected.clear()  # whoever has not come by now goes in a later tick
+            return False
+        if self._hold_timer is None:
+            self._hold_timer = asyncio.get_running_loop().call_at(until, self._held)
+        return True
+
+    def _held(self) -> None:
+        self._hold_timer = None
+        self._schedule(now=True)
 
     def _send(self) -> None:
         room = len(self._in_flight) < self.max_in_flight
         work, self._queue = (self._queue, []) if room else ([], self._queue)
+        self._hold_since = None
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
         self._ensure_stream()
         tick_id = next(self._ids)
         try:
@@ -328,6 +461,22 @@ class TickLoop:
             return
         if work:
             self._in_flight[tick_id] = work
+            for w in work:  # only what is sent is surely coming back: a queued item may wait on us
+                if w.then is not None:
+                    w.then.expect(w.session.session_id)
+            held = 0.0 if self._hold_since is None else asyncio.get_running_loop().time() - self._hold_since
+            log.debug(
+                "tick",
+                extra={
+                    "replica": self.name,
+                    "items": len(work),
+                    "tick": tick_id,
+                    "expected": len(self._expected),
+                    "held_ms": round(held * 1000, 1),
+                },
+            )
+            if self._on_tick is not None:
+                self._on_tick(len(work))
         self.ticks += 1
         self._outbox.put_nowait(message)
 
@@ -396,6 +545,9 @@ class TickLoop:
                     )
                 work = self._in_flight.pop(message.id, None)
                 if work is not None:
+                    log.debug(
+                        "tick answered", extra={"replica": self.name, "tick": message.id, "items": len(work)}
+                    )
                     self._resolve(message, work)
                 if self._queue or self._cancel or self._release:
                     self._schedule()
@@ -412,6 +564,7 @@ class TickLoop:
         except Exception as exc:  # an answer we cannot read fails its items, as a broken stream would
             failures, answers = {i: exc for i in range(n)}, [None] * n  # type: ignore[misc]
         for i, w in enumerate(work):
+            self._timed.discard(w)
             if w.future.done():
                 continue
             failure = failures.get(i)

@@ -62,6 +62,12 @@ def client_interceptors() -> list[Any]:
     return aio_client_interceptors(filter_=_not_health())
 
 
+def tracing_on() -> bool:
+    """Whether spans are recorded (a provider was set: OTLP export, or a test's): a hot path skips
+    making its spans otherwise."""
+    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
 def tracer(name: str) -> trace.Tracer:
     """The current provider's tracer (a proxy: a provider set later, as tests do, still applies)."""
     return trace.get_tracer(name)

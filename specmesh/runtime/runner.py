@@ -1,5 +1,5 @@
-"""The torch backend (specmesh.runtime.backend): per-session KV caches and batched tree-attention
-forwards for one Hugging Face causal LM.
+"""The torch backend (specmesh.runtime.backend): ONE batched KV store and one-call tree-attention
+forwards for a tick of sessions of one Hugging Face causal LM.
 
 One `ModelRunner` wraps one Hugging Face causal LM (Llama, Qwen2, ... with sdpa or eager attention)
 and serves many sessions. The drafter and verifier services are thin adapters over it.
@@ -7,39 +7,33 @@ and serves many sessions. The drafter and verifier services are thin adapters ov
 Session state
     Every session keeps its committed token list (kept even when its KV is evicted) and, while a
     tree is being drafted or verified, its *pending* tree nodes (tokens + parents). Its KV lives in
-    one tensor per session, `[layers, 2 (k/v), kv_heads, capacity, head_dim]`, holding the
-    committed tokens first and the pending nodes after them, in the order they were appended.
-    `commit` moves the accepted path's KV right behind the committed prefix (a no-op for a chain
-    accepted from its first node) and forgets the other pending nodes; capacity grows by 1.5x.
+    a *slot* of the runner's one store, `[layers, 2 (k/v), slots, kv_heads, capacity, head_dim]`:
+    positions [0, length) hold the committed tokens first and the pending nodes after them, in the
+    order they were appended. `commit` moves the accepted path's KV right behind the committed
+    prefix (a no-op for a chain accepted from its first node) and forgets the other pending nodes.
+    The used slots are kept at the front: a released or evicted session's slot takes the last one.
+    Slots and capacity grow (x2, x1.5) for every session at once.
 
-Batch layout of one forward (B sessions, P = max reused KV length, Q = max query length)
-    keys/values  [B, kv_heads, P + Q, head_dim], per layer, in one buffer `[layers, 2, B, ...]`:
-        slots [0, past_b)        session b's cached KV (committed, then pending nodes): RIGHT-padded
-        slots [past_b, P)        zeros, never attended
-        slots [P, P + Q)         this call's queries, RIGHT-aligned (LEFT-padded): session b's
-                                 queries are in the last Q_b slots, pad slots first
-    input_ids / position_ids [B, Q]: pad queries are token 0 at position 0 and attend only to
-    themselves (so no row is fully masked); their outputs and KV are thrown away.
-    Right-aligned queries put every session's returned rows at the end of the query block, so the
-    LM head runs on the last max(R_b) positions only (`logits_to_keep`), not on every prefill token.
-    Mask [B, 1, Q, P + Q]: bool for sdpa (True = attend), additive float (0 / dtype min) for eager.
-    Positions are explicit: committed tokens get their index, tree nodes `prefix_len + depth - 1`.
-
-Cost per call
-    B > 1: every session's cached KV is copied once into the padded buffer (the model's cache
-    layer then writes the new KV into the same buffer, no concatenation), and each session's new KV
-    (Q_b positions) is copied back into its own tensor. Padding costs compute: every session is
-    padded to the longest past and the longest query, so mixing a long prefill with small trees
-    in one call is wasteful; batch similar steps together.
-    B = 1: no copy at all; the session's own tensor is the cache buffer and the new KV is written
-    straight into it.
+Batch layout of one forward (B sessions, Q = longest query, L = longest past + query)
+    queries      [B, Q], RIGHT-padded: session b's q_b queries first, then pad. Query j of session
+                 b writes its KV at position past_b + j of its slot (pad queries past the session's
+                 length, where nothing is read before it is written again).
+    keys/values  the store's slots of the batch, positions [0, L): a view when the batch is every
+                 used slot, else one gather per layer. Never a copy per session.
+    mask         [B, 1, Q, L]: key k is allowed to query j if k <= past_b + j (causal, and a chain
+                 of nodes is causal too); a node of a branching tree sees the committed tokens and
+                 its ancestors only. bool for sdpa, additive float (0 / dtype min) for eager.
+    positions    a committed token its index, a tree node committed + depth - 1 (for a chain, its
+                 place in the store).
+    rows         only the rows the steps return (the last token's, the new nodes') go through the
+                 LM head, gathered from the decoder's output: [sum of rows, V], no padding.
 
 Memory budget
     `max_cache_tokens` bounds the cached positions (committed + pending, all sessions, layers
     counted once). When a forward would exceed it, the least recently used sessions that are not in
     the call lose their KV (their tokens and pending tree are kept). The next forward that names an
     evicted session re-prefills its committed tokens and pending nodes inside that same batched
-    call. The transient batch buffer and unused capacity are not counted.
+    call. The store's unused capacity is not counted.
 
 A lock serialises `forward`, `commit` and `release`, so one runner may be shared by threads
 (the model runs one call at a time anyway). Logits come back on the model's device.
@@ -49,13 +43,13 @@ Sliding-window layers are not supported (the explicit 4D mask would override the
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specmesh.core.tree import accepted_cache_indices, tree_attention_mask, tree_position_ids
+from specmesh.core.tree import tree_attention_mask, tree_depths
 from specmesh.runtime.backend import (
     SessionState,
     SessionTable,
@@ -66,17 +60,19 @@ from specmesh.runtime.backend import (
 
 __all__ = ["ModelRunner", "Step", "UnknownSessionError"]  # the last two: runtime.backend, re-exported
 
-_CAPACITY_STEP = 64  # allocation granularity of a session's KV tensor, in positions
+_CAPACITY_STEP = 64  # allocation granularity of the store's positions
 
 
 @dataclass
 class _Session(SessionState):
-    kv: torch.Tensor | None = None  # [layers, 2, kv_heads, capacity, head_dim]; None = no KV
+    slot: int = -1  # its slot in the store; -1 = no KV (new or evicted)
+    length: int = 0  # positions of the slot holding its KV (committed, then pending)
+    chain: bool = True  # its pending nodes are a chain (each the child of the one before)
 
     @property
     def cached(self) -> int:
         """Positions with KV: all committed and pending ones, or none (new / evicted)."""
-        return len(self.tokens) + len(self.pending_tokens) if self.kv is not None else 0
+        return self.length if self.slot >= 0 else 0
 
 
 @dataclass
@@ -86,51 +82,58 @@ class _Plan:
     session_id: str
     session: _Session
     step: Step
-    past: int  # cached positions reused as they are
+    past: int  # positions of its slot reused as they are
     query: list[int]  # uncached committed, new tokens, uncached pending nodes, new nodes
-    positions: torch.Tensor  # [Q_b]
-    mask: torch.Tensor  # bool [Q_b, past + Q_b]
+    n_causal: int  # of the query, how many are committed tokens (the rest are tree nodes)
+    committed: int  # committed tokens once this step's new tokens are in
     rows: int  # trailing query rows returned as logits
     fresh: bool  # the session had no KV: all its tokens are in the query
     rebuild: bool  # fresh because it was evicted
+    chain: bool  # its pending nodes, this step's included, are a chain
+    parents: list[int] = field(default_factory=list)  # its whole pending tree, this step's included
 
     @property
     def feeds(self) -> bool:
         return bool(self.query)
 
 
-class _BufferLayer(CacheLayerMixin):
-    """One layer's view of the batch buffer: writes the new KV in place, returns the whole span."""
+class _StoreLayer(CacheLayerMixin):
+    """One layer's view of the store for one forward: writes the new KV at each session's own
+    positions, returns the batch's keys and values [B, kv_heads, L, head_dim]."""
 
     is_sliding = False
 
-    def __init__(self, kv: torch.Tensor, start: int, end: int) -> None:
+    def __init__(self, kv: torch.Tensor, slots: torch.Tensor | None, write: tuple, length: int) -> None:
         super().__init__()
-        self._kv, self._start, self._end = kv, start, end  # kv: [2, B, kv_heads, >= end, head_dim]
+        # kv [2, slots, kv_heads, capacity, head_dim]; slots None: the batch is slots [0, B) in order
+        self._kv, self._slots, self._write, self._length = kv, slots, write, length
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        if key_states.shape[-2] != self._end - self._start or key_states.shape[1] != self._kv.shape[2]:
-            raise RuntimeError(f"unexpected key shape {tuple(key_states.shape)} for the runner's KV layout")
-        self._kv[0, :, :, self._start : self._end].copy_(key_states)
-        self._kv[1, :, :, self._start : self._end].copy_(value_states)
-        return self._kv[0, :, :, : self._end], self._kv[1, :, :, : self._end]
+        slot_idx, pos_idx = self._write  # [B, Q] each
+        # [B, H, Q, D] -> [B, Q, H, D]: advanced indices (slot, position) first, then heads and dims
+        self._kv[0][slot_idx, :, pos_idx] = key_states.transpose(1, 2)
+        self._kv[1][slot_idx, :, pos_idx] = value_states.transpose(1, 2)
+        if self._slots is None:
+            b = key_states.shape[0]
+            return self._kv[0, :b, :, : self._length], self._kv[1, :b, :, : self._length]
+        return self._kv[0][self._slots, :, : self._length], self._kv[1][self._slots, :, : self._length]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._end, 0
+        return self._length, 0
 
     def get_seq_length(self) -> int:
-        return self._start
+        return 0
 
     def get_max_length(self) -> int:
         return -1
 
 
 class ModelRunner(SessionTable[_Session]):
-    """Per-session KV caches and one-call batched tree-attention forwards of one causal LM."""
+    """One batched KV store and one-call batched tree-attention forwards of one causal LM."""
 
     def __init__(self, model: torch.nn.Module, *, max_cache_tokens: int | None = None) -> None:
         cfg = model.config
@@ -139,16 +142,24 @@ class ModelRunner(SessionTable[_Session]):
             raise ValueError(f"attention implementation {self.attn_impl!r} is not supported (sdpa, eager)")
         if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
             raise ValueError("sliding-window attention layers are not supported")
+        if getattr(cfg, "final_logit_softcapping", None):
+            raise ValueError("final logit soft-capping is not supported")
         self.model = model.eval()
+        # the rows a forward returns go through the LM head alone, gathered from the decoder's output
+        self._decoder, self._head = model.get_decoder(), model.get_output_embeddings()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if self.dtype not in (torch.float32, torch.float16, torch.bfloat16):  # int8 weights: fp32 activations
+            self.dtype = torch.float32
         self.num_layers = cfg.num_hidden_layers
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.vocab_size = model.get_output_embeddings().out_features  # also for int8 (quantized) heads
+        self.vocab_size = self._head.out_features  # also for int8 (quantized) heads
         self.max_cache_tokens = max_cache_tokens
         self.max_context = getattr(cfg, "max_position_embeddings", None)
         super().__init__()
+        self._kv: torch.Tensor | None = None  # the store [layers, 2, slots, kv_heads, capacity, head_dim]
+        self._slots: list[str] = []  # slot -> the session in it; used slots are [0, len)
         self.stats.update(
             over_budget=0,  # forwards that exceeded the budget even after evicting everything idle
             query_tokens=0,
@@ -158,13 +169,15 @@ class ModelRunner(SessionTable[_Session]):
 
     def cache_length(self, session_id: str) -> int:
         s = self._sessions.get(session_id)
-        return 0 if s is None or s.kv is None else len(s.tokens)
+        return 0 if s is None or s.slot < 0 else len(s.tokens)
 
     # ---- mutations -----------------------------------------------------------------------------
 
     def release(self, session_id: str) -> None:
-        with self._lock:
-            self._sessions.pop(session_id, None)
+        with self._lock, torch.inference_mode():  # the store is an inference tensor
+            s = self._sessions.pop(session_id, None)
+            if s is not None:
+                self._free(s)
 
     def commit(self, session_id: str, keep_nodes: list[int]) -> None:
         """Keep the pending nodes `keep_nodes` (a root-to-node path, in order) as committed tokens,
@@ -173,50 +186,45 @@ class ModelRunner(SessionTable[_Session]):
             s = self._get(session_id)
             keep = [int(n) for n in keep_nodes]
             check_path(keep, s.pending_parents)
-            if s.kv is not None and keep != list(range(len(keep))):
-                c = len(s.tokens)
-                src = accepted_cache_indices(c, keep)[c:].to(s.kv.device)
-                s.kv[:, :, :, c : c + len(keep)] = s.kv.index_select(3, src)
+            c = len(s.tokens)
+            if s.slot >= 0 and keep != list(range(len(keep))):
+                src = torch.tensor(keep, device=self.device) + c
+                kv = self._kv[:, :, s.slot]  # type: ignore[index]
+                kv[:, :, :, c : c + len(keep)] = kv.index_select(3, src)
             self._keep_path(session_id, s, keep)
+            s.length, s.chain = c + len(keep), True
 
     def _truncate_kv(self, s: _Session, length: int) -> None:
-        pass  # KV slots are positional: the next forward writes over those past the new length
+        s.length, s.chain = min(s.length, length), True  # positional: later writes go over the rest
 
     def _discard_failed(self, plans: list[_Plan]) -> None:
         for p in plans:
-            if p.fresh:  # a tensor may have been allocated, but it holds no valid KV
-                p.session.kv = None
+            if p.fresh:  # a slot may have been taken, but it holds no valid KV
+                self._free(p.session)
 
     # ---- planning ------------------------------------------------------------------------------
 
     def _plan(self, step: Step) -> _Plan:
         s, known, step = self._checked(step, _Session)
         # A session without KV (new or evicted) re-feeds everything it has; else only this step.
-        fresh = s.kv is None
+        fresh = s.slot < 0
         old_tokens = s.tokens if fresh else []
         old_nodes = s.pending_tokens if fresh else []
-        committed = len(s.tokens) + len(step.new_tokens)
-        parents = torch.tensor(s.pending_parents + list(step.node_parents), dtype=torch.long)
-        n_causal = len(old_tokens) + len(step.new_tokens)
-        first_node = len(s.pending_tokens) - len(old_nodes)  # pending nodes already cached
-        positions = torch.cat(
-            [
-                torch.arange(committed - n_causal, committed),
-                tree_position_ids(parents, committed)[first_node:],
-            ]
-        )
-        mask = _step_mask(s.cached, n_causal, tree_attention_mask(parents, committed)[first_node:])
+        base = len(s.pending_tokens)
+        chain = s.chain and all(p == base + i - 1 for i, p in enumerate(step.node_parents))
         return _Plan(
             session_id=step.session_id,
             session=s,
             step=step,
             past=s.cached,
             query=old_tokens + list(step.new_tokens) + old_nodes + list(step.node_tokens),
-            positions=positions,
-            mask=mask,
+            n_causal=len(old_tokens) + len(step.new_tokens),
+            committed=len(s.tokens) + len(step.new_tokens),
             rows=(1 if step.new_tokens else 0) + len(step.node_tokens),
             fresh=fresh,
             rebuild=fresh and known,
+            chain=chain,
+            parents=s.pending_parents + list(step.node_parents),
         )
 
     # ---- memory --------------------------------------------------------------------------------
@@ -226,82 +234,122 @@ class ModelRunner(SessionTable[_Session]):
         if self.max_cache_tokens is None:
             return
         need = self.cached_positions() + sum(len(p.query) for p in active)
-        for sid, s in self._sessions.items():  # least recently used first
+        for sid, s in list(self._sessions.items()):  # least recently used first
             if need <= self.max_cache_tokens:
                 break
-            if sid not in in_call and s.kv is not None:
+            if sid not in in_call and s.slot >= 0:
                 need -= s.cached
-                s.kv = None
+                self._free(s)
                 self.stats["evictions"] += 1
         if need > self.max_cache_tokens:
             self.stats["over_budget"] += 1
 
-    def _reserve(self, s: _Session, length: int) -> torch.Tensor:
-        """The session's KV tensor with room for `length` positions (its cached KV preserved)."""
-        cap = 0 if s.kv is None else s.kv.shape[3]
-        if length > cap:
-            new_cap = -(-max(length, cap + cap // 2) // _CAPACITY_STEP) * _CAPACITY_STEP
-            kv = self._new_kv(new_cap)
-            if s.cached:
-                kv[:, :, :, : s.cached] = s.kv[:, :, :, : s.cached]
-            s.kv = kv
-        return s.kv
+    def _free(self, s: _Session) -> None:
+        """Give the session's slot up; the last used slot moves into it (used slots stay in front)."""
+        if s.slot < 0:
+            return
+        last = len(self._slots) - 1
+        if s.slot != last:
+            moved = self._sessions[self._slots[last]]
+            self._kv[:, :, s.slot] = self._kv[:, :, last]  # type: ignore[index]
+            moved.slot = s.slot
+            self._slots[s.slot] = self._slots[last]
+        self._slots.pop()
+        s.slot, s.length = -1, 0
 
-    def _new_kv(self, length: int, batch: int | None = None) -> torch.Tensor:
-        """[layers, 2, (batch,) kv_heads, length, head_dim]; zeroed when batched, else uninitialised."""
-        if batch is None:
-            shape, make = (self.num_layers, 2, self.kv_heads, length, self.head_dim), torch.empty
-        else:
-            shape, make = (self.num_layers, 2, batch, self.kv_heads, length, self.head_dim), torch.zeros
-        return make(shape, dtype=self.dtype, device=self.device)
+    def _reserve(self, slots: int, capacity: int) -> torch.Tensor:
+        """The store with room for `slots` sessions of `capacity` positions (what it held kept)."""
+        kv = self._kv
+        have_slots, have_cap = (0, 0) if kv is None else (kv.shape[2], kv.shape[4])
+        if slots <= have_slots and capacity <= have_cap:
+            return kv  # type: ignore[return-value]
+        new_slots = max(slots, 2 * have_slots, 8) if slots > have_slots else have_slots
+        new_cap = have_cap
+        if capacity > have_cap:
+            new_cap = -(-max(capacity, have_cap + have_cap // 2) // _CAPACITY_STEP) * _CAPACITY_STEP
+        shape = (self.num_layers, 2, new_slots, self.kv_heads, new_cap, self.head_dim)
+        grown = torch.zeros(shape, dtype=self.dtype, device=self.device)  # zeros: pads must be finite
+        if kv is not None:
+            grown[:, :, :have_slots, :, :have_cap] = kv
+        self._kv = grown
+        return grown
 
     # ---- the model call ------------------------------------------------------------------------
 
     def _run(self, plans: list[_Plan]) -> list[torch.Tensor]:
-        n_b, p_max, q_max = len(plans), max(p.past for p in plans), max(len(p.query) for p in plans)
-        if n_b == 1:  # write straight into the session's own tensor, no copies
-            buf = self._reserve(plans[0].session, p_max + q_max).unsqueeze(2)
-        else:
-            buf = self._new_kv(p_max + q_max, batch=n_b)  # zeros: padded slots must be finite
-            for b, p in enumerate(plans):
-                if p.past:
-                    buf[:, :, b, :, : p.past] = p.session.kv[:, :, :, : p.past]
-        ids, pos, allow = self._batch_inputs(plans, p_max, q_max)
-        cache = Cache(layers=[_BufferLayer(buf[i], p_max, p_max + q_max) for i in range(self.num_layers)])
-        r_max = max(p.rows for p in plans)
-        logits = self.model(
-            input_ids=ids.to(self.device),
-            attention_mask=self._impl_mask(allow.to(self.device)),
-            position_ids=pos.to(self.device),
-            past_key_values=cache,
+        for p in plans:
+            if p.session.slot < 0:  # a slot at the end of the used ones
+                p.session.slot = len(self._slots)
+                self._slots.append(p.session_id)
+        order = sorted(range(len(plans)), key=lambda i: plans[i].session.slot)
+        plans_sorted = [plans[i] for i in order]
+        n_b = len(plans_sorted)
+        q_len = [len(p.query) for p in plans_sorted]
+        past = [p.past for p in plans_sorted]
+        q_max = max(q_len)
+        length = max(a + q for a, q in zip(past, q_len, strict=True))
+        kv = self._reserve(len(self._slots), max(a + q_max for a in past))
+        slots = [p.session.slot for p in plans_sorted]
+        dev = self.device
+        ids, pos, allow, write = self._batch_inputs(plans_sorted, q_max, length)
+        every_slot = slots == list(range(n_b)) and n_b == len(self._slots)
+        slot_index = None if every_slot else torch.tensor(slots, device=dev)
+        cache = Cache(layers=[_StoreLayer(kv[i], slot_index, write, length) for i in range(self.num_layers)])
+        hidden = self._decoder(
+            input_ids=ids.to(dev),
+            attention_mask=self._impl_mask(allow.to(dev)),
+            position_ids=pos.to(dev),
+            cache=cache,
             use_cache=True,
-            # An index tensor, not an int: transformers then gathers the last rows into a fresh
-            # tensor. With an int it slices a strided view, on which the bf16 CPU GEMM of the
-            # 152k-row LM head runs ~40x slower (450 ms instead of 10 ms for one row).
-            logits_to_keep=torch.arange(q_max - r_max, q_max, device=self.device),
-        ).logits
-        if n_b > 1:
-            self._scatter_new_kv(plans, buf, p_max, q_max)
-        self._count(plans, q_max)
-        return [logits[b, r_max - p.rows :].float() for b, p in enumerate(plans)]
+        ).last_hidden_state
+        # the returned rows: each session's last `rows` queries, through the LM head together
+        row_b = torch.repeat_interleave(torch.arange(n_b), torch.tensor([p.rows for p in plans_sorted]))
+        row_j = torch.cat([torch.arange(q - p.rows, q) for p, q in zip(plans_sorted, q_len, strict=True)])
+        logits = self._head(hidden[row_b.to(dev), row_j.to(dev)]).float()
+        self._count(plans_sorted, q_max)
+        for p in plans_sorted:
+            p.session.length, p.session.chain = p.past + len(p.query), p.chain
+        out = list(logits.split([p.rows for p in plans_sorted]))
+        results: list[torch.Tensor] = [torch.empty(0)] * n_b
+        for k, i in enumerate(order):
+            results[i] = out[k]
+        return results
 
     def _batch_inputs(
-        self, plans: list[_Plan], p_max: int, q_max: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """input_ids, position_ids [B, Q] and the bool mask [B, 1, Q, P + Q] of the layout above."""
+        self, plans: list[_Plan], q_max: int, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """input_ids, position_ids [B, Q], the bool mask [B, 1, Q, L] and where each query's KV
+        goes (slot, position) [B, Q], for the layout above; per session only what a branching
+        tree needs beyond the causal default."""
         n_b = len(plans)
+        past = torch.tensor([p.past for p in plans])
+        q_len = torch.tensor([len(p.query) for p in plans])
+        j = torch.arange(q_max)
+        store_pos = past[:, None] + j[None, :]  # [B, Q]: where each query's KV goes
+        real = j[None, :] < q_len[:, None]
         ids = torch.zeros(n_b, q_max, dtype=torch.long)
-        pos = torch.zeros(n_b, q_max, dtype=torch.long)
-        allow = torch.zeros(n_b, 1, q_max, p_max + q_max, dtype=torch.bool)
+        ids[real] = torch.tensor([t for p in plans for t in p.query])
+        pos = store_pos.clone()
+        allow = torch.arange(length)[None, None, :] <= store_pos[:, :, None]  # [B, Q, L], causal
         for b, p in enumerate(plans):
-            off = q_max - len(p.query)  # left padding of the queries
-            ids[b, off:] = torch.tensor(p.query)
-            pos[b, off:] = p.positions
-            allow[b, 0, off:, : p.past] = p.mask[:, : p.past]
-            allow[b, 0, off:, p_max + off :] = p.mask[:, p.past :]
-            pad = torch.arange(off)
-            allow[b, 0, pad, p_max + pad] = True  # pad rows see only themselves: no fully masked row
-        return ids, pos, allow
+            if not p.chain and len(p.query) > p.n_causal:
+                self._tree_rows(p, b, pos, allow)
+        slot_idx = torch.tensor([p.session.slot for p in plans])[:, None].expand(n_b, q_max)
+        return ids, pos, allow.unsqueeze(1), (slot_idx.to(self.device), store_pos.to(self.device))
+
+    @staticmethod
+    def _tree_rows(p: _Plan, b: int, pos: torch.Tensor, allow: torch.Tensor) -> None:
+        """A branching tree's node rows: position committed + depth - 1; the committed tokens and
+        its ancestors (itself included) as keys, no other pending node."""
+        parents = torch.tensor(p.parents, dtype=torch.long)
+        n_all = len(p.parents)
+        n_query_nodes = len(p.query) - p.n_causal
+        first = n_all - n_query_nodes  # pending index of the first queried node
+        rows = torch.arange(p.n_causal, len(p.query))
+        pos[b, rows] = p.committed + tree_depths(parents)[first:] - 1
+        ancestors = tree_attention_mask(parents, 0)[first:]  # [queried nodes, n_all]
+        allow[b, rows, p.committed :] = False
+        allow[b, rows, p.committed : p.committed + n_all] = ancestors
 
     def _impl_mask(self, allow: torch.Tensor) -> torch.Tensor:
         if self.attn_impl == "sdpa":
@@ -310,26 +358,8 @@ class ModelRunner(SessionTable[_Session]):
         neg = torch.finfo(self.dtype).min
         return torch.zeros(allow.shape, dtype=self.dtype, device=allow.device).masked_fill_(~allow, neg)
 
-    def _scatter_new_kv(self, plans: list[_Plan], buf: torch.Tensor, p_max: int, q_max: int) -> None:
-        for b, p in enumerate(plans):
-            q = len(p.query)
-            kv = self._reserve(p.session, p.past + q)
-            kv[:, :, :, p.past : p.past + q] = buf[:, :, b, :, p_max + q_max - q : p_max + q_max]
-
     def _count(self, plans: list[_Plan], q_max: int) -> None:
         self.stats["forwards"] += 1
         self.stats["batch_sizes"][len(plans)] += 1
         self.stats["query_tokens"] += sum(len(p.query) for p in plans)
         self.stats["padded_query_tokens"] += q_max * len(plans)
-
-
-def _step_mask(past: int, n_causal: int, node_rows: torch.Tensor) -> torch.Tensor:
-    """Bool [Q_b, past + Q_b] in the session's own coordinates (cached KV, then the queries).
-
-    The session's logical sequence is committed tokens then pending nodes, and both the cache and
-    the queries keep that order, so causal rows are a shifted lower triangle and node rows are the
-    tree mask rows of the new nodes (prefix = every committed token, including this call's).
-    """
-    width = past + n_causal + node_rows.shape[0]
-    causal = torch.ones(n_causal, width, dtype=torch.bool).tril(past)
-    return torch.cat([causal, node_rows], dim=0)

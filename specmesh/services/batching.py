@@ -64,6 +64,13 @@ class BatchInfo:
     forward_seconds: float
 
 
+@dataclass
+class More:
+    """What a group's `finish` returns to ask for another forward: its next steps."""
+
+    steps: list[Step]
+
+
 @dataclass(eq=False)
 class _Item:
     """A group of steps that wait for the same forward: a tick's level, one plain step of its runs."""
@@ -243,6 +250,15 @@ class ForwardBatcher:
             for (g, k), out in zip(chunk, logits, strict=True):
                 results[g][k] = out
         outcomes = [_finish(item, out) for item, out in zip(batch, results, strict=True)]
+        # A tick alone on the replica goes on with its next forward right here: no hop to the
+        # event loop and back per draft level or plain step. Another tick queued (or still
+        # sampling its level) meanwhile sends it back, to merge with it in the next batch.
+        while (
+            len(batch) == 1 and isinstance(outcomes[0], More) and not self._queue and self._participants <= 1
+        ):
+            item = _Item(outcomes[0].steps, {}, batch[0].finish, batch[0].future, batch[0].queued_at)
+            more, (s2, t2, f2) = self._execute([item])
+            return more, (max(size, s2), max(tokens, t2), forward_s + f2)
         self._metrics.observe_runner(self._runner)
         return outcomes, (size, tokens, forward_s)
 

@@ -61,7 +61,7 @@ from specmesh.runtime.costs import measure_forward_cost
 from specmesh.runtime.grammar import GrammarMasks, SessionGrammars
 from specmesh.runtime.models import LoadedModel, load_model
 from specmesh.runtime.rounds import Cancelled, Ticked
-from specmesh.services.batching import BatchInfo, BatchLimits, ForwardBatcher, ForwardFloor
+from specmesh.services.batching import BatchInfo, BatchLimits, ForwardBatcher, ForwardFloor, More
 from specmesh.services.metrics import ServiceMetrics
 
 log = logging.getLogger("specmesh.services")
@@ -174,7 +174,7 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "backend": "auto",
     "dtype": "bf16",
     "device": "",
-    "max_batch_size": 16,
+    "max_batch_size": 64,  # a tick of up to 64 sessions in one forward per level
     "max_batch_tokens": 4096,
     "max_tree_nodes": 64,
     "max_depth": 16,
@@ -322,9 +322,9 @@ class _Done:
 
 
 def _advance(ticked: Ticked, results: list) -> Any:
-    """On the model thread, right after a forward: the protocol's next steps, or _Done."""
+    """On the model thread, right after a forward: the protocol's next steps (More), or _Done."""
     try:
-        return ticked.send(results)
+        return More(ticked.send(results))
     except StopIteration as done:
         return _Done(done.value)
 
@@ -465,7 +465,7 @@ class ModelService(RpcService):
                 tick.pending = self.batcher.enqueue(steps, before=before, finish=finish)
                 before = {}
                 try:
-                    steps, batch = await tick.pending
+                    more, batch = await tick.pending
                 except asyncio.CancelledError:
                     if tick.withdrawn:  # taken back before its first forward: nothing ran
                         raise Withdrawn from None
@@ -473,8 +473,9 @@ class ModelService(RpcService):
                 finally:
                     tick.pending = None
                 tick.observe(batch)
-                if isinstance(steps, _Done):
-                    return steps.value
+                if isinstance(more, _Done):
+                    return more.value
+                steps = more.steps
         finally:
             self.batcher.leave()
 
@@ -532,6 +533,7 @@ class ModelService(RpcService):
         """One tick of a stream: open its sessions, cancel and release what it says, run its items
         (the service's `tick_items`), answer its result."""
         start = time.perf_counter()
+        log.debug("tick received", extra={"tick": message.id, "items": len(message.handles) // 4})
         for opened in message.open:
             try:
                 stream.open(opened.handle, opened_from_proto(opened, self.vocab_size))
@@ -546,6 +548,7 @@ class ModelService(RpcService):
                 self.release_with_key(o.session_id, owner_hash(o.key), bool(o.key))
         result = await self.tick_items(stream, message, items)
         self.answered(self.tick_method, "", grpc.StatusCode.OK, start)
+        log.debug("tick done", extra={"tick": message.id})
         return result
 
     def release_with_key(self, session_id: str, owner: bytes, keyed: bool) -> bool:
