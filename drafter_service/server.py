@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -98,6 +98,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
     def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
         super().__init__(config, model, metrics)
         self._pending: dict[str, dict[Path, int]] = {}  # session -> its pending tree: path -> node
+        self._drafted: list[tuple[DraftTree, int]] = []  # this tick's trees, for the metrics
         # session -> its speculative or supersedable draft in flight: (its tick, its job, its end)
         self._supersedable: dict[str, tuple[Tick, DraftJob, asyncio.Future]] = {}
         self._drafts = metrics.counter("specmesh:drafter_drafts", "trees drafted")
@@ -198,7 +199,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         item's exception, or SUPERSEDED. abandoned(): whether the caller went away."""
         out: list = [None] * len(drafts)
         await self._supersede([d.session_id for d, _ in drafts])
-        masks = await asyncio.gather(*(self._masks(d) for d, _ in drafts), return_exceptions=True)
+        masks = await self._masks(drafts)
         items: list[_Item] = []
         befores: dict[str, Callable[[], None]] = {}
         ngram: list[_Item] = []
@@ -224,6 +225,8 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
             out[item.index] = self._draft_ngram(item)
         if items:
             await self._run(items, befores, out, abandoned, on_start)
+        drafted, self._drafted = self._drafted, []
+        self._record(drafted)
         return out
 
     def _start(self, k: int, d: wire.DraftInput, resume: Resume, masks: TokenMask | None) -> _Item:
@@ -293,7 +296,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
                 self.end(sid, item.resume, True, gone)
             return outcome.error
         self._pending[sid] = item.job.nodes
-        self._record(outcome.tree, item.fed)
+        self._drafted.append((outcome.tree, item.fed))
         self.end(sid, item.resume, False, gone)
         return DraftAnswer(outcome.tree, outcome.likely, item.job.forwards)
 
@@ -310,9 +313,15 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         if waits:
             await asyncio.wait(waits)
 
-    async def _masks(self, d: wire.DraftInput) -> TokenMask | None:
-        # n-gram drafts are not masked: the verifier's mask rejects what leaves the grammar
-        return await self.grammar_masks(d) if d.spec.method is not Method.NGRAM else None
+    async def _masks(self, drafts: Sequence[tuple[wire.DraftInput, bytes]]) -> list:
+        """Each draft's grammar matcher, or None, or the error compiling it (n-gram drafts are not
+        masked: the verifier's mask rejects what leaves the grammar)."""
+        constrained = [d.grammar is not None and d.spec.method is not Method.NGRAM for d, _ in drafts]
+        if not any(constrained):
+            return [None] * len(drafts)
+        asked = [self.grammar_masks(d) for (d, _), c in zip(drafts, constrained, strict=True) if c]
+        got = iter(await asyncio.gather(*asked, return_exceptions=True))
+        return [next(got) if c else None for c in constrained]
 
     def _check_method(self, method: Method) -> None:
         """A drafter with a model drafts with it; one with none (--backend ngram) looks up n-grams."""
@@ -340,7 +349,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
             return exc
         self._pending[sid] = {}
         if tree is not None:
-            self._record(tree, item.fed)
+            self._drafted.append((tree, item.fed))
         self.end(sid, item.resume, False, False)
         return DraftAnswer(tree, [], 0)
 
@@ -365,10 +374,17 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         assert reset is not None
         return 0, reset
 
-    def _record(self, tree: DraftTree, reused: int) -> None:
-        self._drafts.inc()
-        self._reused.inc(reused)
-        count_labels(self._per_depth, tree.depths().tolist())
+    def _record(self, trees: list[tuple[DraftTree, int]]) -> None:
+        """A tick's trees, each with the committed tokens whose KV was kept for it."""
+        if not trees:
+            return
+        self._drafts.inc(len(trees))
+        self._reused.inc(sum(reused for _, reused in trees))
+        count_labels(self._per_depth, (d for tree, _ in trees for d in _depths(tree)))
+
+
+def _depths(tree: DraftTree) -> Iterable[int]:
+    return range(1, tree.num_nodes + 1) if tree.is_chain else tree.depths().tolist()
 
 
 def run(argv: list[str] | None = None) -> None:

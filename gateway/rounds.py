@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import secrets
 import time
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from gateway.api import stats_to_proto
 from gateway.metrics import GatewayMetrics
@@ -67,7 +69,20 @@ from specmesh.rpc.tracing import tracer, tracing_on
 
 log = logging.getLogger("specmesh.gateway.rounds")
 _tracer = tracer("specmesh.gateway")
-_NO_SPAN = contextlib.nullcontext()
+
+
+def _in(span: Any) -> Any:
+    """The tracing context of `span` (child spans go under it)."""
+    return trace.set_span_in_context(span)
+
+
+def _end_span(span: Any, error: BaseException | None = None) -> None:
+    if span is None:
+        return
+    if error is not None:
+        span.record_exception(error)
+    span.end()
+
 
 # What a replica's transport or host does, never a request's own fault: only these move a
 # session to another replica. Our replicas answer UNKNOWN for nothing (a failing handler is
@@ -192,8 +207,13 @@ class SessionRun:
         self.lost = False  # another gateway took the session over: leave it to that one
         self.draining = False  # the gateway is shutting down (SIGTERM): a finished session lingers
         self._renewer: asyncio.Task | None = None
-        # the round running beside the last commit: (the token count it runs after, its task)
-        self._next: tuple[int, asyncio.Future] | None = None
+        self._pieces: asyncio.Queue | None = None  # committed rounds (or the error), for `step`
+        self._committing = False  # a commit is in flight
+        self._verdict: tuple | None = None  # the verdict of the round beside it, waiting for it
+        self._tasks: set[asyncio.Task] = set()  # the slow path (`_spawn`)
+        self._stopped = False
+        self._failures = 0  # failed tries of the current round
+        self._stale_commits = 0
         self.resumed = resumed
         if resumed is not None:
             self.tokens, self.round, self.stats = list(resumed.tokens), resumed.round, resumed.stats
@@ -260,7 +280,7 @@ class SessionRun:
         if self._renewer is not None:
             self._renewer.cancel()
             await asyncio.gather(self._renewer, return_exceptions=True)
-        await self._drop_round()  # before the releases: its calls must not reach a replica after them
+        await self._drop_rounds()  # before the releases: its calls must not reach a replica after them
         self.client.close()
         if (self.handed_over or self.draining) and self.finished:
             # It finished while the gateway shuts down: its last chunk may not reach the client,
@@ -298,70 +318,137 @@ class SessionRun:
                 log.warning("could not delete a session", extra={"session": self.id, "error": str(exc)})
 
     # ---- rounds --------------------------------------------------------------------------------
+    # Rounds run back to back, driven by their answers (callbacks, not a coroutine per round): the
+    # next round is queued on its replica's tick loop right where this one's verdict is read, and
+    # this one's commit goes to Redis beside it. What the client gets are the committed rounds,
+    # in order, through `step`. A failure takes the slow path: a task that recovers (failover,
+    # a stale commit) and launches the round again.
 
     async def step(self) -> Piece:
-        """One round, committed; retried on other replicas when one fails. Traced as a span
-        "round" with the Draft and Verify calls and the commit under it."""
-        if not tracing_on():
-            return await self._step()
-        with _tracer.start_as_current_span("round", attributes={"session": self.id, "round": self.round}):
-            return await self._step()
+        """The next committed round; its failure is raised here. Traced (when tracing is on) as a
+        span "round" with its draft, verification and commit under it."""
+        if self._pieces is None:
+            self._pieces = asyncio.Queue()
+            self._launch(self.tokens)
+        piece = await self._pieces.get()
+        if isinstance(piece, BaseException):
+            raise piece
+        return piece
 
-    async def _step(self) -> Piece:
-        for _ in range(self.env.max_attempts):
-            start, result = await self._take_round()
-            kept, finish = self._cut(result.tokens)
-            lengths = {self.addresses[role]: result.held[role] for role in self.roles}
-            if finish is None:  # the next round need not wait for Redis (docs/decisions.md)
-                self._start_round([*self.tokens, *kept])
-            else:
-                self.client.finished()
-            try:
-                piece = await self._commit(kept, finish, result.stats, lengths, start, result)
-            except BaseException:
-                await self._drop_round()
-                raise
-            if piece is not None:
-                return piece
-            await self._drop_round()
-            # Stale: Redis is at another round (only possible if an earlier commit that seemed to
-            # fail went through). Its tokens are the truth; the replicas resync to them.
-            piece = await self._resume_from_store()
-            if piece.token_ids == kept:  # the commit that seemed to fail was this round's
-                piece = dataclasses.replace(piece, logprobs=result.logprobs[: len(kept)])
-            if piece.token_ids or piece.finish_reason:
-                return piece
-        raise GatewayError(
-            grpc.StatusCode.ABORTED, f"round {self.round} of session {self.id} never committed"
+    def _launch(self, tokens: list[int], began: float | None = None) -> None:
+        """Start the round after `tokens` (committed, or this round's tokens not yet committed) on
+        the session's replicas: at once while they are healthy, else once placed anew."""
+        placement = self._placement_now()
+        if placement is None:
+            self._spawn(self._place_and_launch(tokens, began))
+            return
+        self._begin(tokens, placement, began)
+
+    async def _place_and_launch(self, tokens: list[int], began: float | None) -> None:
+        self._begin(tokens, await self._place(), began)
+
+    def _begin(self, tokens: list[int], placement: Placement, began: float | None) -> None:
+        if self._stopped:
+            return
+        self.env.retries.round_started()
+        began = time.perf_counter() if began is None else began
+        span = (
+            _tracer.start_span("round", attributes={"session": self.id, "round": self.round})
+            if tracing_on()
+            else None
+        )
+        done = functools.partial(self._round_done, tokens, began, span)
+        self.client.start(tokens, placement, self._plain_steps(tokens), done, span=span)
+
+    def _round_done(self, tokens: list[int], began: float, span: Any, outcome: Any) -> None:
+        """A round's verdict (or failure), on the event loop where its verification was read."""
+        if self._stopped:
+            _end_span(span)
+            return
+        if isinstance(outcome, ReplicaFailure):
+            self._remember_lengths(outcome.held)
+            _end_span(span, outcome)
+            self._spawn(self._retry(tokens, began, outcome))
+            return
+        if isinstance(outcome, BaseException):
+            _end_span(span, outcome)
+            self._stop(outcome)
+            return
+        self._remember_lengths(outcome.held)
+        self._failures = 0
+        if self._committing:  # it ran beside the last round's commit: its turn comes after
+            self._verdict = (began, span, outcome)
+            return
+        self._settle(began, span, outcome)
+
+    def _settle(self, began: float, span: Any, result: RoundResult) -> None:
+        """A verdict after the committed tokens: cut it, queue the next round (it need not wait for
+        Redis, docs/decisions.md), commit this one."""
+        kept, finish = self._cut(result.tokens)
+        lengths = {self.addresses[role]: result.held[role] for role in self.roles}
+        if finish is None:
+            self._launch([*self.tokens, *kept])
+        else:
+            self.client.finished()
+        self._committing = True
+        start = time.perf_counter()
+        commit_span = (
+            _tracer.start_span("commit", context=_in(span), attributes={"tokens": len(kept)})
+            if span
+            else None
+        )
+        committed = self.env.store.commit_round_future(
+            self.id, self.round, kept, result.stats, lengths, finish_reason=finish, owner=self.owner
+        )
+        committed.add_done_callback(
+            functools.partial(self._committed, kept, finish, began, start, result, (span, commit_span))
         )
 
-    async def _commit(
+    def _committed(
+        self,
+        kept: list[int],
+        finish: str | None,
+        began: float,
+        start: float,
+        result: RoundResult,
+        spans: tuple[Any, Any],
+        committed: asyncio.Future,
+    ) -> None:
+        for s in reversed(spans):
+            _end_span(s)
+        if self._stopped:
+            return
+        self._committing = False
+        try:
+            ok = committed.result()
+        except NotOwner as exc:
+            self.lost = True
+            self._stop(GatewayError(grpc.StatusCode.ABORTED, str(exc)))
+            return
+        except BaseException as exc:  # Redis refused or stayed down: the request ends with it
+            self._stop(exc)
+            return
+        if not ok:
+            self._spawn(self._stale(kept, result))
+            return
+        self._stale_commits = 0
+        self._pieces.put_nowait(self._apply(kept, finish, result.stats, began, start, result))  # type: ignore[union-attr]
+        verdict, self._verdict = self._verdict, None
+        if verdict is not None:
+            self._settle(*verdict)
+
+    def _apply(
         self,
         kept: list[int],
         finish: str | None,
         stats: GenerationStats,
-        lengths: dict[str, int],
         began: float,
+        start: float,
         result: RoundResult | None = None,
-    ) -> Piece | None:
-        """Commit one round's tokens to Redis: what the client gets, or None if Redis is at another
-        round. began: when the round started (perf_counter), result: the round's calls, for the
+    ) -> Piece:
+        """A committed round: the run's state moves on; -> what the client gets. began: when the
+        round started, start: when its commit did (perf_counter), result: its calls, for the
         round's metrics."""
-        start = time.perf_counter()
-        with (
-            _tracer.start_as_current_span("commit", attributes={"tokens": len(kept)})
-            if tracing_on()
-            else _NO_SPAN
-        ):
-            try:
-                committed = await self.env.store.commit_round(
-                    self.id, self.round, kept, stats, lengths, finish_reason=finish, owner=self.owner
-                )
-            except NotOwner as exc:
-                self.lost = True
-                raise GatewayError(grpc.StatusCode.ABORTED, str(exc)) from None
-        if not committed:
-            return None
         end = time.perf_counter()
         calls = {f"{role}_call": t for role, t in (result.call_seconds if result else {}).items()}
         self.env.metrics.observe_round(
@@ -375,6 +462,86 @@ class SessionRun:
         self.finish_reason = finish
         logprobs = result.logprobs[: len(kept)] if result is not None else []
         return Piece(kept, self.text.push(kept, final=finish is not None), finish, logprobs)
+
+    async def _commit(
+        self,
+        kept: list[int],
+        finish: str | None,
+        stats: GenerationStats,
+        lengths: dict[str, int],
+        began: float,
+    ) -> Piece | None:
+        """Commit one round's tokens to Redis (DSI's commits): what the client gets, or None if
+        Redis is at another round."""
+        start = time.perf_counter()
+        try:
+            committed = await self.env.store.commit_round(
+                self.id, self.round, kept, stats, lengths, finish_reason=finish, owner=self.owner
+            )
+        except NotOwner as exc:
+            self.lost = True
+            raise GatewayError(grpc.StatusCode.ABORTED, str(exc)) from None
+        return self._apply(kept, finish, stats, began, start) if committed else None
+
+    async def _stale(self, kept: list[int], result: RoundResult) -> None:
+        """A commit found another round in Redis (only possible if an earlier commit that seemed to
+        fail went through). Its tokens are the truth: hand out what we lacked, and go on from
+        them (the replicas resync to them)."""
+        self.client.cancel()  # the round beside the commit ran after tokens Redis does not have
+        self._verdict = None
+        self._stale_commits += 1
+        if self._stale_commits > self.env.max_attempts:
+            raise GatewayError(
+                grpc.StatusCode.ABORTED, f"round {self.round} of session {self.id} never committed"
+            )
+        piece = await self._resume_from_store()
+        if piece.token_ids == kept:  # the commit that seemed to fail was this round's
+            piece = dataclasses.replace(piece, logprobs=result.logprobs[: len(kept)])
+        if piece.token_ids or piece.finish_reason:
+            self._pieces.put_nowait(piece)  # type: ignore[union-attr]
+        if not self.finished:
+            self._launch(self.tokens)
+
+    async def _retry(self, tokens: list[int], began: float, failure: ReplicaFailure) -> None:
+        """A replica failed the round: retry it (the same replica after ABORTED, else another one),
+        as far as max_attempts and the retry budget allow."""
+        self._failures += 1
+        if self._failures >= self.env.max_attempts:
+            raise GatewayError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"round {self.round} failed {self.env.max_attempts} times; last error: {failure}",
+            )
+        await self._recover(failure)
+        self._begin(tokens, await self._place(), began)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """The slow path, as a task: its error ends the run (raised by `step`)."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._stop(task.exception())  # type: ignore[arg-type]
+
+    def _stop(self, error: BaseException) -> None:
+        """No more rounds: the client gets `error` from `step`."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.client.cancel()
+        if self._pieces is not None:
+            self._pieces.put_nowait(error)
+
+    async def _drop_rounds(self) -> None:
+        """The run ends: nothing it started reaches a replica any more (before its releases)."""
+        self._stopped = True
+        self.client.cancel()
+        tasks, self._tasks = list(self._tasks), set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _cut(self, tokens: list[int]) -> tuple[list[int], str | None]:
         """What of a round's tokens the session keeps, and whether it finished."""
@@ -421,52 +588,6 @@ class SessionRun:
         """Stop here and let another gateway go on (a rollout): the lease is released at cleanup,
         the session and the replicas' KV stay for the resume."""
         self.handed_over = True
-
-    def _start_round(self, tokens: list[int]) -> None:
-        """Run the round after `tokens` (this round's tokens, not committed yet) beside the commit."""
-        self._next = (len(tokens), asyncio.ensure_future(self._timed_round(tokens)))
-
-    async def _take_round(self) -> tuple[float, RoundResult]:
-        """(when it started, the round after the committed tokens): the one started beside the
-        last commit if it ran after exactly these tokens, else a new one."""
-        if self._next is not None and self._next[0] == len(self.tokens):
-            task = self._next[1]
-            self._next = None
-            return await task
-        await self._drop_round()
-        return await self._timed_round(self.tokens)
-
-    async def _drop_round(self) -> None:
-        """Cancel a round started beside a commit that failed or found another round in Redis
-        (its replica calls are cancelled with it)."""
-        if self._next is not None:
-            task = self._next[1]
-            self._next = None
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-    async def _timed_round(self, tokens: list[int]) -> tuple[float, RoundResult]:
-        start = time.perf_counter()
-        return start, await self._run_round(tokens)
-
-    async def _run_round(self, tokens: list[int]) -> RoundResult:
-        failure: ReplicaFailure | None = None
-        self.env.retries.round_started()
-        for _ in range(self.env.max_attempts):
-            placement = await self._place()
-            try:
-                result = await self.client.round(tokens, placement, self._plain_steps(tokens))
-            except ReplicaFailure as exc:
-                self._remember_lengths(exc.held)
-                failure = exc
-                await self._recover(exc)
-            else:
-                self._remember_lengths(result.held)
-                return result
-        raise GatewayError(
-            grpc.StatusCode.UNAVAILABLE,
-            f"round {self.round} failed {self.env.max_attempts} times; last error: {failure}",
-        )
 
     def _plain_steps(self, tokens: list[int]) -> int:
         """Tokens a plain round after `tokens` may decode in one Verify call: one for the first round
@@ -547,6 +668,18 @@ class SessionRun:
             await self.env.store.assign(
                 self.id, drafter=self.addresses.get(Role.DRAFTER), verifier=self.addresses[Role.VERIFIER]
             )
+        return self._placement()
+
+    def _placement_now(self) -> Placement | None:
+        """The placement as it stands, if every replica of the session is still healthy (the
+        usual round: nothing to await); None: place anew (`_place`)."""
+        for role in self.roles:
+            address = self.addresses.get(role)
+            if address is None or not self.pool(role).is_healthy(address):
+                return None
+        return self._placement()
+
+    def _placement(self) -> Placement:
         loops = {role: self.pool(role).loop(a) for role, a in self.addresses.items()}
         return Placement(
             verifier=loops[Role.VERIFIER],

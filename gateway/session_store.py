@@ -41,6 +41,7 @@ never show the password (`_safe_url`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -685,8 +686,26 @@ class SessionStore:
         through). Within reconnect_timeout the call retries itself with the same commit id: a try
         that was applied but whose answer was lost makes the retry return True, writing nothing.
         owner: this gateway's owner token (fenced: NotOwner if it is not the current one, and the
-        lease is renewed); "" commits without the check.
-        """
+        lease is renewed); "" commits without the check. Every commit of one event-loop turn goes
+        to Redis in one pipelined round trip."""
+        return await self.commit_round_future(
+            session_id, expected_round, new_tokens, stats_delta, replica_lengths,
+            finish_reason=finish_reason, owner=owner,
+        )  # fmt: skip
+
+    def commit_round_future(
+        self,
+        session_id: str,
+        expected_round: int,
+        new_tokens: Sequence[int],
+        stats_delta: GenerationStats | None = None,
+        replica_lengths: Mapping[str, int] | None = None,
+        *,
+        finish_reason: str | None = None,
+        owner: str = "",
+    ) -> asyncio.Future:
+        """`commit_round` as a future of its answer (a caller driven by callbacks: the gateway's
+        rounds)."""
         keys = self.keys(session_id)
         if finish_reason == "":
             raise ValueError("finish_reason must be None or a non-empty string")
@@ -701,12 +720,10 @@ class SessionStore:
         header = [int(expected_round), commit_id, self._ttl_ms, repr(time.time()), finish_reason or ""]
         counts = [len(tokens), len(replicas), len(ints), len(floats), owner, self._lease_ms]
         args = [*header, *counts, *tokens, *replicas, *ints, *floats]
-        result = await self._pipelined_commit(keys.with_owner(), args)
-        if result == -1:
-            raise SessionNotFound(f"session {session_id!r} does not exist (expired or deleted)")
-        if result == -2:
-            raise NotOwner(f"session {session_id!r}: another gateway took it over")
-        return result in (1, 2)
+        answer = asyncio.get_running_loop().create_future()
+        raw = self._pipelined_commit(keys.with_owner(), args)
+        raw.add_done_callback(functools.partial(_commit_answer, session_id, answer))
+        return answer
 
     def _pipelined_commit(self, keys: list[str], args: list[Any]) -> asyncio.Future:
         """Queue a commit script: every commit queued in one event-loop turn (a tick's sessions)
@@ -839,6 +856,26 @@ class SessionStore:
         keys = self.keys(session_id).with_owner()
         budget = min(self.reconnect_timeout, CLEANUP_RECONNECT_SECONDS)
         return bool(await self._call("delete", lambda: self._redis.delete(*keys), budget))
+
+
+def _commit_answer(session_id: str, answer: asyncio.Future, raw: asyncio.Future) -> None:
+    """The commit script's result -> committed or not, or the error it means."""
+    if answer.done():
+        return
+    if raw.cancelled():
+        answer.cancel()
+        return
+    error = raw.exception()
+    if error is not None:
+        answer.set_exception(error)
+        return
+    result = raw.result()
+    if result == -1:
+        answer.set_exception(SessionNotFound(f"session {session_id!r} does not exist (expired or deleted)"))
+    elif result == -2:
+        answer.set_exception(NotOwner(f"session {session_id!r}: another gateway took it over"))
+    else:
+        answer.set_result(result in (1, 2))
 
 
 # ---- GenerationStats as a Redis hash -----------------------------------------------------------

@@ -38,16 +38,16 @@ def test_the_split_adds_up_to_the_round() -> None:
         **_histogram(phase, 0.200, 10, phase="verifier_call"),
     }
     drafter = {
-        **_histogram("specmesh:rpc_handler_seconds", 0.170, 10, method="Draft"),
+        **_histogram("specmesh:rpc_handler_seconds", 0.170, 10, method="DraftTick"),
         **_histogram("specmesh:queue_wait_seconds", 0.004, 40),
         **_histogram("specmesh:forward_seconds", 0.160, 40),
     }
     verifier = {
-        **_histogram("specmesh:rpc_handler_seconds", 0.185, 10, method="Verify"),
+        **_histogram("specmesh:rpc_handler_seconds", 0.185, 10, method="VerifyTick"),
         **_histogram("specmesh:queue_wait_seconds", 0.001, 10),
         **_histogram("specmesh:forward_seconds", 0.165, 10),
     }
-    ms = split({"gateway": gateway, "drafter-0": drafter, "verifier-0": verifier}, levels_per_round=4)
+    ms = split({"gateway": gateway, "drafter-0": drafter, "verifier-0": verifier})  # 10 ticks each
     assert ms["round"] == pytest.approx(40.0)
     assert ms["forwards"] == pytest.approx(16.0 + 16.5)
     assert (ms["redis"], ms["queue"]) == (pytest.approx(1.0), pytest.approx(0.5))

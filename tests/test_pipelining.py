@@ -134,7 +134,8 @@ def test_a_pre_draft_applies_only_to_exactly_the_tokens_it_assumed() -> None:
 def test_the_policy_pre_drafts_only_when_it_pays_and_keeps_measuring_the_other_side() -> None:
     assert not PipelinePolicy(Pipelining.OFF).wants()
     assert PipelinePolicy(Pipelining.ON).wants()
-    policy = PipelinePolicy(Pipelining.AUTO)
+    now = [0.0]
+    policy = PipelinePolicy(Pipelining.AUTO, clock=lambda: now[0])
     assert not policy.wants()  # nothing measured: the first round is serial
     policy.observe(verify=0.016, beside=False, draft=0.020, levels=4)
     assert policy.wants()  # a hit saves a 20 ms draft, a miss costs at most a 5 ms level
@@ -142,8 +143,13 @@ def test_the_policy_pre_drafts_only_when_it_pays_and_keeps_measuring_the_other_s
     for _ in range(20):
         policy.observe(verify=0.060, beside=True, hit=True)
     assert not policy.pays()
-    decisions = [policy.wants() for _ in range(2 * policy.probe_every)]
-    assert decisions.count(True) == 2  # off, but re-measured every probe_every rounds
+    assert policy.wants()  # the epoch's decision holds for every round in it
+    decisions = []
+    for _ in range(2 * policy.probe_every):
+        now[0] += policy.epoch_seconds
+        decisions.append([policy.wants() for _ in range(3)])
+    assert all(len(set(d)) == 1 for d in decisions)  # one decision per epoch
+    assert [d[0] for d in decisions].count(True) == 2  # off, but re-measured one epoch in probe_every
     # a drafter that never guesses right
     policy = PipelinePolicy(Pipelining.AUTO)
     policy.observe(verify=0.016, beside=False, draft=0.008, levels=1)

@@ -1,4 +1,4 @@
-"""OpenTelemetry: one trace per request, gateway -> round -> Draft, Verify, commit. The gateway runs
+"""OpenTelemetry: one trace per request, gateway -> round -> draft, verify, commit. The gateway runs
 in this process (in a thread with its own event loop) so that an in-memory span exporter sees its
 spans; Redis, the drafter and the verifier are real processes on tiny models."""
 
@@ -26,7 +26,7 @@ from tests.test_engine import PROMPT
 pytestmark = pytest.mark.xdist_group("tracing")
 
 gateway_pb2, gateway_grpc = load("gateway")
-DRAFT, VERIFY = "/specmesh.v1.Drafter/Draft", "/specmesh.v1.Verifier/Verify"
+DRAFT, VERIFY = "draft", "verify"  # the session's items of the replicas' ticks
 GENERATE = "/specmesh.v1.Gateway/Generate"
 
 

@@ -160,7 +160,10 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         """The verdicts of a tick's verifications ((input, its caller's key hash) each): per item
         its VerifyOutcome or its exception; and the tick (its forwards' stats)."""
         out: list = [None] * len(verifies)
-        masks = await asyncio.gather(*(self.grammar_masks(v) for v, _ in verifies), return_exceptions=True)
+        masks: list = [None] * len(verifies)
+        if any(v.grammar is not None for v, _ in verifies):
+            asked = (self.grammar_masks(v) for v, _ in verifies)
+            masks = await asyncio.gather(*asked, return_exceptions=True)
         items: list[_Item] = []
         befores: dict[str, Callable[[], None]] = {}
         for k, ((v, owner), mask) in enumerate(zip(verifies, masks, strict=True)):
@@ -191,6 +194,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             for item in items:
                 self.end(item.verify.session_id, item.resume, True, True)
             raise
+        rounds: list[tuple[DraftTree | None, VerifyOutcome]] = []
         for item, outcome in zip(items, outcomes, strict=True):
             sid = item.verify.session_id
             gone = abandoned() or tick.abandoned or item.job.cancelled  # its caller dropped it
@@ -199,9 +203,10 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
                 self.end(sid, item.resume, not nothing_ran, gone)
                 out[item.index] = outcome.error
                 continue
-            self._record(item.verify.tree, outcome)
+            rounds.append((item.verify.tree, outcome))
             self.end(sid, item.resume, False, gone)
             out[item.index] = outcome
+        self._record(rounds)
         return out, tick
 
     def _job(self, v: wire.VerifyInput, masks: TokenMask | None) -> VerifyJob:
@@ -219,14 +224,18 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             stop_token_ids=v.stop_token_ids, top_logprobs=v.top_logprobs, allowed=allowed,
         )  # fmt: skip
 
-    def _record(self, tree: DraftTree | None, outcome: VerifyOutcome) -> None:
-        verdict = outcome.verdict
-        assert verdict is not None
-        for _ in range(outcome.steps - 1):  # the plain steps before the last
-            self._rounds.observe(0, 0)
-        self._rounds.observe(tree.num_nodes if tree is not None else 0, len(verdict.accepted_nodes))
-        if tree is not None:
-            count_labels(self._per_depth, tree.depths().tolist())
+    def _record(self, rounds: list[tuple[DraftTree | None, VerifyOutcome]]) -> None:
+        """A tick's verifications (and their plain steps)."""
+        counts, depths = [], []
+        for tree, outcome in rounds:
+            verdict = outcome.verdict
+            assert verdict is not None
+            counts += [(0, 0)] * (outcome.steps - 1)  # the plain steps before the last
+            counts.append((tree.num_nodes if tree is not None else 0, len(verdict.accepted_nodes)))
+            if tree is not None:
+                depths += range(1, tree.num_nodes + 1) if tree.is_chain else tree.depths().tolist()
+        self._rounds.observe_many(counts)
+        count_labels(self._per_depth, depths)
 
 
 def run(argv: list[str] | None = None) -> None:

@@ -324,14 +324,7 @@ def running_stack_plan(
                     if time.monotonic() > deadline:
                         raise
             time.sleep(2)
-        metrics, pids = {}, {}
-        for line in Path(log.name).read_text().splitlines():
-            if line.startswith("--- metrics of "):
-                name_, _, url = line.removeprefix("--- metrics of ").partition(": ")
-                metrics[name_] = url.split("://", 1)[-1].removesuffix("/metrics")
-            ready = re.match(r"(\S+)\s+\| ready after [\d.]+s \(pid (\d+)\)$", line)
-            if ready:  # the supervisor's line for each child
-                pids[ready.group(1)] = int(ready.group(2))
+        metrics, pids = _stack_children(Path(log.name))
         yield address, metrics, pids
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -342,6 +335,25 @@ def running_stack_plan(
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
         log.close()
+
+
+def _stack_children(log: Path, timeout: float = 60.0) -> tuple[dict[str, str], dict[str, int]]:
+    """(child name -> its /metrics host:port, child name -> its pid) from `specmesh up`'s log: the
+    supervisor's "ready after ... (pid N)" lines and the "--- metrics of" lines it prints once every
+    child is ready (a request may succeed a moment before they are written)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics, pids = {}, {}
+        for line in log.read_text().splitlines():
+            if line.startswith("--- metrics of "):
+                name, _, url = line.removeprefix("--- metrics of ").partition(": ")
+                metrics[name] = url.split("://", 1)[-1].removesuffix("/metrics")
+            ready = re.match(r"(\S+)\s+\| ready after [\d.]+s \(pid (\d+)\)$", line)
+            if ready:
+                pids[ready.group(1)] = int(ready.group(2))
+        if ("gateway" in metrics and "gateway" in pids) or time.monotonic() > deadline:
+            return metrics, pids
+        time.sleep(0.2)
 
 
 def gateway_rows(cfg: SuiteConfig, texts: list[str], phases: Sequence[str]) -> list[dict]:

@@ -14,13 +14,15 @@ gateway shares one among all its sessions, so that finding out is paid once, not
   cost of a miss  the pre-draft's level forward still running when the real Draft arrives;
   cost always     how much slower a Verify runs with a Draft beside it (shared hardware: on a CPU
                   the two processes take each other's cores; on separate accelerators ~0).
-It pre-drafts when p_hit * draft > (1 - p_hit) * level + slowdown, and re-measures the serial
-side every `probe_every` rounds, so a pre-draft that stopped paying is dropped.
+It pre-drafts when p_hit * draft > (1 - p_hit) * level + slowdown, decided once per epoch (all
+the sessions of a tick alike), and re-measures the other side one epoch in `probe_every`, so a
+pre-draft that stopped paying is dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specmesh.core.rounds import Pipelining
@@ -84,27 +86,38 @@ class PipelinePolicy:
 
     mode: Pipelining = Pipelining.AUTO
     weight: float = 0.25  # of a new measurement in the moving averages
-    probe_every: int = 16  # rounds; a serial round (AUTO, pre-drafting) or a pre-draft (AUTO, not)
+    probe_every: int = 16  # epochs; one of serial rounds (AUTO, pre-drafting) or pre-drafts (AUTO, not)
+    # a decision holds for an epoch: the sessions of a tick decide alike (one that pre-drafts
+    # skips the drafter's next tick, one that does not waits for it: mixed, they split the ticks)
+    epoch_seconds: float = 0.25
+    clock: Callable[[], float] = time.monotonic
     hit_rate: float = 0.5  # the prior, before any pre-draft was judged
     draft: float | None = None  # a Draft call's wall when the round waited for all of it
     level: float | None = None  # one draft forward (the longest a miss waits for the pre-draft)
     verify_alone: float | None = None  # a Verify call's wall, no Draft beside it
     verify_beside: float | None = None  # ... with a pre-draft running beside it
     _since_probe: int = field(default=0, repr=False)
+    _decision: bool = field(default=False, repr=False)
+    _decided_at: float | None = field(default=None, repr=False)
 
     def wants(self) -> bool:
-        """Whether to pre-draft beside the coming Verify."""
+        """Whether to pre-draft beside the coming verification: decided once per epoch."""
         if not self.mode.enabled:
             return False
         if self.mode is Pipelining.ON:
             return True
         if self.draft is None or self.verify_alone is None:
-            return False  # the first round measures the serial side
+            return False  # the first rounds measure the serial side
+        now = self.clock()
+        if self._decided_at is not None and now - self._decided_at < self.epoch_seconds:
+            return self._decision
+        self._decided_at = now
         pays = self.pays()
         self._since_probe += 1
         if self._since_probe >= self.probe_every:  # measure the other side again
             self._since_probe = 0
-            return not pays
+            pays = not pays
+        self._decision = pays
         return pays
 
     def pays(self) -> bool:

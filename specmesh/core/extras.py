@@ -19,7 +19,7 @@ import importlib.util
 from types import ModuleType
 
 # the extra that installs each optional top-level module
-EXTRA_OF = {"torch": "torch", "numpy": "torch", "llama_cpp": "llama"}
+EXTRA_OF = {"torch": "torch", "llama_cpp": "llama"}
 
 
 def install_hint(module: str) -> str:

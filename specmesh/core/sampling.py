@@ -12,16 +12,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from specmesh.core.extras import missing
 
 try:
     import torch
 except ModuleNotFoundError as exc:  # a gateway-only install (specmesh.core.extras)
     torch = missing(exc)
-try:
-    import numpy as np
-except ModuleNotFoundError as exc:  # numpy comes with transformers; guarded like torch all the same
-    np = missing(exc)
 
 # A top-p cut over the whole vocabulary needs a full sort (about 11 ms at V = 152k on this CPU).
 # The kept set is almost always small, so look at the top candidates first and sort everything
@@ -232,14 +230,3 @@ def uniform_many(streams: Sequence[Draws], n: int) -> torch.Tensor:
     for d in streams:
         d.counter += n
     return torch.from_numpy(_counter_uniforms(keys, counters, n))
-
-
-def derive_generator(seed: int, position: int, purpose: str) -> torch.Generator:
-    """A generator that depends only on (seed, position, purpose).
-
-    A round's randomness is derived from the session seed and the number of committed tokens,
-    separately for drafting and verification, so any replica (or the in-process engine) that runs
-    the same round draws the same numbers: a failover cannot change the output.
-    """
-    digest = hashlib.blake2b(f"{seed}:{position}:{purpose}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF)

@@ -90,10 +90,17 @@ class RpcMetrics:
         return Gauge(name, doc, labels, registry=self.registry)
 
 
+_CHILDREN: dict[tuple[int, int], Any] = {}  # (counter, label value) -> its child, made once
+
+
 def count_labels(counter: Counter, values: Iterable[int]) -> None:
-    """counter{label=v} += how often v occurs (e.g. tokens per depth)."""
+    """counter{label=v} += how often v occurs (e.g. tokens per depth); a tick's values in one
+    call, so that each label is counted once per tick."""
     for value, n in collections.Counter(values).items():
-        counter.labels(str(value)).inc(n)
+        child = _CHILDREN.get((id(counter), value))
+        if child is None:
+            child = _CHILDREN[(id(counter), value)] = counter.labels(str(value))
+        child.inc(n)
 
 
 class RoundMetrics:
@@ -112,19 +119,21 @@ class RoundMetrics:
         self.accepted = c(f"{prefix}spec_decode_num_accepted_tokens", "drafted tokens accepted")
         per_pos = "accepted tokens by position (0 = depth 1)"
         self.accepted_per_pos = c(f"{prefix}spec_decode_num_accepted_tokens_per_pos", per_pos, "position")
-        self._per_pos: list[Any] = []  # accepted_per_pos's children by position, made once
 
     def observe(self, tree_nodes: int, accepted: int) -> None:
         """One round: a tree of `tree_nodes` nodes (0: a plain autoregressive step) and the length
         of its accepted path."""
-        self.rounds.inc()
-        self.emitted.inc(accepted + 1)
-        if not tree_nodes:
+        self.observe_many([(tree_nodes, accepted)])
+
+    def observe_many(self, rounds: Iterable[tuple[int, int]]) -> None:
+        """A tick's rounds, (tree nodes, accepted path length) each: every counter added once."""
+        rounds = list(rounds)
+        self.rounds.inc(len(rounds))
+        self.emitted.inc(sum(accepted + 1 for _, accepted in rounds))
+        drafted = [(nodes, accepted) for nodes, accepted in rounds if nodes]
+        if not drafted:
             return
-        self.drafts.inc()
-        self.draft_tokens.inc(tree_nodes)
-        self.accepted.inc(accepted)
-        while len(self._per_pos) < accepted:
-            self._per_pos.append(self.accepted_per_pos.labels(str(len(self._per_pos))))
-        for child in self._per_pos[:accepted]:
-            child.inc()
+        self.drafts.inc(len(drafted))
+        self.draft_tokens.inc(sum(nodes for nodes, _ in drafted))
+        self.accepted.inc(sum(accepted for _, accepted in drafted))
+        count_labels(self.accepted_per_pos, (pos for _, accepted in drafted for pos in range(accepted)))

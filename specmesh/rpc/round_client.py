@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from specmesh.core.adaptive import AdaptivePolicy, Load
 from specmesh.core.ahead import PipelinePolicy, PreDraft
@@ -40,6 +42,9 @@ from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.tick_client import Drafted, ItemError, Role, TickLoop, Timing, Verified
 from specmesh.rpc.ticks import Opened
 from specmesh.rpc.tls import ClientTls, aio_channel
+from specmesh.rpc.tracing import tracer
+
+_tracer = tracer("specmesh.gateway")
 
 __all__ = ["Placement", "RemoteSession", "ReplicaFailure", "Role", "RoundClient", "RoundResult"]
 
@@ -111,10 +116,10 @@ class ReplicaFailure(Exception):
 
 
 class RoundClient:
-    """One session's rounds: `round(tokens, placement)` drafts and verifies after the committed
-    `tokens` on the replicas the placement names. The client keeps only what belongs to the
-    session (its settings as the replicas get them, tree family, adaptive policy); where it runs is
-    the caller's."""
+    """One session's rounds: `start(tokens, placement, ...)` drafts and verifies after the
+    committed `tokens` on the replicas the placement names (`round` awaits it). The client keeps
+    only what belongs to the session (its settings as the replicas get them, tree family, adaptive
+    policy, the next round's pre-draft); where it runs is the caller's."""
 
     def __init__(
         self,
@@ -140,9 +145,21 @@ class RoundClient:
         self.pipeline = pipeline or PipelinePolicy(Pipelining.OFF)
         self._ahead: _Ahead | None = None  # the next round's pre-draft, in flight or done
         self._expected_by: TickLoop | None = None  # the drafter loop told to expect the next round
+        self._current: _Round | None = None
 
-    async def round(self, tokens: Sequence[int], placement: Placement, plain_steps: int = 1) -> RoundResult:
+    def start(
+        self,
+        tokens: Sequence[int],
+        placement: Placement,
+        plain_steps: int,
+        done: Callable[[RoundResult | BaseException], None],
+        *,
+        span: Any = None,
+    ) -> None:
         """Draft and verify after the committed `tokens`; commits nothing on the caller's side.
+        done(outcome): the RoundResult, or the error (ReplicaFailure: a replica's), called on the
+        event loop right where the verification's answer is read, so that the caller can queue
+        the next round at once. Cancel with `cancel`.
 
         plain_steps: where the round drafts nothing (method none, no adaptive policy), the verifier
         may decode up to that many tokens in this one call.
@@ -150,104 +167,34 @@ class RoundClient:
         Pipelined (specmesh.core.ahead): the tree may come from the pre-draft the previous round
         sent beside its verification, if it assumed exactly these tokens; this round may send the
         next one. Stats: draft_seconds and verify_seconds are what the services report (the draft
-        tick's time, the batched forwards' time), total_seconds the round's wall time."""
-        start = time.perf_counter()
-        spec = self.policy.next_spec() if self.policy else self.spec
-        call = _Calls(placement, len(tokens))
-        ahead, self._ahead = self._ahead, None
-        drafted: Drafted | None = None
-        hit, serial_draft = None, None
-        session = self.session
-        if spec.method.drafts:
-            drafter = placement.drafter
-            if drafter is None:
-                raise ValueError(f"method {spec.method!r} needs a drafter")
-            want = self.pipeline.wants()  # a pre-draft beside this round's verification
-            if ahead is not None:
-                try:
-                    drafted = await ahead.take(tokens, spec, placement)
-                except BaseException:  # the round was cancelled: so is its pre-draft
-                    ahead.cancel()
-                    raise
-                hit = drafted is not None
-            if drafted is not None:
-                call.took(Role.DRAFTER, time.perf_counter() - start)  # the wait for the pre-draft
-            else:
+        tick's time, the batched forwards' time), total_seconds the round's wall time. span: the
+        round's tracing span; its draft and verification are spans under it (each the session's
+        item of a tick: a tick serves many requests, so no request's trace holds the tick)."""
+        self._current = _Round(self, tokens, placement, plain_steps, done, span)
+        self._current.begin()
 
-                def make_draft(position: int, timing: Timing) -> asyncio.Future:
-                    return drafter.draft(  # its verification comes next: `then`
-                        session, position, tokens[position:], spec, guess_next=want, timing=timing,
-                        then=placement.verifier,
-                    )  # fmt: skip
-
-                try:
-                    drafted = await call(Role.DRAFTER, make_draft, spec.depth)
-                except BaseException:
-                    placement.verifier.unexpect(self.id)  # no verification will follow
-                    raise
-                serial_draft = call.seconds[Role.DRAFTER]
-            if drafted.likely and want:
-                self._ahead = self._pre_draft(tokens, spec, drafter, drafted.likely)
-        tree = drafted.tree if drafted is not None else None  # the drafter's columns, relayed
-        steps = plain_steps if drafted is None and self.policy is None else 1
-        verifier = placement.verifier
-
-        def make_verify(position: int, timing: Timing) -> asyncio.Future:
-            then = placement.drafter if spec.method.drafts and self._ahead is None else None
-            self._expected_by = then  # its next draft comes next (unless pre-drafted already)
-            return verifier.verify(
-                session, position, tokens[position:], tree, steps, timing=timing, then=then
-            )
-
-        nodes = drafted.tree_nodes if drafted is not None else 0
+    async def round(self, tokens: Sequence[int], placement: Placement, plain_steps: int = 1) -> RoundResult:
+        """`start`, awaited: the RoundResult, or the error raised."""
+        future = asyncio.get_running_loop().create_future()
+        self.start(tokens, placement, plain_steps, functools.partial(_to_future, future))
         try:
-            verified: Verified = await call(Role.VERIFIER, make_verify, nodes, steps)
-        except BaseException:
-            if self._ahead is not None:  # the round is redone from the committed tokens
-                self._ahead.cancel()
-                self._ahead = None
-            self.finished()  # the next round's draft is not on its way
+            return await future
+        except asyncio.CancelledError:
+            self.cancel()
             raise
-        self.pipeline.observe(
-            verify=call.seconds[Role.VERIFIER],
-            beside=self._ahead is not None,
-            draft=serial_draft,
-            levels=drafted.forwards if serial_draft is not None and drafted is not None else 0,
-            hit=hit,
-        )
-        verdict, plain = verified.verdict, verified.plain_tokens
-        # it committed the accepted path (a plain call: the tokens before the last) itself
-        call.held[Role.VERIFIER] += len(plain) + len(verdict.accepted_tokens)
-        stats = GenerationStats.for_round(
-            drafted_tokens=nodes,
-            accepted_tokens=len(verdict.accepted_tokens),
-            tree_depth=drafted.tree_depth if drafted is not None else 0,
-            draft_calls=drafted.forwards if drafted is not None else 0,
-            draft_seconds=drafted.seconds if drafted is not None else 0.0,
-            verify_seconds=verified.forward_seconds,
-            total_seconds=time.perf_counter() - start,
-            plain_steps=len(plain) + 1,
-        )
-        if self.policy:
-            # batch_tokens 0: a replica that does not say; the policy then counts this session alone
-            load = Load(verified.batch_size, verified.batch_tokens) if verified.batch_tokens else None
-            self.policy.observe(spec, stats, load)
-        return RoundResult(
-            verdict, stats, dict(call.held), call.resyncs, dict(call.seconds), hit, plain, verified.logprobs
-        )
 
-    def _pre_draft(
-        self, tokens: Sequence[int], spec: TreeSpec, drafter: TickLoop, likely: Sequence[int]
-    ) -> _Ahead:
-        """Queue the next round's draft now, assuming its committed tokens will be `likely` more."""
-        future = drafter.draft(self.session, len(tokens), likely, spec, guess_next=True, speculative=True)
-        return _Ahead(PreDraft(len(tokens), tuple(likely)), spec, future)
-
-    def close(self) -> None:
-        """Drop a pre-draft in flight (the session ends), and any tick loop's wait for it."""
+    def cancel(self) -> None:
+        """Stop the round in flight (its replica items are cancelled there) and the pre-draft."""
+        if self._current is not None:
+            self._current.cancel()
+            self._current = None
         if self._ahead is not None:
             self._ahead.cancel()
             self._ahead = None
+
+    def close(self) -> None:
+        """The session ends: nothing in flight goes on, no tick loop waits for it."""
+        self.cancel()
         self.finished()
 
     def finished(self) -> None:
@@ -256,99 +203,321 @@ class RoundClient:
             self._expected_by.unexpect(self.id)
             self._expected_by = None
 
-
-@dataclass
-class _Ahead:
-    """A pre-draft in flight: what it assumes, its shape, its future."""
-
-    pre: PreDraft
-    spec: TreeSpec
-    call: asyncio.Future
-
-    async def take(self, tokens: Sequence[int], spec: TreeSpec, placement: Placement) -> Drafted | None:
-        """Its answer if it applies to this round (the committed tokens it assumed, the same
-        shape, the drafter still holding what it was sent on), else None, cancelled. A pre-draft
-        that fails or runs past the per-try timeout is None too: the round's own draft then meets
-        the replica's trouble with the usual retries."""
-        held = placement.held.get(Role.DRAFTER, 0)
-        if spec != self.spec or held != self.pre.base or not self.pre.applies(tokens):
-            self.cancel()
-            return None
-        period = placement.per_try(Role.DRAFTER, 1, spec.depth, 1) if placement.per_try else None
-        done, _ = await asyncio.wait({self.call}, timeout=period)
-        if not done or self.call.cancelled() or self.call.exception() is not None:
-            self.cancel()
-            return None
-        response = self.call.result()
-        return None if response.superseded else response
-
-    def cancel(self) -> None:
-        """Cancel it (the drafter stops it at its next level; a real draft supersedes it)."""
-        self.call.cancel()
-        self.call.add_done_callback(_retrieve)
+    def _pre_draft(
+        self, tokens: Sequence[int], spec: TreeSpec, drafter: TickLoop, likely: Sequence[int]
+    ) -> _Ahead:
+        """Queue the next round's draft now, assuming its committed tokens will be `likely` more."""
+        ahead = _Ahead(PreDraft(len(tokens), tuple(likely)), spec, drafter)
+        ahead.work = drafter.draft(
+            self.session, len(tokens), likely, spec, guess_next=True, speculative=True, done=ahead.answered
+        )
+        return ahead
 
 
-def _retrieve(future: asyncio.Future) -> None:
-    """Read a dropped call's outcome, so that asyncio does not log it as never retrieved."""
-    if not future.cancelled():
-        future.exception()
+def _to_future(future: asyncio.Future, outcome: Any) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
-class _Calls:
-    """The replica calls of one round, tracking what each replica holds."""
+class _Round:
+    """One round's state between its callbacks: a draft (or the pre-draft's tree), then its
+    verification, each call retried once with everything after a resync answer."""
 
-    def __init__(self, placement: Placement, committed: int) -> None:
+    def __init__(
+        self,
+        client: RoundClient,
+        tokens: Sequence[int],
+        placement: Placement,
+        plain_steps: int,
+        done: Callable[[Any], None],
+        span: Any = None,
+    ) -> None:
+        self.client, self.tokens, self.placement, self.done, self.span = client, tokens, placement, done, span
+        self.plain_steps = plain_steps
+        self.start = time.perf_counter()
+        self.committed = len(tokens)
         self.held = {role: placement.held.get(role, 0) for role in Role}
-        self.timeout, self.per_try, self.spare = placement.timeout, placement.per_try, placement.spare
-        self.committed, self.resyncs = committed, 0
         self.seconds: dict[Role, float] = {}
-        self.deadline = None if self.timeout is None else asyncio.get_running_loop().time() + self.timeout
+        self.resyncs = 0
+        now = asyncio.get_running_loop().time()
+        self.deadline = None if placement.timeout is None else now + placement.timeout
+        self.spec = client.policy.next_spec() if client.policy else client.spec
+        self.want = False  # a pre-draft beside this round's verification
+        self.hit: bool | None = None
+        self.serial_draft: float | None = None
+        self.drafted: Drafted | None = None
+        self.work: tuple[TickLoop, Any] | None = None  # the item in flight
+        self.ahead: _Ahead | None = None  # the pre-draft it waits for
+        self.over = False
 
-    async def __call__(
-        self, role: Role, make: Callable[[int, Timing], asyncio.Future], work: int, steps: int = 1
-    ) -> Any:
-        """make(position, timing); on a resync answer, once more with position 0 (all tokens).
-        work: the tree levels a draft builds / the nodes a verification checks, steps: the plain
-        steps it may decode (both for the per-try timeout, which the tick loop keeps).
+    def begin(self) -> None:
+        client, spec = self.client, self.spec
+        ahead, client._ahead = client._ahead, None
+        if not spec.method.drafts:
+            if ahead is not None:
+                ahead.cancel()
+            self._verify(None)
+            return
+        if self.placement.drafter is None:
+            self._end(ValueError(f"method {spec.method!r} needs a drafter"))
+            return
+        self.want = client.pipeline.wants()
+        if ahead is not None:
+            if ahead.applies(self.tokens, spec, self.held.get(Role.DRAFTER, 0)):
+                self.ahead = ahead
+                per_try = self.placement.per_try
+                ahead.wait(self._ahead_answered, per_try(Role.DRAFTER, 1, spec.depth, 1) if per_try else None)
+                return
+            ahead.cancel()
+            self.hit = False
+        self._draft()
+
+    def _ahead_answered(self, drafted: Drafted | None) -> None:
+        """The pre-draft's tree (None: it failed, was superseded or ran past its per-try timeout:
+        the round drafts itself, meeting the replica's trouble with the usual retries)."""
+        self.ahead = None
+        if self.over:
+            return
+        self.hit = drafted is not None
+        if drafted is None:
+            self._draft()
+            return
+        self._took(Role.DRAFTER, time.perf_counter() - self.start)  # the wait for the pre-draft
+        self._drafted(drafted)
+
+    def _draft(self) -> None:
+        drafter, verifier, session, spec, tokens = (
+            self.placement.drafter, self.placement.verifier, self.client.session, self.spec, self.tokens,
+        )  # fmt: skip
+        assert drafter is not None
+
+        def submit(position: int, timing: Timing, done: Callable) -> Any:
+            return drafter.draft(  # its verification comes next: `then`
+                session, position, tokens[position:], spec, guess_next=self.want, timing=timing,
+                then=verifier, done=done,
+            )  # fmt: skip
+
+        self._call(Role.DRAFTER, drafter, submit, spec.depth, 1, self._drafted_serially, name="draft")
+
+    def _drafted_serially(self, drafted: Drafted) -> None:
+        self.serial_draft = self.seconds[Role.DRAFTER]
+        self._drafted(drafted)
+
+    def _drafted(self, drafted: Drafted) -> None:
+        self.drafted = drafted
+        if drafted.likely and self.want:
+            drafter = self.placement.drafter
+            assert drafter is not None
+            self.client._ahead = self.client._pre_draft(self.tokens, self.spec, drafter, drafted.likely)
+        self._verify(drafted.tree)  # the drafter's columns, relayed
+
+    def _verify(self, tree: Any) -> None:
+        client, placement, session, tokens = self.client, self.placement, self.client.session, self.tokens
+        steps = self.plain_steps if self.drafted is None and client.policy is None else 1
+        verifier = placement.verifier
+        # its next round drafts (unless pre-drafted already): the drafter's loop expects it
+        then = placement.drafter if self.spec.method.drafts and client._ahead is None else None
+        client._expected_by = then
+
+        def submit(position: int, timing: Timing, done: Callable) -> Any:
+            return verifier.verify(
+                session, position, tokens[position:], tree, steps, timing=timing, then=then, done=done
+            )
+
+        nodes = self.drafted.tree_nodes if self.drafted is not None else 0
+        self._call(Role.VERIFIER, verifier, submit, nodes, steps, self._verified, name="verify")
+
+    def _verified(self, verified: Verified) -> None:
+        client, drafted = self.client, self.drafted
+        client.pipeline.observe(
+            verify=self.seconds[Role.VERIFIER],
+            beside=client._ahead is not None,
+            draft=self.serial_draft,
+            levels=drafted.forwards if self.serial_draft is not None and drafted is not None else 0,
+            hit=self.hit,
+        )
+        verdict, plain = verified.verdict, verified.plain_tokens
+        # it committed the accepted path (a plain call: the tokens before the last) itself
+        self.held[Role.VERIFIER] += len(plain) + len(verdict.accepted_tokens)
+        nodes = drafted.tree_nodes if drafted is not None else 0
+        stats = GenerationStats.for_round(
+            drafted_tokens=nodes,
+            accepted_tokens=len(verdict.accepted_tokens),
+            tree_depth=drafted.tree_depth if drafted is not None else 0,
+            draft_calls=drafted.forwards if drafted is not None else 0,
+            draft_seconds=drafted.seconds if drafted is not None else 0.0,
+            verify_seconds=verified.forward_seconds,
+            total_seconds=time.perf_counter() - self.start,
+            plain_steps=len(plain) + 1,
+        )
+        if client.policy:
+            # batch_tokens 0: a replica that does not say; the policy then counts this session alone
+            load = Load(verified.batch_size, verified.batch_tokens) if verified.batch_tokens else None
+            client.policy.observe(self.spec, stats, load)
+        self._end(
+            RoundResult(
+                verdict,
+                stats,
+                dict(self.held),
+                self.resyncs,
+                dict(self.seconds),
+                self.hit,
+                plain,
+                verified.logprobs,
+            )
+        )
+
+    def _call(
+        self,
+        role: Role,
+        loop: TickLoop,
+        submit: Callable[[int, Timing, Callable], Any],
+        work: int,
+        steps: int,
+        then: Callable[[Any], None],
+        position: int | None = None,
+        started: float | None = None,
+        name: str = "",
+    ) -> None:
+        """submit(position, timing, done); on a resync answer, once more with position 0 (all
+        tokens). work: the tree levels a draft builds / the nodes a verification checks, steps:
+        the plain steps it may decode (both for the per-try timeout, which the tick loop keeps).
 
         With nothing new for the replica (a round retried after its verification failed),
         restart the session there: new tokens may not be empty, they produce the root distribution."""
-        held = self.held[role]
-        position = held if held < self.committed else 0
-        start = time.perf_counter()
-        try:
-            try:
-                response = await self._try(make, role, position, work, steps)
-            except (ItemError, grpc.aio.AioRpcError) as error:
-                if position == 0 or not needs_resync(error):
-                    raise
-                self.resyncs += 1
-                response = await self._try(make, role, 0, work, steps)
-        except (ItemError, grpc.aio.AioRpcError) as error:
-            raise ReplicaFailure(role, error, self.held, per_try=getattr(error, "per_try", False)) from error
-        self.took(role, time.perf_counter() - start)
-        return response
+        if position is None:
+            held = self.held[role]
+            position = held if held < self.committed else 0
+        started = time.perf_counter() if started is None else started
+        per_try, spare = self.placement.per_try, self.placement.spare
+        patience = per_try(role, self.committed - position, work, steps) if per_try is not None else None
+        timing = Timing(self.deadline, patience, lambda: spare(role))
+        span = None
+        if self.span is not None:
+            parent = trace.set_span_in_context(self.span)
+            span = _tracer.start_span(
+                name, context=parent, attributes={"replica": loop.name, "position": position}
+            )
 
-    def took(self, role: Role, seconds: float) -> None:
+        def answered(outcome: Any) -> None:
+            self.work = None
+            if span is not None:
+                if isinstance(outcome, BaseException):
+                    span.record_exception(outcome)
+                span.end()
+            if self.over:
+                return
+            if isinstance(outcome, ItemError | grpc.aio.AioRpcError):
+                if position != 0 and needs_resync(outcome):
+                    self.resyncs += 1
+                    self._call(role, loop, submit, work, steps, then, position=0, started=started, name=name)
+                    return
+                self._failed(
+                    role, ReplicaFailure(role, outcome, self.held, getattr(outcome, "per_try", False))
+                )
+            elif isinstance(outcome, BaseException):
+                self._failed(role, outcome)
+            else:
+                self._took(role, time.perf_counter() - started)
+                then(outcome)
+
+        self.work = (loop, submit(position, timing, answered))
+
+    def _took(self, role: Role, seconds: float) -> None:
         """A call of `role` answered after `seconds` (a pre-draft's wait included): the replica now
         holds the round's committed tokens (a pre-draft's drafter fed them)."""
         self.held[role] = self.committed
         self.seconds[role] = seconds
 
-    async def _try(
-        self, make: Callable[[int, Timing], asyncio.Future], role: Role, position: int, work: int, steps: int
-    ) -> Any:
-        """One call, within the round's deadline and per-try timeout (the tick loop fails it
-        when they run out)."""
-        patience = self.per_try(role, self.committed - position, work, steps) if self.per_try else None
-        call = make(position, Timing(self.deadline, patience, lambda: self.spare(role)))
-        try:
-            return await call
-        finally:
-            # Cancelled ourselves (the client left): the item goes too. Left running, it could reach
-            # the replica after the session's release and make it anew there.
-            if not call.done():
-                call.cancel()
+    def _failed(self, role: Role, error: BaseException) -> None:
+        if role is Role.DRAFTER:
+            self.placement.verifier.unexpect(self.client.id)  # no verification will follow
+        else:  # the round is redone from the committed tokens: its pre-draft goes
+            if self.client._ahead is not None:
+                self.client._ahead.cancel()
+                self.client._ahead = None
+            self.client.finished()  # the next round's draft is not on its way
+        self._end(error)
+
+    def cancel(self) -> None:
+        if self.over:
+            return
+        self.over = True
+        if self.work is not None:
+            loop, work = self.work
+            loop.cancel(work)
+            self.work = None
+        if self.ahead is not None:
+            self.ahead.cancel()
+            self.ahead = None
+        self.client.finished()
+
+    def _end(self, outcome: Any) -> None:
+        if self.over:
+            return
+        self.over = True
+        if self.client._current is self:
+            self.client._current = None
+        self.done(outcome)
+
+
+class _Ahead:
+    """A pre-draft in flight: what it assumes, its shape, its answer once in."""
+
+    _PENDING = object()
+
+    def __init__(self, pre: PreDraft, spec: TreeSpec, loop: TickLoop) -> None:
+        self.pre, self.spec, self.loop = pre, spec, loop
+        self.work: Any = None
+        self.answer: Any = self._PENDING  # Drafted, or None (failed or superseded)
+        self._waiter: Callable[[Drafted | None], None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def answered(self, outcome: Any) -> None:
+        if isinstance(outcome, BaseException) or outcome.superseded:
+            outcome = None
+        self.answer = outcome
+        self._wake(outcome)
+
+    def applies(self, tokens: Sequence[int], spec: TreeSpec, held: int) -> bool:
+        """It assumed these committed tokens, drafted this shape, and the drafter still holds what
+        it was sent on."""
+        return spec == self.spec and held == self.pre.base and self.pre.applies(tokens)
+
+    def wait(self, then: Callable[[Drafted | None], None], patience: float | None) -> None:
+        """then(its Drafted) once it is in; None if it failed, or is not in after `patience`."""
+        if self.answer is not self._PENDING:
+            then(self.answer)
+            return
+        self._waiter = then
+        if patience is not None:
+            self._timer = asyncio.get_running_loop().call_later(patience, self._late)
+
+    def _late(self) -> None:
+        self._timer = None
+        self.cancel()
+        self._wake(None)
+
+    def _wake(self, answer: Drafted | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter(answer)
+
+    def cancel(self) -> None:
+        """Cancel it (the drafter stops it at its next level; a real draft supersedes it)."""
+        if self.work is not None:
+            self.loop.cancel(self.work)
+        self._waiter = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 async def release_session(

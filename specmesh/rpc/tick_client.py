@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -189,12 +190,15 @@ class Timing:
     spare: Callable[[], bool] = lambda: False
 
 
+Done = Callable[[Any], None]  # an item's answer, or the exception it failed with
+
+
 @dataclass(eq=False)
 class _Work:
     session: Opened
     position: int
     new_tokens: list[int]
-    future: asyncio.Future
+    done: Done  # called once, on the event loop, as soon as the item's tick answers
     spec: TreeSpec | None = None  # a draft
     flags: int = 0
     tree: TreeRef | None = None  # a verification
@@ -203,6 +207,7 @@ class _Work:
     timing: Timing | None = None
     due: float = 0.0  # when its patience runs out next
     then: TickLoop | None = None  # where the session goes next: told to expect it once this is sent
+    settled: bool = False  # answered, failed or cancelled: `done` was called (or never will be)
 
 
 class TickLoop:
@@ -264,25 +269,45 @@ class TickLoop:
     def draft(
         self, session: Opened, position: int, new_tokens: Sequence[int], spec: TreeSpec, *,
         guess_next: bool = False, speculative: bool = False, supersedable: bool = False,
-        timing: Timing | None = None, then: TickLoop | None = None,
-    ) -> asyncio.Future:  # fmt: skip
-        """-> a future of Drafted (or ItemError / the stream's error). then: the loop the session
-        goes to next (its verifier's), told to expect it (`expect`) once the draft is sent."""
+        timing: Timing | None = None, then: TickLoop | None = None, done: Done | None = None,
+    ) -> Any:  # fmt: skip
+        """A draft in the next tick -> a future of Drafted (or ItemError / the stream's error); with
+        `done`, that is called instead (on the event loop, as soon as the tick answers: the next
+        step can be queued before any coroutine runs) and the item is returned (`cancel`). then:
+        the loop the session goes to next (its verifier's), told to expect it (`expect`) once the
+        draft is sent."""
         flags = (GUESS_NEXT if guess_next else 0) | (SPECULATIVE if speculative else 0)
         flags |= SUPERSEDABLE if supersedable else 0
-        work = _Work(session, position, list(new_tokens), self._future(), spec=spec, flags=flags)
+        work = _Work(session, position, list(new_tokens), done or _no_answer, spec=spec, flags=flags)
         work.timing, work.then = timing, then
-        return self._put(work)
+        return self._put(work, done is None)
 
     def verify(
         self, session: Opened, position: int, new_tokens: Sequence[int], tree: TreeRef | None,
         plain_steps: int = 1, timing: Timing | None = None, then: TickLoop | None = None,
-    ) -> asyncio.Future:  # fmt: skip
-        """-> a future of Verified; tree None: plain decoding of up to `plain_steps` tokens.
-        then: as `draft`'s (its drafter's, for the next round)."""
-        work = _Work(session, position, list(new_tokens), self._future(), tree=tree, plain_steps=plain_steps)
+        done: Done | None = None,
+    ) -> Any:  # fmt: skip
+        """A verification -> a future of Verified (or, with `done`, as `draft`); tree None: plain
+        decoding of up to `plain_steps` tokens. then: as `draft`'s (its drafter's, next round)."""
+        work = _Work(
+            session, position, list(new_tokens), done or _no_answer, tree=tree, plain_steps=plain_steps
+        )
         work.timing, work.then = timing, then
-        return self._put(work)
+        return self._put(work, done is None)
+
+    def cancel(self, work: Any) -> None:
+        """The caller drops an item: out of the queue, or the replica stops it. Its `done` is not
+        called."""
+        if work.settled:
+            return
+        work.settled = True
+        self._timed.discard(work)
+        if work in self._queue:
+            self._queue.remove(work)
+            return
+        if any(work in items for items in self._in_flight.values()):
+            self._cancel.append(work.handle)
+            self._schedule(now=True)
 
     def release(self, session_id: str) -> bool:
         """The session is over: the replica releases it (as Release) with the next message. False
@@ -305,25 +330,36 @@ class TickLoop:
 
     # ---- queueing ------------------------------------------------------------------------------
 
-    def _future(self) -> asyncio.Future:
-        return asyncio.get_running_loop().create_future()
-
-    def _put(self, work: _Work) -> asyncio.Future:
+    def _put(self, work: _Work, future: bool) -> Any:
+        if future:  # the future's outcome is the item's; cancelling the future cancels the item
+            f = asyncio.get_running_loop().create_future()
+            work.done = functools.partial(_to_future, f)
+            f.add_done_callback(lambda f, w=work: self.cancel(w) if f.cancelled() else None)
         if self._closed:
-            work.future.set_exception(
-                ItemError(grpc.StatusCode.UNAVAILABLE, f"{self.name}: the tick loop is closed")
+            self._finish(
+                work, ItemError(grpc.StatusCode.UNAVAILABLE, f"{self.name}: the tick loop is closed")
             )
-            return work.future
+            return f if future else work
         if not self._queue:
             self._queued_since = asyncio.get_running_loop().time()
         self._queue.append(work)
         if self._expected.pop(work.session.session_id, 0) is None and not self._expected:
             self._schedule(now=True)  # the last one we waited for
-        work.future.add_done_callback(lambda f, w=work: self._cancelled(w) if f.cancelled() else None)
         if work.timing is not None:
             self._time(work)
         self._schedule()
-        return work.future
+        return f if future else work
+
+    def _finish(self, work: _Work, outcome: Any) -> None:
+        """Settle an item: its `done` gets its answer or its error (once)."""
+        if work.settled:
+            return
+        work.settled = True
+        self._timed.discard(work)
+        try:
+            work.done(outcome)
+        except Exception:  # the caller's bug must not stop the loop for every other session
+            log.exception("an item's answer could not be handed over", extra={"replica": self.name})
 
     def expect(self, session_id: str) -> None:
         """The session will queue work here as soon as another replica answers it: a tick that
@@ -334,15 +370,6 @@ class TickLoop:
     def unexpect(self, session_id: str) -> None:
         """It will not come after all (it finished, or its round failed)."""
         if self._expected.pop(session_id, 0) is not None and not self._expected and self._queue:
-            self._schedule(now=True)
-
-    def _cancelled(self, work: _Work) -> None:
-        """The caller dropped the item: out of the queue, or the replica stops it."""
-        if work in self._queue:
-            self._queue.remove(work)
-            return
-        if any(work in items for items in self._in_flight.values()):
-            self._cancel.append(work.handle)
             self._schedule(now=True)
 
     # ---- timing --------------------------------------------------------------------------------
@@ -369,7 +396,7 @@ class TickLoop:
         for work in list(self._timed):
             timing = work.timing
             assert timing is not None
-            if work.future.done():
+            if work.settled:
                 self._timed.discard(work)
             elif timing.deadline is not None and now >= timing.deadline:
                 self._give_up(
@@ -386,14 +413,12 @@ class TickLoop:
 
     def _give_up(self, work: _Work, error: ItemError) -> None:
         """Fail an item (out of the queue, or cancelled on the replica)."""
-        self._timed.discard(work)
         if work in self._queue:
             self._queue.remove(work)
         elif any(work in items for items in self._in_flight.values()):
             self._cancel.append(work.handle)
             self._schedule(now=True)
-        if not work.future.done():
-            work.future.set_exception(error)
+        self._finish(work, error)
 
     def _schedule(self, now: bool = False) -> None:
         if self._flush_at is None:
@@ -456,8 +481,7 @@ class TickLoop:
         except Exception as exc:  # a bug in building the tick: its items fail, the loop goes on
             log.exception("could not build a tick", extra={"replica": self.name})
             for w in work:
-                if not w.future.done():
-                    w.future.set_exception(exc)
+                self._finish(w, exc)
             return
         if work:
             self._in_flight[tick_id] = work
@@ -564,20 +588,19 @@ class TickLoop:
         except Exception as exc:  # an answer we cannot read fails its items, as a broken stream would
             failures, answers = {i: exc for i in range(n)}, [None] * n  # type: ignore[misc]
         for i, w in enumerate(work):
-            self._timed.discard(w)
-            if w.future.done():
+            if w.settled:
                 continue
             failure = failures.get(i)
             if isinstance(failure, Exception):
-                w.future.set_exception(failure)
+                self._finish(w, failure)
             elif failure is not None:
                 code = _CODES.get(failure.code, grpc.StatusCode.UNKNOWN)
                 if code is grpc.StatusCode.CANCELLED and w.flags & (SPECULATIVE | SUPERSEDABLE):
-                    w.future.set_result(Drafted(None, superseded=True))
+                    self._finish(w, Drafted(None, superseded=True))
                 else:
-                    w.future.set_exception(ItemError(code, failure.message, failure.resync))
+                    self._finish(w, ItemError(code, failure.message, failure.resync))
             else:
-                w.future.set_result(answers[i])
+                self._finish(w, answers[i])
 
     def _stream_failed(self, call: Any, error: BaseException) -> None:
         """The stream broke: every item sent on it fails with its error; the next tick opens anew."""
@@ -596,16 +619,15 @@ class TickLoop:
         self._cancel, self._release = [], []
         for work in in_flight.values():
             for w in work:
-                if not w.future.done():
-                    w.future.set_exception(error)
+                self._finish(w, error)
         if self._queue:
             self._schedule()
 
     def _fail_all(self, error: BaseException) -> None:
-        for w in [*self._queue, *(w for work in self._in_flight.values() for w in work)]:
-            if not w.future.done():
-                w.future.set_exception(error)
+        everything = [*self._queue, *(w for work in self._in_flight.values() for w in work)]
         self._queue, self._in_flight = [], {}
+        for w in everything:
+            self._finish(w, error)
 
     async def _end_stream(self) -> None:
         call, tasks = self._call, [t for t in (self._reader, self._writer) if t is not None]
@@ -615,6 +637,19 @@ class TickLoop:
         await asyncio.gather(*tasks, return_exceptions=True)
         if call is not None:
             call.cancel()
+
+
+def _no_answer(outcome: Any) -> None:
+    """The `done` of an item whose answer goes to a future (set by `_put`)."""
+
+
+def _to_future(future: asyncio.Future, outcome: Any) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 def _relay(trees: list[TreeRef | None]) -> TreeColumns:

@@ -49,7 +49,11 @@ def configure_tracing(service_name: str) -> bool:
 
 
 def _not_health() -> Any:
-    return filters.negate(filters.service_name(_HEALTH))
+    """Every call but health checks and tick streams: a tick stream lives as long as its caller
+    and carries many requests' work (each request's trace has its items as spans instead)."""
+    return filters.all_of(
+        filters.negate(filters.service_name(_HEALTH)), filters.negate(filters.method_name("Ticks"))
+    )
 
 
 def server_interceptors() -> list[Any]:

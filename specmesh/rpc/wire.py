@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.extras import missing
 from specmesh.core.grammar import Grammar
@@ -27,10 +29,6 @@ from specmesh.core.tree import DraftTree, SamplingMode
 from specmesh.core.verification import Verdict
 from specmesh.rpc.proto import pb2
 
-try:
-    import numpy as np
-except ModuleNotFoundError as exc:  # a gateway-only install (specmesh.core.extras)
-    np = missing(exc)
 try:
     import torch
 except ModuleNotFoundError as exc:  # a gateway-only install (specmesh.core.extras)

@@ -58,6 +58,10 @@ class ModelBackend(Protocol):
 
     def committed_tokens(self, session_id: str) -> list[int] | None: ...
 
+    def committed_length(self, session_id: str) -> int | None:
+        """len(committed_tokens), without the copy (None: an unknown session)."""
+        ...
+
     def pending_tokens(self, session_id: str) -> list[int]: ...
 
     def sessions(self) -> list[str]: ...
@@ -133,6 +137,10 @@ class SessionTable(Generic[S]):
     def committed_tokens(self, session_id: str) -> list[int] | None:
         s = self._sessions.get(session_id)
         return None if s is None else list(s.tokens)
+
+    def committed_length(self, session_id: str) -> int | None:
+        s = self._sessions.get(session_id)
+        return None if s is None else len(s.tokens)
 
     def pending_tokens(self, session_id: str) -> list[int]:
         s = self._sessions.get(session_id)

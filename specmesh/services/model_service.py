@@ -33,6 +33,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -84,6 +85,7 @@ class SessionClosedError(Exception):
     Release, it arrived after it (gRPC does not order two calls), and would make the session anew."""
 
 
+GIL_SWITCH_SECONDS = 0.0005
 CLOSED_SECONDS = 300.0  # how long a released keyed session stays closed: past any late call's deadline
 CLOSED_MAX = 100_000  # closed sessions remembered at most (about 10 MB)
 
@@ -560,7 +562,7 @@ class ModelService(RpcService):
             return False
         if keyed:
             self._close(session_id, owner)
-        held = session_id not in self._releasing and self.runner.committed_tokens(session_id) is not None
+        held = session_id not in self._releasing and self.runner.committed_length(session_id) is not None
         self.slots.release(session_id)
         return held
 
@@ -584,7 +586,7 @@ class ModelService(RpcService):
 
     def _check_position(self, session_id: str, position: int) -> Resume:
         # Reading the runner from the loop is safe: this session has no work in flight.
-        held = None if session_id in self._releasing else self.runner.committed_tokens(session_id)
+        held = None if session_id in self._releasing else self.runner.committed_length(session_id)
         if position == 0:
             return Resume.RESTART
         if held is None:
@@ -592,12 +594,12 @@ class ModelService(RpcService):
                 f"session_id: this replica does not hold session {session_id!r}; "
                 "resend all its committed tokens with position 0"
             )
-        if position > len(held):
+        if position > held:
             raise ResyncError(
                 f"position: {position} is past what this replica holds of session {session_id!r}; "
                 "resend all its committed tokens with position 0"
             )
-        return Resume.CONTINUE if position == len(held) else Resume.ROLLBACK
+        return Resume.CONTINUE if position == held else Resume.ROLLBACK
 
     def reset(self, session_id: str, resume: Resume, position: int) -> Callable[[], None] | None:
         """What must run on the model thread before the request's first forward, if anything."""
@@ -685,6 +687,9 @@ def main(
 
     config = parse_config(prog, argv, defaults)
     configure_logging(config.log_level)
+    # The event loop and the model thread hand every tick's forwards back and forth: a thread
+    # waiting for the GIL would wait up to the default 5 ms switch interval for the other to let go.
+    sys.setswitchinterval(GIL_SWITCH_SECONDS)
     uvloop.run(_serve_model(config, service_cls))
 
 
