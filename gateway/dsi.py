@@ -44,15 +44,13 @@ from gateway.rounds import GatewayEnv, GatewayError, Piece, SessionRun
 from gateway.session_store import Session
 from gateway.text import TextStream
 from specmesh.core.drafting import TreeSpec
-from specmesh.core.dsi import Block, DsiState, Outcome, acceptance_from_blocks, drafting_limit, guards
+from specmesh.core.dsi import Block, DsiState, Outcome, Schedule
 from specmesh.core.methods import Method
 from specmesh.core.stats import GenerationStats
 from specmesh.rpc.round_client import Role, needs_resync
 from specmesh.rpc.tick_client import ItemError
 
 COOLDOWN_SECONDS = 0.02  # a replica that answered ABORTED still runs our cancelled call
-ACCEPTANCE_DECAY = 0.5  # weight of the older sessions in the gateway's acceptance estimate
-FORWARD_SCALE_DECAY = 0.9  # weight of the older verifications in the forward-time scale
 
 
 @dataclass
@@ -94,12 +92,12 @@ class DsiRun(SessionRun):
         resumed: Session | None = None,
     ) -> None:
         """verify_cost: the verifier's start-up seconds per forward of n rows, to learn
-        `GatewayEnv.dsi_forward_scale` from this session's verifications. resumed: as SessionRun's."""
+        the gateway's `Learnt` forward scale from this session's verifications. resumed: as
+        SessionRun's."""
         super().__init__(plan, env, text, deadline, resumed=resumed)
         self.verify_cost = verify_cost
         self.lookahead, self.parallel, self.ahead = lookahead, parallel, ahead
-        self.unresolved = drafting_limit(parallel, ahead)
-        self.guarding = guards(parallel, ahead, lookahead)
+        self.schedule = Schedule(lookahead, parallel, ahead)
         self.guard_rounds = 0  # verifications that were guards, among the stats' rounds
         self.state = DsiState(self.tokens)
         # replica -> the tokens it surely holds (resumed: the committed ones it held, as stored)
@@ -133,9 +131,7 @@ class DsiRun(SessionRun):
             self._write_timeline(self.env.dsi_timeline)
         if self.stats.rounds > self.guard_rounds:  # what the next session's choice of shape starts from
             mean = self.stats.accepted_tokens / (self.stats.rounds - self.guard_rounds)
-            seen = acceptance_from_blocks(mean, self.lookahead)
-            old = self.env.dsi_acceptance
-            self.env.dsi_acceptance = ACCEPTANCE_DECAY * old + (1 - ACCEPTANCE_DECAY) * seen
+            self.env.dsi.learn_acceptance(mean, self.lookahead)
         await super()._cleanup()
 
     def _write_timeline(self, folder: Path) -> None:
@@ -154,6 +150,8 @@ class DsiRun(SessionRun):
     async def step(self) -> Piece:
         """Run drafts and verifications until verdicts commit tokens; commit them."""
         while True:
+            if self.stop_error is not None:  # handed over (SIGTERM)
+                raise self.stop_error
             await self._schedule()
             if not self.calls:  # every token is committed or speculated: cannot happen unfinished
                 raise GatewayError(grpc.StatusCode.INTERNAL, f"DSI session {self.id} has nothing left to run")
@@ -198,19 +196,22 @@ class DsiRun(SessionRun):
             future.cancel()
 
     async def _schedule(self, wait: bool = True) -> None:
-        """Start what can start: verifications of queued blocks, then the next draft. With work
-        left but nothing startable (no healthy or free replica), wait for a replica (if `wait`)."""
+        """Start what can start (core.dsi.Schedule): verifications of queued blocks, a guard, the
+        next draft. With work left but nothing startable (no healthy or free replica), wait for a
+        replica (if `wait`)."""
+        plan = self.schedule
         while True:
-            while self.queued and self._in_flight(Role.VERIFIER) < self.parallel:
+            for _ in range(plan.verifications(len(self.queued), self._in_flight(Role.VERIFIER))):
                 address = self._free_verifier(self.state.prefix(self.queued[0]))
                 if address is None:
                     break
                 self._verify(self.queued.pop(0), address)
             room = self.plan.max_new_tokens - (self.state.context_length - len(self.plan.prompt_ids))
-            if self.guarding and room > 0 and self._in_flight(Role.VERIFIER) + 1 < self.parallel:
+            if plan.guard(self.state, self._in_flight(Role.VERIFIER), room):
                 self._guard()
-            if self._in_flight(Role.DRAFTER) == 0 and len(self.state.blocks) < self.unresolved and room > 0:
-                self._draft(min(self.state.next_depth(self.lookahead, self.parallel), room))
+            depth = plan.draft(self.state, self._in_flight(Role.DRAFTER) > 0, room)
+            if depth is not None:
+                self._draft(min(depth, room))
             if self.calls or not (self.queued or room > 0) or not wait:
                 return
             pool = self.pool(Role.VERIFIER if self.queued else Role.DRAFTER)
@@ -271,8 +272,6 @@ class DsiRun(SessionRun):
         """A target-only forward on the committed tokens, while no block is unresolved (and a
         second verifier is left for the block being drafted): it decides the next position
         (specmesh.core.dsi)."""
-        if not self.state.may_guard:
-            return
         address = self._free_verifier(self.state.committed)
         if address is None or (at := self.state.start_guard()) is None:
             return
@@ -381,11 +380,8 @@ class DsiRun(SessionRun):
         return stats, res.emitted
 
     def _learn_forward_scale(self, seconds: float, rows: int) -> None:
-        if self.verify_cost is None or seconds <= 0:
-            return
-        scale, key = self.env.dsi_forward_scale, (self.ahead, self.parallel)
-        seen = seconds / self.verify_cost(rows)
-        scale[key] = FORWARD_SCALE_DECAY * scale.get(key, seen) + (1 - FORWARD_SCALE_DECAY) * seen
+        if self.verify_cost is not None:
+            self.env.dsi.learn_forward(self.ahead, self.parallel, seconds, self.verify_cost(rows))
 
     def _drop(self, cancelled: list[Block], restart: bool) -> None:
         """Cancel the calls of thrown-away speculation (their replicas keep what they surely held)."""

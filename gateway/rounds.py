@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from gateway.session_store import NotOwner, Session, SessionExists, SessionStore
 from gateway.text import TextStream
 from specmesh.core.adaptive import AdaptivePolicy
 from specmesh.core.ahead import PipelinePolicy
+from specmesh.core.dsi import Learnt
 from specmesh.core.logprobs import TokenLogprob
 from specmesh.core.methods import Method
 from specmesh.core.rounds import keep_emitted
@@ -127,23 +129,14 @@ class GatewayEnv:
     # whether rounds pre-draft (specmesh.core.ahead): one policy for every session of the gateway,
     # so that the cost of finding out (a slowdown on shared hardware, a low hit rate) is paid once
     pipeline: PipelinePolicy = dataclasses.field(default_factory=PipelinePolicy)
-    dsi_acceptance: float = 0.7  # per-token acceptance of finished DSI sessions, decayed (the prior: 0.7)
-    # DSI verifications' time over the verifier's start-up cost for their rows, decayed, per
-    # (drafting ahead, verifications in flight at most); SI's schedule is (False, 1). Over SI's,
-    # it is what drafting beside and other verifications on the same hardware cost a forward.
-    dsi_forward_scale: dict[tuple[bool, int], float] = dataclasses.field(default_factory=dict)
+    dsi: Learnt = dataclasses.field(default_factory=Learnt)  # what finished DSI sessions taught
     dsi_timeline: Path | None = None  # a folder: each DSI session writes its blocks' timeline there
     ngram_drafters: ReplicaPool | None = None  # model-free drafters (drafter_service --backend ngram)
     plain_steps: int = 1  # plain decoding: tokens per Verify call after the first (--plain-steps)
+    leases: Leases = dataclasses.field(init=False)
 
-    def dsi_overlap_slowdown(self, parallel: int) -> float:
-        """A forward's slowdown drafting ahead with `parallel` in flight, over SI's schedule. Not
-        measured yet: the most measured at fewer in flight (more in flight is no faster on shared
-        hardware), else none; so an untried shape is tried once, then judged by what it cost."""
-        scale = self.dsi_forward_scale
-        seen = [v for (ahead, p), v in scale.items() if ahead and p <= parallel]
-        ahead = scale.get((True, parallel), max(seen, default=1.0))
-        return ahead / scale.get((False, 1), 1.0)
+    def __post_init__(self) -> None:
+        self.leases = Leases(self.store)
 
     def defer(self, work: Coroutine[Any, Any, None]) -> None:
         """Run `work` in the background, past its request (cancelled when the gateway closes)."""
@@ -158,6 +151,51 @@ class GatewayEnv:
         pool = self.ngram_drafters if method is Method.NGRAM else self.drafters
         assert pool is not None
         return pool
+
+
+class Ending(StrEnum):
+    """What a run's cleanup does with its session: one state, set by what happened to the run."""
+
+    DONE = "done"  # finished, failed or its client left: released on every replica, deleted
+    KEPT = "kept"  # the gateway stops: the session, its replicas' KV and (released) lease stay
+    LOST = "lost"  # another gateway took it over: everything is left to that one
+
+
+class Leases:
+    """The ownership leases of a gateway's running sessions, renewed together: one pipelined
+    Redis round trip every third of a lease for all of them (commits renew a session's too; a
+    round may be long). A session another gateway took over is told (`SessionRun.lose`)."""
+
+    def __init__(self, store: SessionStore) -> None:
+        self.store = store
+        self._runs: dict[str, SessionRun] = {}
+        self._task: asyncio.Task | None = None
+
+    def add(self, run: SessionRun) -> None:
+        self._runs[run.id] = run
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._renew())
+
+    def discard(self, run: SessionRun) -> None:
+        if self._runs.get(run.id) is run:
+            del self._runs[run.id]
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _renew(self) -> None:
+        while self._runs:
+            await asyncio.sleep(self.store.lease_seconds / 3)
+            runs = list(self._runs.values())
+            try:
+                renewed = await self.store.renew_many([(run.id, run.owner) for run in runs])
+            except StoreError:  # Redis down: the next commit (or renewal) tells
+                continue
+            for run, ok in zip(runs, renewed, strict=True):
+                if not ok:
+                    run.lose()
 
 
 @dataclass(frozen=True)
@@ -203,15 +241,13 @@ class SessionRun:
         self.touched: set[tuple[Role, str]] = set()  # (role, address): where to release
         self.created = False
         self.owner = ""  # this gateway's owner token (gateway/session_store.py, "Ownership")
-        self.handed_over = False  # the lease was given up for another gateway: keep the session
-        self.lost = False  # another gateway took the session over: leave it to that one
-        self.draining = False  # the gateway is shutting down (SIGTERM): a finished session lingers
-        self._renewer: asyncio.Task | None = None
+        self.ending = Ending.DONE  # what its cleanup does with the session
         self._pieces: asyncio.Queue | None = None  # committed rounds (or the error), for `step`
         self._committing = False  # a commit is in flight
         self._verdict: tuple | None = None  # the verdict of the round beside it, waiting for it
         self._tasks: set[asyncio.Task] = set()  # the slow path (`_spawn`)
         self._stopped = False
+        self.stop_error: BaseException | None = None  # why the rounds stopped before the end
         self._failures = 0  # failed tries of the current round
         self._stale_commits = 0
         self.resumed = resumed
@@ -255,7 +291,7 @@ class SessionRun:
                     **stored,
                 )
                 self.owner, self.created = session.owner, True
-            self._renewer = asyncio.ensure_future(self._renew())
+            self.env.leases.add(self)
         except BaseException as exc:
             # Cancelled (the client's deadline) or failed mid-create, Redis may have run the create
             # all the same: delete the keys anyway (about 1 in 40 such requests leaked them until
@@ -277,25 +313,11 @@ class SessionRun:
 
     async def _cleanup(self) -> None:
         self.env.metrics.running.dec()
-        if self._renewer is not None:
-            self._renewer.cancel()
-            await asyncio.gather(self._renewer, return_exceptions=True)
+        self.env.leases.discard(self)
         await self._drop_rounds()  # before the releases: its calls must not reach a replica after them
         self.client.close()
-        if (self.handed_over or self.draining) and self.finished:
-            # It finished while the gateway shuts down: its last chunk may not reach the client,
-            # which then resumes elsewhere. Keep the keys a little while instead of deleting them.
-            # (its lease is released below, with the handed-over sessions')
-            with contextlib.suppress(StoreError):
-                await self.env.store.expire(self.id, FINISHED_LINGER_LEASES * self.env.store.lease_seconds)
-        if self.handed_over or self.lost or self.draining:
-            # Another gateway goes on (or will) with this session, its keys and its replicas' KV
-            # (a run the stopping server cancelled before its handover, too).
-            for role in self.roles:
-                self.pool(role).release(self.id)
-            if (self.handed_over or self.draining) and not self.lost:
-                with contextlib.suppress(StoreError):
-                    await self.env.store.release(self.id, self.owner)
+        if self.ending is not Ending.DONE:
+            await self._leave()
             return
         # on the tick stream each replica has open (a paused one reads it once it is back); where
         # that stream is gone, with a Release call, retried while the replica is unreachable
@@ -317,6 +339,45 @@ class SessionRun:
             except StoreError as exc:  # Redis down: the TTL removes the keys
                 log.warning("could not delete a session", extra={"session": self.id, "error": str(exc)})
 
+    async def _leave(self) -> None:
+        """Another gateway goes on (or will) with this session, its keys and its replicas' KV."""
+        for role in self.roles:
+            self.pool(role).release(self.id)
+        if self.ending is Ending.LOST:
+            return  # the lease is another's
+        if self.finished:
+            # It finished while the gateway shuts down: its last chunk may not reach the client,
+            # which then resumes elsewhere. Keep the keys a little while instead of deleting them.
+            with contextlib.suppress(StoreError):
+                await self.env.store.expire(self.id, FINISHED_LINGER_LEASES * self.env.store.lease_seconds)
+        with contextlib.suppress(StoreError):
+            await self.env.store.release(self.id, self.owner)
+
+    def keep(self) -> None:
+        """The gateway is stopping (SIGTERM): however the run ends, its session stays for a resume
+        elsewhere (a run the stopping server cancels before its handover, too)."""
+        if self.ending is Ending.DONE:
+            self.ending = Ending.KEPT
+
+    def hand_over(self) -> None:
+        """Stop here and let another gateway go on (a rollout): the client's stream ends with
+        UNAVAILABLE once it has what was committed; the lease is released at cleanup, the session
+        and the replicas' KV stay for the resume."""
+        self.keep()
+        self._stop(
+            GatewayError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the gateway is shutting down: resume session {self.id} on another "
+                "(GenerateRequest.resume), from the tokens you have",
+            )
+        )
+
+    def lose(self) -> None:
+        """Another gateway took the session over (its lease): leave everything to that one."""
+        if self.ending is not Ending.LOST:
+            log.warning("lost the session to another gateway", extra={"session": self.id})
+        self.ending = Ending.LOST
+
     # ---- rounds --------------------------------------------------------------------------------
     # Rounds run back to back, driven by their answers (callbacks, not a coroutine per round): the
     # next round is queued on its replica's tick loop right where this one's verdict is read, and
@@ -328,6 +389,8 @@ class SessionRun:
         """The next committed round; its failure is raised here. Traced (when tracing is on) as a
         span "round" with its draft, verification and commit under it."""
         if self._pieces is None:
+            if self.stop_error is not None:
+                raise self.stop_error
             self._pieces = asyncio.Queue()
             self._launch(self.tokens)
         piece = await self._pieces.get()
@@ -422,7 +485,7 @@ class SessionRun:
         try:
             ok = committed.result()
         except NotOwner as exc:
-            self.lost = True
+            self.lose()
             self._stop(GatewayError(grpc.StatusCode.ABORTED, str(exc)))
             return
         except BaseException as exc:  # Redis refused or stayed down: the request ends with it
@@ -479,7 +542,7 @@ class SessionRun:
                 self.id, self.round, kept, stats, lengths, finish_reason=finish, owner=self.owner
             )
         except NotOwner as exc:
-            self.lost = True
+            self.lose()
             raise GatewayError(grpc.StatusCode.ABORTED, str(exc)) from None
         return self._apply(kept, finish, stats, began, start) if committed else None
 
@@ -526,10 +589,10 @@ class SessionRun:
             self._stop(task.exception())  # type: ignore[arg-type]
 
     def _stop(self, error: BaseException) -> None:
-        """No more rounds: the client gets `error` from `step`."""
+        """No more rounds: the client gets `error` from `step` (after what was committed)."""
         if self._stopped:
             return
-        self._stopped = True
+        self._stopped, self.stop_error = True, error
         self.client.cancel()
         if self._pieces is not None:
             self._pieces.put_nowait(error)
@@ -570,24 +633,6 @@ class SessionRun:
         self.tokens, self.round, self.stats = session.tokens, session.round, session.stats
         self.finish_reason = session.finish_reason
         return Piece(new, self.text.push(new, final=self.finished), self.finish_reason)
-
-    async def _renew(self) -> None:
-        """Keep the ownership lease while the run lives (commits renew it too; a round may be long)."""
-        store = self.env.store
-        while True:
-            await asyncio.sleep(store.lease_seconds / 3)
-            try:
-                if not await store.renew(self.id, self.owner):
-                    self.lost = True
-                    log.warning("lost the session to another gateway", extra={"session": self.id})
-                    return
-            except StoreError:  # Redis down: the next commit (or renewal) tells
-                continue
-
-    def hand_over(self) -> None:
-        """Stop here and let another gateway go on (a rollout): the lease is released at cleanup,
-        the session and the replicas' KV stay for the resume."""
-        self.handed_over = True
 
     def _plain_steps(self, tokens: list[int]) -> int:
         """Tokens a plain round after `tokens` may decode in one Verify call: one for the first round

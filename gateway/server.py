@@ -375,7 +375,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         stays in Redis, its lease released, for the client to resume on another gateway)."""
         self._draining = True
         for run in self._runs:
-            run.draining = True
+            run.keep()
         waits = [self._hand_over_after(grace_seconds * HANDOVER_SHARE)]
         if self._http is not None:
             waits.append(self._http.stop(grace_seconds))
@@ -394,6 +394,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             self._ready_task.cancel()
             await asyncio.gather(self._ready_task, return_exceptions=True)
         await asyncio.gather(*self.env.cleanups, return_exceptions=True)
+        await self.env.leases.close()
         for task in list(self.env.deferred):
             task.cancel()
         await asyncio.gather(*self.env.deferred, return_exceptions=True)
@@ -586,12 +587,6 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
                 clock.started()
                 m.prompt_tokens.inc(len(plan.prompt_ids))
                 while replay is not None or not run.finished:
-                    if run.handed_over:
-                        raise GatewayError(
-                            grpc.StatusCode.UNAVAILABLE,
-                            f"the gateway is shutting down: resume session {run.id} on another "
-                            f"(GenerateRequest.resume), from the tokens you have",
-                        )
                     piece, replay = (replay, None) if replay is not None else (await run.step(), None)
                     clock.chunk(len(piece.token_ids))
                     chunk = gateway_pb2.GenerateChunk(
@@ -755,9 +750,9 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         if settings.parallel and settings.lookahead:
             return Shape(settings.lookahead, settings.parallel, seconds_per_token=0.0)  # nothing predicted
         draft = draft_cost.get(1, DSI_UNKNOWN_DRAFT_SHARE * verify(1))
-        slowdown = {p: self.env.dsi_overlap_slowdown(p) for p in parallels}  # read here, not in the thread
+        slowdown = {p: self.env.dsi.overlap_slowdown(p) for p in parallels}  # read here, not in the thread
         return await asyncio.to_thread(
-            choose_shape, self.env.dsi_acceptance, draft, verify, parallels, lookaheads,
+            choose_shape, self.env.dsi.acceptance, draft, verify, parallels, lookaheads,
             sequential=sequential, overlap_slowdown=slowdown.__getitem__,
         )  # fmt: skip
 

@@ -802,6 +802,31 @@ class SessionStore:
         key = [keys.meta, keys.owner]
         return bool(await self._call("renew", lambda: self._lease(keys=key, args=[owner, self._lease_ms])))
 
+    async def renew_many(self, leases: Sequence[tuple[str, str]]) -> list[bool]:
+        """`renew` of many sessions ((id, owner token) each) in one pipelined round trip; False
+        where this gateway is not the owner any more."""
+        if not leases:
+            return []
+        sha = self._lease.sha
+
+        async def send() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=False)
+            for session_id, owner in leases:
+                keys = self.keys(session_id)
+                pipe.evalsha(sha, 2, keys.meta, keys.owner, owner, self._lease_ms)
+            results = await pipe.execute(raise_on_error=False)
+            for i, result in enumerate(results):  # the script is not loaded (a Redis restart)
+                if isinstance(result, redis.exceptions.NoScriptError):
+                    keys = self.keys(leases[i][0])
+                    results[i] = await self._lease(
+                        keys=[keys.meta, keys.owner], args=[leases[i][1], self._lease_ms]
+                    )
+            return results
+
+        results = await self._call("renew", send)
+        # an error for one session (not a lost lease) says nothing: take it as still ours
+        return [True if isinstance(r, redis.exceptions.RedisError) else bool(r) for r in results]
+
     async def release(self, session_id: str, owner: str) -> bool:
         """Give the lease up (a handover: another gateway may take the session at once)."""
         keys = self.keys(session_id)

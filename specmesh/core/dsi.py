@@ -270,6 +270,77 @@ def guards(parallel: int, ahead: bool, lookahead: int) -> bool:
     return ahead and parallel >= 2 and lookahead >= 2
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """What a DSI session starts whenever something of it ended, written once for the gateway
+    (gateway/dsi.py) and the virtual-time run (`simulate`): verifications of queued blocks while
+    fewer than `parallel` are in flight; a guard while no block is unresolved and a second
+    verifier is left (`guards`); the next draft while none is in flight and fewer than
+    `drafting_limit` blocks are unresolved. `room`: how many more tokens the session may take."""
+
+    lookahead: int
+    parallel: int
+    ahead: bool = True
+
+    @property
+    def unresolved(self) -> int:
+        return drafting_limit(self.parallel, self.ahead)
+
+    @property
+    def guarding(self) -> bool:
+        return guards(self.parallel, self.ahead, self.lookahead)
+
+    def verifications(self, queued: int, verifying: int) -> int:
+        """How many of the queued blocks may start their verification now (in draft order)."""
+        return max(0, min(queued, self.parallel - verifying))
+
+    def guard(self, state: DsiState, verifying: int, room: int) -> bool:
+        """Whether a guard starts now (then `state.start_guard()`)."""
+        return self.guarding and room > 0 and verifying + 1 < self.parallel and state.may_guard
+
+    def draft(self, state: DsiState, drafting: bool, room: int) -> int | None:
+        """The depth of the draft to start now, or None."""
+        if drafting or len(state.blocks) >= self.unresolved or room <= 0:
+            return None
+        return state.next_depth(self.lookahead, self.parallel)
+
+
+@dataclass
+class Learnt:
+    """What a gateway's finished DSI sessions taught it, for the next one's choice of shape
+    (`choose_shape`): the per-token acceptance (decayed, `acceptance_decay` for the older sessions;
+    the prior 0.7), and per (drafting ahead, verifications in flight at most) a verification's time
+    over the verifier's start-up cost for its rows (SI's schedule is (False, 1)). Over SI's, that
+    is what drafting beside and other verifications on the same hardware cost a forward."""
+
+    acceptance: float = 0.7
+    acceptance_decay: float = 0.5
+    forward_scale: dict[tuple[bool, int], float] = field(default_factory=dict)
+    forward_decay: float = 0.9
+
+    def learn_acceptance(self, mean_accepted: float, lookahead: int) -> None:
+        """A finished session's mean accepted tokens per verified block of `lookahead`."""
+        seen = acceptance_from_blocks(mean_accepted, lookahead)
+        self.acceptance = self.acceptance_decay * self.acceptance + (1 - self.acceptance_decay) * seen
+
+    def learn_forward(self, ahead: bool, parallel: int, seconds: float, expected: float) -> None:
+        """One verification that took `seconds` where the start-up costs said `expected`."""
+        if seconds <= 0 or expected <= 0:
+            return
+        seen, key = seconds / expected, (ahead, parallel)
+        old = self.forward_scale.get(key, seen)
+        self.forward_scale[key] = self.forward_decay * old + (1 - self.forward_decay) * seen
+
+    def overlap_slowdown(self, parallel: int) -> float:
+        """A forward's slowdown drafting ahead with `parallel` in flight, over SI's schedule. Not
+        measured yet: the most measured at fewer in flight (more in flight is no faster on shared
+        hardware), else none; so an untried shape is tried once, then judged by what it cost."""
+        scale = self.forward_scale
+        seen = [v for (ahead, p), v in scale.items() if ahead and p <= parallel]
+        ahead = scale.get((True, parallel), max(seen, default=1.0))
+        return ahead / scale.get((False, 1), 1.0)
+
+
 # ---- the coordinator in virtual time -----------------------------------------------------------
 
 # (context, lookahead) -> (drafted tokens, what verify needs of the draft, e.g. its tree)
@@ -316,8 +387,7 @@ def simulate(
     running: dict[int, Block] = {}  # block id -> block, on a worker (a guard: an empty block, id < 0)
     queued: list[Block] = []  # drafted, waiting for a worker
     forwards = most = 0
-    unresolved = drafting_limit(sp, ahead)
-    guarding = guards(sp, ahead, lookahead)
+    plan = Schedule(lookahead, sp, ahead)
 
     def push(t: float, kind: str, payload: object) -> None:
         nonlocal seq
@@ -333,18 +403,19 @@ def simulate(
 
     def schedule() -> None:
         nonlocal drafting
-        while queued and len(running) < sp:
+        for _ in range(plan.verifications(len(queued), len(running))):
             block = state.current(queued.pop(0))
             assert block is not None  # thrown-away blocks leave the queue at once
             state.mark_sent(block)
             run(block, state.prefix(block))
-        if guarding and len(running) + 1 < sp and len(state.committed) < goal:
+        room = goal - len(state.committed)
+        if plan.guard(state, len(running), room):
             position = state.start_guard()
-            if position is not None:
-                run(Block(-1 - position, position, ()), list(state.committed))
-        if drafting is None and len(state.blocks) < unresolved and len(state.committed) < goal:
+            assert position is not None
+            run(Block(-1 - position, position, ()), list(state.committed))
+        k = plan.draft(state, drafting is not None, room)
+        if k is not None:
             drafting = state.version
-            k = state.next_depth(lookahead, sp)
             push(now + draft_seconds() * k / lookahead, "drafted", (state.version, state.context(), k))
 
     schedule()
