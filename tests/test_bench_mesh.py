@@ -24,6 +24,16 @@ def test_the_ideal_is_serial_rounds_of_one_batched_forward_per_level_and_verific
     assert ideal_wall(CFG, SHAPE["none"], 1, plain) == pytest.approx(64 * 16.1 / 1000)
 
 
+def test_dsis_ideal_at_full_acceptance_is_bound_by_the_drafter_not_by_its_guard_rounds() -> None:
+    """One session drafting for itself (acceptance 1): 16 verified blocks of 4 and 11 guard rounds
+    (target-only, no draft). Its ideal is about one draft forward per token, faster than SI's."""
+    si = dict(target_calls=13, drafted_tokens=52, draft_calls=52, accepted_tokens=52, tokens=64)
+    dsi = dict(target_calls=27, drafted_tokens=64, draft_calls=64, accepted_tokens=64, tokens=64)
+    wall = ideal_wall(CFG, SHAPE["dsi 4x4"], 1, dsi)
+    assert wall < ideal_wall(CFG, SHAPE["chain 4"], 1, si)
+    assert wall == pytest.approx(64 * 4.05 / 1000, rel=0.15)
+
+
 def _histogram(name: str, total: float, count: float, **labels: str) -> dict:
     key = tuple(sorted(labels.items()))
     return {(f"{name}_sum", key): total, (f"{name}_count", key): count}

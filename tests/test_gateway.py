@@ -209,6 +209,36 @@ def test_greedy_through_the_gateway_equals_the_engine_and_the_targets_greedy_dec
         assert stats.block_efficiency > 1.0 and stats.accepted_tokens > 0 and stats.draft_seconds > 0
 
 
+def shared_forwards(server: Server) -> float:
+    """Forwards of the replica that ran more than one session."""
+    m = server.metrics()
+    return m[("specmesh:batch_size_count", ())] - m[("specmesh:batch_size_bucket", (("le", "1.0"),))]
+
+
+def test_32_sessions_in_shared_ticks_give_what_each_gets_alone(stack, stub, target_greedy) -> None:
+    """32 concurrent streams, every method greedy and seeded: the replicas run them in shared ticks
+    (one forward per level, one verification for the tick), and each session's tokens are still the
+    target's greedy decode, or, seeded, the text that session gets alone (its own counter-based
+    draws, fp32)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    requests = []
+    for i in range(32):
+        method = GREEDY_METHODS[i % len(GREEDY_METHODS)]
+        params = GREEDY if i % 2 == 0 else SamplingParams(1.0, seed=100 + i)
+        requests.append(make_request(SPECS[method], max_new_tokens=24, params=params))
+    alone = [list(stub.Generate(r, timeout=60).token_ids) for r in requests if r.sampling.temperature]
+    shared = shared_forwards(stack.verifier)
+    with ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(lambda r: stream(stub, r).token_ids, requests))
+    assert shared_forwards(stack.verifier) > shared + 8  # they did share forwards
+    assert [t for r, t in zip(requests, together, strict=True) if not r.sampling.temperature] == [
+        target_greedy[:24]
+    ] * 16
+    assert [t for r, t in zip(requests, together, strict=True) if r.sampling.temperature] == alone
+    assert len({tuple(t) for t in alone}) > 1  # the seeds make different texts
+
+
 def test_pre_drafts_that_do_not_apply_are_dropped_and_change_no_token(stack, stub, target_greedy) -> None:
     """The tiny draft is a noisy copy of the target: most pre-drafts assume a verdict that does
     not come (the services' tests show ones that apply, on a self-drafting pair). One-level trees,
@@ -362,6 +392,50 @@ def test_sigkill_of_the_sessions_drafter_mid_stream_changes_no_token(
     assert streamed.token_ids == list(uninterrupted.token_ids)
     assert streamed.text == uninterrupted.text and streamed.last.finish_reason == uninterrupted.finish_reason
     assert gateway_metric(stack, "specmesh:failovers_total", role="drafter") == failovers + 1
+
+
+def test_a_drafter_killed_mid_tick_fails_over_every_session_on_it(stack, stub, raw_redis) -> None:
+    """12 concurrent streams share the drafters' ticks; SIGKILL of one drafter fails its tick stream
+    and every session in it moves to the other drafter: each output is its uninterrupted one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    requests = [
+        make_request(SPECS["chain"], LONG, GREEDY if i % 2 else SamplingParams(1.0, seed=40 + i))
+        for i in range(12)
+    ]
+    uninterrupted = [list(stub.Generate(r, timeout=60).token_ids) for r in requests]
+    failovers = gateway_metric(stack, "specmesh:failovers_total", role="drafter")
+    killed: list[Server] = []
+    on_victim: list[int] = []
+    started = threading.Barrier(len(requests))
+
+    def kill(first: gateway_pb2.GenerateChunk) -> None:
+        if killed:
+            return
+        address = raw_redis.hget(f"specmesh:{{{first.session_id}}}:meta", "drafter")
+        victim = stack.drafter(address)
+        metas = [raw_redis.hget(k, "drafter") for k in raw_redis.scan_iter("specmesh:*:meta")]
+        on_victim.append(sum(m == address for m in metas))
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        killed.append(victim)
+
+    lock = threading.Lock()
+
+    def after_first(first: gateway_pb2.GenerateChunk) -> None:
+        started.wait(timeout=30)  # every stream is running
+        with lock:
+            kill(first)
+
+    try:
+        with ThreadPoolExecutor(len(requests)) as pool:
+            streamed = list(pool.map(lambda r: stream(stub, r, after_first).token_ids, requests))
+    finally:
+        for victim in killed:
+            victim.proc.wait()
+            start_all(victim)
+    assert streamed == uninterrupted
+    assert on_victim and on_victim[0] >= 2  # the killed drafter held several sessions' work
+    assert gateway_metric(stack, "specmesh:failovers_total", role="drafter") >= failovers + 1
 
 
 TRY_TIMEOUT_FLOOR = 2.0  # the gateway's default --try-timeout-floor; tiny forwards cost far less

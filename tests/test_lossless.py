@@ -16,7 +16,7 @@ import torch
 import specmesh.core.verification as verification
 from specmesh.core.drafting import TreeSpec, build_tree
 from specmesh.core.grammar import constrain_draft, constrain_rows, mask_logits, tree_paths
-from specmesh.core.sampling import SamplingParams, warp
+from specmesh.core.sampling import Draws, SamplingParams, warp
 from specmesh.core.tree import SamplingMode
 from specmesh.core.verification import verify_tree
 from tests.stats import chi_square_pvalue
@@ -95,6 +95,69 @@ def test_output_distribution_equals_target(method: str, params_name: str) -> Non
     assert p_value > P_VALUE_THRESHOLD, f"{method} @ {params_name}: p = {p_value:.3g}"
     # both branches of the rule are exercised: drafts are often accepted and often rejected
     assert 0.15 < accepted_share < 0.95, accepted_share
+
+
+# --- through ticks: many sessions verified in one call -------------------------------------------
+
+# Three groups of sessions share every tick (chains, plain steps, RSD-S trees), each with its own
+# sampling and its own counter-based draws, as a replica runs them.
+TICK_GROUPS = [("chain", "T1.0"), ("none", "T0.6-topk3"), ("rsd_s", "T1.0-topp0.8")]
+
+
+def ticked_pvalues(sessions: int = 48, samples: int = SAMPLES // 2) -> list[float]:
+    """Per group, the p-value of `samples` two-token generations run `sessions` at a time, every
+    round of every running session verified in one `verify_many` call."""
+    g = torch.Generator().manual_seed(0)  # the drafts (not what is batched here)
+    counts = [Counter() for _ in TICK_GROUPS]
+    started, seed = [0] * len(TICK_GROUPS), 0
+    running: list[tuple[int, int, list[int]]] = []  # (group, seed, tokens)
+    while running or min(started) < samples:
+        while len(running) < sessions and min(started) < samples:
+            group = started.index(min(started))  # the groups stay even
+            started[group] += 1
+            running.append((group, seed, []))
+            seed += 1
+        trees, logits, params, draws = [], [], [], []
+        for group, key, out in running:
+            method, p = TICK_GROUPS[group]
+            context, params_ = tuple(out), PARAMS[p]
+            tree = (
+                None
+                if method == "none"
+                else build_tree(LOSSLESS_SPECS[method], DRAFT.next_logits(context), params_, g)
+            )
+            paths = [context] + (
+                [] if tree is None else [(*context, *tree.path(i)) for i in range(tree.num_nodes)]
+            )
+            trees.append(tree)
+            logits.append(TARGET.logits(paths))
+            params.append(params_)
+            draws.append(Draws.derive(key, len(out), "verify"))
+        for (group, _, out), verdict in zip(
+            running, verification.verify_many(trees, logits, params, draws), strict=True
+        ):
+            out += verdict.emitted_tokens
+            if len(out) >= 2:
+                counts[group][tuple(out[:2])] += 1
+        running = [r for r in running if len(r[2]) < 2]
+    return [
+        chi_square_pvalue(c, exact_two_token_distribution(PARAMS[p]))
+        for c, (_, p) in zip(counts, TICK_GROUPS, strict=True)
+    ]
+
+
+def test_sessions_verified_in_shared_ticks_each_follow_the_target() -> None:
+    for (method, p), p_value in zip(TICK_GROUPS, ticked_pvalues(), strict=True):
+        assert p_value > P_VALUE_THRESHOLD, f"{method} @ {p} in ticks: p = {p_value:.3g}"
+
+
+def test_detects_a_tick_warped_with_one_sessions_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batching slip: every row of the tick warped with its first session's parameters."""
+    warp_rows = verification.warp_rows
+    monkeypatch.setattr(
+        verification, "warp_rows", lambda rows, params: warp_rows(rows, [params[0]] * len(params))
+    )
+    assert min(ticked_pvalues(samples=SAMPLES // 5)) < P_VALUE_THRESHOLD
 
 
 # --- the same test catches wrong rules --------------------------------------------------------

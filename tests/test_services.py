@@ -24,6 +24,7 @@ import torch
 from specmesh.core.rounds import Pipelining, Request
 from specmesh.core.sampling import SamplingParams, warp
 from specmesh.core.stats import GenerationResult
+from specmesh.core.ticks import TreeColumns
 from specmesh.core.tree import DraftTree, SamplingMode
 from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2, pb2_grpc
@@ -36,6 +37,8 @@ from specmesh.rpc.round_client import (
     open_channel,
 )
 from specmesh.rpc.tick_client import Role, TickLoop
+from specmesh.rpc.ticks import Opened as TickOpened
+from specmesh.rpc.ticks import items_fields, opened_to_proto, packed, trees_to_proto
 from specmesh.runtime.models import load_model
 from specmesh.stack.ports import free_port
 from tests.servers import Server, grpcurl, replica, start_all, stop_all, wait_until
@@ -298,6 +301,61 @@ def test_concurrent_sessions_equal_sequential_ones_and_share_forwards(stack, ref
             break
     assert batches_above_one(stack.verifier) > before[0]  # Verify calls of different sessions merged
     assert batches_above_one(stack.drafter) > before[1]  # and so did tree levels
+
+
+def verify_tick(tick_id: int, opens: list, handles: list[int], positions: list[int], new: list, trees: list):
+    return pb2.VerifyTick(
+        id=tick_id,
+        open=opens,
+        **items_fields(handles, positions, new),
+        trees=trees_to_proto(TreeColumns.from_trees(trees, VOCAB)),
+        plain_steps=packed([1] * len(handles), "u1"),
+    )
+
+
+def test_a_bad_item_fails_alone_and_the_others_in_its_tick_go_on(stack) -> None:
+    """One VerifyTick of three sessions, the middle one's tree outside the vocabulary: that item
+    alone gets INVALID_ARGUMENT naming the field; the others decode what they decode alone, and the
+    next tick (the bad session's included, now valid) goes on from there without a resync."""
+    bad_tree = DraftTree(
+        tokens=torch.tensor([VOCAB + 3]),
+        parents=torch.tensor([-1]),
+        mode=SamplingMode.IID,
+        draft_probs=torch.zeros(0, VOCAB),
+        prob_rows=torch.tensor([-1, -1]),
+    )
+    opens = [opened_to_proto(h, TickOpened(f"bad-item-{h}", f"key-{h}", GREEDY)) for h in range(4)]
+
+    async def run() -> tuple:
+        async with Stubs(stack) as stubs:
+            call = stubs.verifier.Ticks()
+            await call.write(verify_tick(1, opens[3:], [3], [0], [PROMPT], [None]))  # alone
+            alone = await call.read()
+            await call.write(
+                verify_tick(2, opens[:3], [0, 1, 2], [0] * 3, [PROMPT] * 3, [None, bad_tree, None])
+            )
+            mixed = await call.read()
+            n = len(PROMPT)
+            nxt = np.frombuffer(mixed.tokens.values, "<i4").tolist()
+            await call.write(
+                verify_tick(3, [], [0, 1, 2], [n, 0, n], [nxt[:1], PROMPT, nxt[1:2]], [None] * 3)
+            )
+            after = await call.read()
+            await call.write(pb2.VerifyTick(id=4, release=packed([0, 1, 2, 3], "<u4")))
+            await call.done_writing()
+            return alone, mixed, after
+
+    alone_result, mixed, after = asyncio.run(run())
+    status = np.frombuffer(mixed.status, "u1").tolist()
+    assert status[0] == status[2] == 0 and status[1] != 0
+    (error,) = mixed.errors
+    assert error.index == 1 and error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert error.message.startswith("trees.tokens") and "Traceback" not in error.message
+    alone = np.frombuffer(alone_result.tokens.values, "<i4").tolist()
+    assert np.frombuffer(mixed.tokens.values, "<i4").tolist() == alone * 2  # items 0 and 2, as alone
+    assert np.frombuffer(after.status, "u1").tolist() == [0, 0, 0] and not after.errors
+    tokens = np.frombuffer(after.tokens.values, "<i4").tolist()
+    assert tokens[0] == tokens[2] and tokens[1] == alone[0]  # the bad session's state was untouched
 
 
 # ---- sessions: release, resync, restarts --------------------------------------------------------

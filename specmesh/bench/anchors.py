@@ -12,6 +12,7 @@ off) so that both engines sample the same distribution.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -45,13 +46,14 @@ def find_llama_server(explicit: str | None = None) -> Path | None:
 
 @contextlib.contextmanager
 def llama_server(
-    binary: Path, target: Path, draft: Path | None = None, threads: int | None = None
+    binary: Path, target: Path, draft: Path | None = None, threads: int | None = None, parallel: int = 1
 ) -> Iterator[str]:
-    """A running llama-server; yields its base URL once /health answers."""
+    """A running llama-server; yields its base URL once /health answers. parallel: its slots
+    (`--parallel`, continuous batching over them), each with a 4096-token context."""
     threads = threads or os.cpu_count() or 1
     port = free_port()
     argv = [str(binary), "-m", str(target), "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["-t", str(threads), "-c", "4096", "-np", "1", "--no-webui"]
+    argv += ["-t", str(threads), "-c", str(4096 * parallel), "-np", str(parallel), "--no-webui"]
     if draft is not None:
         argv += ["-md", str(draft), "--spec-draft-n-max", "8", "--spec-draft-n-min", "3", "-td", str(threads)]
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in the finally below)
@@ -84,10 +86,13 @@ def llama_server(
         log.close()
 
 
-def run_llama_server(url: str, texts: list[str], temperature: float, max_new: int) -> dict:
-    """Each text once (seed 1000 + i); -> tokens, seconds, draft statistics when it speculated."""
-    tokens, seconds, drafted, accepted = 0, 0.0, 0, 0
-    for i, text in enumerate(texts):
+def run_llama_server(url: str, texts: list[str], temperature: float, max_new: int, sessions: int = 1) -> dict:
+    """Each text once (seed 1000 + i), `sessions` requests at a time; -> tokens, seconds (the
+    wall of the whole run), draft statistics when it speculated."""
+    answers: list[dict] = [{}] * len(texts)
+
+    def one(i: int) -> None:
+        text = texts[i]
         body = {
             "prompt": text,
             "n_predict": max_new,
@@ -102,14 +107,16 @@ def run_llama_server(url: str, texts: list[str], temperature: float, max_new: in
         request = urllib.request.Request(
             f"{url}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
-        start = time.perf_counter()
         with urllib.request.urlopen(request, timeout=900) as reply:
-            answer = json.loads(reply.read())
-        seconds += time.perf_counter() - start
-        tokens += int(answer["tokens_predicted"])
-        timings = answer.get("timings", {})
-        drafted += int(timings.get("draft_n", 0))
-        accepted += int(timings.get("draft_n_accepted", 0))
+            answers[i] = json.loads(reply.read())
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(sessions) as pool:
+        list(pool.map(one, range(len(texts))))
+    seconds = time.perf_counter() - start
+    tokens = sum(int(a["tokens_predicted"]) for a in answers)
+    drafted = sum(int(a.get("timings", {}).get("draft_n", 0)) for a in answers)
+    accepted = sum(int(a.get("timings", {}).get("draft_n_accepted", 0)) for a in answers)
     out: dict = dict(tokens=tokens, seconds=seconds)
     if drafted:
         out.update(drafted_tokens=drafted, accepted_tokens=accepted, draft_acceptance=accepted / drafted)

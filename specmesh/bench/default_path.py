@@ -31,13 +31,20 @@ NONE = TreeSpec(Method.NONE)
 
 
 def compare(
-    address: str, texts: list[str], temperature: float, max_new: int, sessions: int, llama_url: str | None
+    address: str,
+    texts: list[str],
+    temperature: float,
+    max_new: int,
+    sessions: int,
+    llama_url: str | None,
+    llama_sessions: int = 1,
 ) -> dict:
-    """method none, then the default, on the same prompts and seeds; tokens/s of each; with
-    llama_url (and one session), llama-server plain on the same texts."""
+    """method none, then the default, on the same prompts and seeds, `sessions` streams at a time;
+    aggregate tokens/s of each; with llama_url, llama-server plain on the same texts (when it runs
+    at least `sessions` slots: `llama_sessions`)."""
     row: dict = {}
-    if llama_url and sessions == 1:
-        measured = run_llama_server(llama_url, texts, temperature, max_new)
+    if llama_url and sessions <= llama_sessions:
+        measured = run_llama_server(llama_url, texts, temperature, max_new, sessions)
         row["llama_server"] = dict(measured, tokens_per_second=measured["tokens"] / measured["seconds"])
     for name, spec in (("none", NONE), ("default", None)):
         measured = asyncio.run(run_gateway(address, texts, spec, False, temperature, max_new, sessions))
@@ -121,13 +128,20 @@ def bench_default(
                 row = dict(set=name, temperature=temperature, sessions=1, **measured)
                 rows.append(row)
                 _print(row)
-    for s in sessions:
-        if s == 1:
-            continue
-        texts = prompt_set("chat", s, tokenizer)
-        row = dict(set="chat", temperature=0.0, sessions=s, **compare(address, texts, 0.0, max_new, s, None))
-        rows.append(row)
-        _print(row)
+    # concurrent chat streams: the same max(sessions) texts at each concurrency, against
+    # llama-server with as many slots (--parallel, its continuous batching)
+    texts = prompt_set("chat", max(sessions), tokenizer)
+    with contextlib.ExitStack() as stack:
+        llama_url = None
+        if llama_server_binary:
+            llama_url = stack.enter_context(
+                llama_server(Path(llama_server_binary), gguf_file(target), parallel=max(sessions))
+            )
+        for s in sessions:
+            measured = compare(address, texts, 0.0, max_new, s, llama_url, max(sessions))
+            row = dict(set="chat", temperature=0.0, sessions=s, concurrent=True, **measured)
+            rows.append(row)
+            _print(row)
     chat = prompt_set("chat", 1, tokenizer)[0]
     try:
         seeded = seed_runs(address, url, chat, chat, max_new, load_streams=4)

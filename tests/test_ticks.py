@@ -1,0 +1,173 @@
+"""A tick's columns and its batched rules: what goes on the wire comes back exactly, a bad item is
+named alone, and a session's verdict and draws do not depend on the other sessions of its tick."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specmesh.core.drafting import TreeSpec, build_tree
+from specmesh.core.sampling import Draws, SamplingParams, uniform_many
+from specmesh.core.ticks import ColumnError, Ragged, TreeColumns
+from specmesh.core.tree import SamplingMode
+from specmesh.core.verification import verify_many
+from specmesh.rpc import wire
+from specmesh.rpc.ticks import trees_from_proto, trees_to_proto
+from tests.toy import ToyModel
+
+VOCAB = 8
+DRAFT, TARGET = ToyModel(VOCAB, seed=11, scale=1.0), ToyModel(VOCAB, seed=22, scale=1.5)
+SPECS = [
+    TreeSpec("chain", depth=3),
+    TreeSpec("mcsd", depth=2, branching=(3, 2), replacement=True),
+    TreeSpec("mcsd", depth=2, branching=(3, 2), replacement=False),
+    TreeSpec("rsd_c", depth=3, branching=(4, 2, 1)),
+    TreeSpec("rsd_s", depth=3, beam_width=3),
+    TreeSpec("mtad", depth=3, beam_width=4, mtad_threshold=0.2),
+]
+PARAMS = [
+    SamplingParams(1.0),
+    SamplingParams(0.6, top_k=3),
+    SamplingParams(0.0),
+    SamplingParams(1.0, top_p=0.8),
+]
+
+
+def trees(n: int, seed: int = 0) -> list:
+    """n trees of every method and sampling (greedy ones carry no draft rows), plain steps between."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        if i % 5 == 4:
+            out.append(None)
+            continue
+        context = tuple(range(i % 3))
+        out.append(build_tree(SPECS[i % len(SPECS)], DRAFT.next_logits(context), PARAMS[i % len(PARAMS)], g))
+    return out
+
+
+def assert_same_tree(a, b) -> None:
+    if a is None or b is None:
+        assert a is None and b is None
+        return
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+    assert a.mode is b.mode and a.mtad_threshold == pytest.approx(b.mtad_threshold)
+    assert torch.equal(a.prob_rows, b.prob_rows)
+    assert a.has_draft_probs == b.has_draft_probs
+    if a.has_draft_probs:
+        assert torch.equal(a.draft_probs, b.draft_probs)  # sparse or dense, the same fp32 rows
+
+
+def test_ragged_round_trips_and_takes_items_in_any_order() -> None:
+    lists = [[5, 6], [], [7], [1, 2, 3]]
+    r = Ragged.from_lists(lists)
+    assert r.offsets.tolist() == [0, 2, 2, 3, 6] and r.values.tolist() == [5, 6, 7, 1, 2, 3]
+    assert r.lists() == lists and r.lengths().tolist() == [2, 0, 1, 3]
+    assert r.take([3, 0, 1]).lists() == [[1, 2, 3], [5, 6], []]
+    assert r.take([]).lists() == []
+
+
+def test_trees_come_back_exactly_through_the_wire_and_through_take() -> None:
+    sent = trees(20)
+    columns = trees_from_proto(trees_to_proto(TreeColumns.from_trees(sent, VOCAB)), len(sent))
+    assert columns.check(len(sent), VOCAB) == [None] * len(sent)
+    rows = columns.dense_rows()
+    for i, tree in enumerate(sent):
+        assert_same_tree(columns.tree(i, rows), tree)
+        assert_same_tree(columns.tree(i), tree)  # without the tick's rows: its own
+    # the gateway relays slices of a drafter's tick to verifiers without decoding them
+    index = [7, 2, 4, 19, 0]
+    relayed = TreeColumns.concat([columns.take(index[:2]), columns.take(index[2:])])
+    assert relayed.check(len(index), VOCAB) == [None] * len(index)
+    for j, i in enumerate(index):
+        assert_same_tree(relayed.tree(j), sent[i])
+
+
+def corrupt(columns: TreeColumns, what: str, item: int) -> TreeColumns:
+    tokens, parents = columns.tokens.values.copy(), columns.parents.copy()
+    probs, modes = columns.row_probs.values.copy(), columns.modes.copy()
+    node = int(columns.tokens.offsets[item])
+    if what == "tokens":
+        tokens[node] = VOCAB
+    elif what == "parents":
+        parents[node] = 0  # the first node its own parent
+    elif what == "row_probs":
+        probs[columns.row_probs.offsets[columns.item_rows[item]]] += 0.5
+    elif what == "modes":
+        modes[item] = 9
+    return TreeColumns(
+        tokens=Ragged(columns.tokens.offsets, tokens),
+        parents=parents,
+        modes=modes,
+        thresholds=columns.thresholds,
+        prob_rows=columns.prob_rows,
+        item_rows=columns.item_rows,
+        row_ids=columns.row_ids,
+        row_probs=Ragged(columns.row_probs.offsets, probs),
+        vocab_size=columns.vocab_size,
+    )
+
+
+@pytest.mark.parametrize("what", ["tokens", "parents", "row_probs", "modes"])
+def test_a_bad_tree_is_named_alone_and_the_others_of_the_tick_pass(what: str) -> None:
+    sent = trees(10)
+    bad = 1  # a sampled MCSD tree with draft rows
+    assert sent[bad] is not None and sent[bad].has_draft_probs
+    problems = corrupt(TreeColumns.from_trees(sent, VOCAB), what, bad).check(len(sent), VOCAB)
+    assert [i for i, p in enumerate(problems) if p is not None] == [bad]
+    assert problems[bad].field == f"trees.{what}" and problems[bad].item == bad
+
+
+def test_a_column_of_the_wrong_size_refuses_the_tick_naming_it() -> None:
+    msg = trees_to_proto(TreeColumns.from_trees(trees(4), VOCAB))
+    msg.parents = msg.parents[:-4]
+    with pytest.raises(ColumnError, match=r"trees\.parents"):
+        trees_from_proto(msg, 4).check(4, VOCAB)
+    msg = trees_to_proto(TreeColumns.from_trees(trees(4), VOCAB))
+    msg.tokens.offsets = msg.tokens.offsets[:-4]
+    with pytest.raises(wire.WireError, match=r"trees\.tokens\.offsets"):
+        trees_from_proto(msg, 4)
+
+
+def verdicts(sent: list, params: list[SamplingParams], keys: list[int]) -> list[tuple]:
+    logits = []
+    for tree in sent:
+        paths = [()] + ([] if tree is None else [tuple(tree.path(i)) for i in range(tree.num_nodes)])
+        logits.append(TARGET.logits(paths))
+    draws = [Draws.derive(k, 0, "verify") for k in keys]
+    out = verify_many(sent, logits, params, draws)
+    return [(v.accepted_tokens, v.accepted_nodes, v.next_token, v.bonus) for v in out]
+
+
+def test_a_sessions_verdict_does_not_depend_on_the_others_in_its_tick() -> None:
+    """Batched (one argmax, one vectorized chain test) against each session verified alone."""
+    sent = trees(40, seed=3)
+    params = [PARAMS[(i * 3) % len(PARAMS)] for i in range(len(sent))]
+    keys = list(range(len(sent)))
+    together = verdicts(sent, params, keys)
+    alone = [verdicts([t], [p], [k])[0] for t, p, k in zip(sent, params, keys, strict=True)]
+    assert together == alone
+    order = np.random.default_rng(0).permutation(len(sent)).tolist()
+    shuffled = verdicts([sent[i] for i in order], [params[i] for i in order], [keys[i] for i in order])
+    assert shuffled == [alone[i] for i in order]
+    assert any(v[0] for v in alone) and any(not v[3] for v in alone)  # accepts and rejects both
+
+
+def test_counter_draws_are_the_same_batched_or_one_by_one() -> None:
+    streams = [Draws.derive(7, position, "draft") for position in range(5)]
+    batched = uniform_many(streams, 3)
+    again = [Draws.derive(7, position, "draft") for position in range(5)]
+    one_by_one = torch.stack([torch.cat([d.uniform(1), d.uniform(2)]) for d in again])
+    assert torch.equal(batched, one_by_one)
+    assert all(d.counter == 3 for d in streams)
+    assert len({round(float(x), 12) for x in batched.flatten()}) == 15  # distinct streams
+    assert Draws.derive(7, 0, "verify").uniform(1) != Draws.derive(7, 0, "draft").uniform(1)
+
+
+def test_greedy_drafts_carry_no_rows_on_the_wire() -> None:
+    g = torch.Generator().manual_seed(0)
+    tree = build_tree(TreeSpec("chain", depth=4), DRAFT.next_logits(()), SamplingParams(0.0), g)
+    assert tree.mode is SamplingMode.IID and not tree.has_draft_probs
+    columns = TreeColumns.from_trees([tree], VOCAB)
+    assert len(columns.row_probs.values) == 0 and columns.item_rows.tolist() == [0, 0]
