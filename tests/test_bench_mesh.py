@@ -24,6 +24,17 @@ def test_the_ideal_is_serial_rounds_of_one_batched_forward_per_level_and_verific
     assert ideal_wall(CFG, SHAPE["none"], 1, plain) == pytest.approx(64 * 16.1 / 1000)
 
 
+def test_sessions_that_stop_early_leave_the_later_rounds_to_fewer_sessions() -> None:
+    """Lockstep: 2 plain sessions of 10 and 6 rounds are 6 forwards of 2 rows, then 4 of 1 row
+    (the mean, 8 rounds of 2 rows, would be a wall no run could reach)."""
+    m = dict(target_calls=16, drafted_tokens=0, draft_calls=0, accepted_tokens=0, tokens=16)
+    lockstep = ideal_wall(CFG, SHAPE["none"], 2, {**m, "rounds_per_stream": [10, 6]})
+    assert lockstep == pytest.approx((6 * 16.2 + 4 * 16.1) / 1000)
+    assert ideal_wall(CFG, SHAPE["none"], 2, m) == pytest.approx(8 * 16.2 / 1000)
+    equal = {**m, "rounds_per_stream": [8, 8]}
+    assert ideal_wall(CFG, SHAPE["none"], 2, equal) == pytest.approx(8 * 16.2 / 1000)
+
+
 def test_dsis_ideal_at_full_acceptance_is_bound_by_the_drafter_not_by_its_guard_rounds() -> None:
     """One session drafting for itself (acceptance 1): 16 verified blocks of 4 and 11 guard rounds
     (target-only, no draft). Its ideal is about one draft forward per token, faster than SI's."""

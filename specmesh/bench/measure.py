@@ -209,6 +209,7 @@ async def run_gateway(
         seconds=wall,
         block_efficiency=sum(s.block_efficiency * s.target_calls for s in stats) / rounds if rounds else None,
         target_calls=rounds,
+        rounds_per_stream=[s.target_calls for s in stats],
         drafted_tokens=sum(s.drafted_tokens for s in stats),
         draft_calls=sum(s.draft_calls for s in stats),
         draft_seconds=sum(s.draft_seconds for s in stats),

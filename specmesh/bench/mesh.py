@@ -196,26 +196,36 @@ def split(delta: dict[str, dict]) -> dict[str, float]:
 
 
 def ideal_wall(cfg: MeshBenchConfig, shape: Shape, sessions: int, m: dict) -> float:
-    """Seconds the cost model gives the same work done by serial rounds: per session-round (the
-    measured count, so the same acceptance), one batched forward per draft level and one per
-    verification over all `sessions`, in series; DSI by its coordinator's virtual-time run
-    (drafter-bound here). Pipelined runs are held against the same serial ideal."""
-    rounds = m["target_calls"] / sessions
+    """Seconds the cost model gives the same work done by serial rounds: the sessions in lockstep,
+    each round one batched forward per draft level and one per verification over the sessions
+    still running (`rounds_per_stream`, the measured counts, so the same acceptance and the same
+    early stops; without it every session is taken to run the mean count); DSI by its coordinator's
+    virtual-time run (drafter-bound here). Pipelined runs are held against the same serial ideal."""
+    counts = m.get("rounds_per_stream") or [m["target_calls"] / sessions] * sessions
     nodes = m["drafted_tokens"] / m["target_calls"] if m["target_calls"] else 0.0
     levels = shape.spec.depth  # a serial round's level forwards (a pipelined one runs one more)
-    verify = cfg.target_cost(sessions * (1 + nodes))
-    if not shape.spec.method.drafts:
-        return rounds * verify
     per_level = nodes / levels if levels else 0.0
-    draft = levels * cfg.draft_cost(sessions * max(per_level, 1.0))
+
+    def round_seconds(active: int) -> float:
+        verify = cfg.target_cost(active * (1 + nodes))
+        if not shape.spec.method.drafts:
+            return verify
+        return levels * cfg.draft_cost(active * max(per_level, 1.0)) + verify
+
     if shape.dsi_parallel is None:
-        return rounds * (draft + verify)
+        # rounds k = 0, 1, ...: the sessions with more than k rounds run round k together
+        ordered = sorted(counts)
+        wall, done = 0.0, 0.0
+        for i, count in enumerate(ordered):
+            wall += (count - done) * round_seconds(len(ordered) - i)
+            done = max(done, count)
+        return wall
     # per drafted token of the verified blocks: target_calls counts DSI's guard rounds too (no
     # draft), which would make the acceptance, and so the ideal, several times too low
     acceptance = min(0.999, m["accepted_tokens"] / max(1, m["drafted_tokens"]))
-    per_token = dsi_seconds_per_token(
-        acceptance, shape.spec.depth, shape.dsi_parallel, draft / max(levels, 1.0), verify
-    )
+    draft_token = cfg.draft_cost(sessions * max(per_level, 1.0))
+    verify = cfg.target_cost(sessions * (1 + nodes))
+    per_token = dsi_seconds_per_token(acceptance, shape.spec.depth, shape.dsi_parallel, draft_token, verify)
     return per_token * m["tokens"] / sessions
 
 
@@ -307,7 +317,8 @@ def markdown(rows: list[dict], cfg: MeshBenchConfig) -> str:
         f"verifier {cfg.target_ms:g} ms + {cfg.target_ms_per_row:g} ms/row; {acceptance}; greedy, "
         f"{cfg.max_new_tokens} tokens per session, all sessions at once. *Ideal*: the cost model's wall "
         "for the same rounds, serial, one batched forward per draft level and per verification over "
-        "all sessions (DSI: its coordinator's virtual-time run). Per round (ms, means per "
+        "the sessions still running (each session its measured rounds, in lockstep; DSI: its "
+        "coordinator's virtual-time run, acceptance per drafted token). Per round (ms, means per "
         "session-round, from the services' Prometheus metrics): the round as the gateway sees it, "
         "the forwards on its path, then the overhead split (module docstring of specmesh/bench/mesh.py; "
         "nan: DSI's calls overlap, the gateway does not time them per round).",
