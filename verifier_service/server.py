@@ -128,11 +128,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             except Exception as exc:
                 answers[i] = self.failure("Verify", "", exc)
 
-        def running(jobs: Sequence[tuple[int, VerifyJob]], tick: Tick) -> None:
-            for k, job in jobs:
-                stream.running[handles[where[k]]] = (tick, job)
-
-        outcomes, tick = await self.verify_items(verifies, on_start=running)
+        outcomes, tick = await self.verify_items(verifies, on_start=stream.track(handles, where))
         for k, out in enumerate(outcomes):
             i = where[k]
             stream.running.pop(handles[i], None)

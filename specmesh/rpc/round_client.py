@@ -39,7 +39,7 @@ from specmesh.core.stats import GenerationResult, GenerationStats
 from specmesh.core.verification import Verdict
 from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2, pb2_grpc
-from specmesh.rpc.tick_client import Drafted, ItemError, Role, TickLoop, Timing, Verified
+from specmesh.rpc.tick_client import Drafted, ItemError, Role, TickLoop, Timing, Verified, to_future
 from specmesh.rpc.ticks import Opened
 from specmesh.rpc.tls import ClientTls, aio_channel
 from specmesh.rpc.tracing import tracer
@@ -176,7 +176,7 @@ class RoundClient:
     async def round(self, tokens: Sequence[int], placement: Placement, plain_steps: int = 1) -> RoundResult:
         """`start`, awaited: the RoundResult, or the error raised."""
         future = asyncio.get_running_loop().create_future()
-        self.start(tokens, placement, plain_steps, functools.partial(_to_future, future))
+        self.start(tokens, placement, plain_steps, functools.partial(to_future, future))
         try:
             return await future
         except asyncio.CancelledError:
@@ -212,15 +212,6 @@ class RoundClient:
             self.session, len(tokens), likely, spec, guess_next=True, speculative=True, done=ahead.answered
         )
         return ahead
-
-
-def _to_future(future: asyncio.Future, outcome: Any) -> None:
-    if future.done():
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
 
 
 class _Round:

@@ -333,7 +333,7 @@ class TickLoop:
     def _put(self, work: _Work, future: bool) -> Any:
         if future:  # the future's outcome is the item's; cancelling the future cancels the item
             f = asyncio.get_running_loop().create_future()
-            work.done = functools.partial(_to_future, f)
+            work.done = functools.partial(to_future, f)
             f.add_done_callback(lambda f, w=work: self.cancel(w) if f.cancelled() else None)
         if self._closed:
             self._finish(
@@ -643,7 +643,8 @@ def _no_answer(outcome: Any) -> None:
     """The `done` of an item whose answer goes to a future (set by `_put`)."""
 
 
-def _to_future(future: asyncio.Future, outcome: Any) -> None:
+def to_future(future: asyncio.Future, outcome: Any) -> None:
+    """A `Done` that hands the answer (or the exception) to `future`, unless it is already done."""
     if future.done():
         return
     if isinstance(outcome, BaseException):

@@ -35,7 +35,7 @@ import hashlib
 import logging
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
@@ -311,6 +311,18 @@ class TickStream:
     def close(self, handle: int) -> Opened | None:
         o = self.sessions.pop(handle, None)
         return o if isinstance(o, Opened) else None
+
+    def track(
+        self, handles: Sequence[int], where: Sequence[int]
+    ) -> Callable[[Sequence[tuple[int, Any]], Tick], None]:
+        """The `on_start` of a tick's items: item k's job runs for handle handles[where[k]], so
+        that a `cancel` of that handle stops it."""
+
+        def running(jobs: Sequence[tuple[int, Any]], tick: Tick) -> None:
+            for k, job in jobs:
+                self.running[handles[where[k]]] = (tick, job)
+
+        return running
 
     def cancel(self, handle: int) -> None:
         running = self.running.get(handle)
