@@ -251,7 +251,7 @@ class TreeColumns:
             "parents must come before their children (-1 <= parents[i] < i)")  # fmt: skip
         bad(has_tree & ((self.modes < 1) | (self.modes > len(MODES))), np.arange(n), "modes",
             "must be set to the sampling mode the tree was drafted with")  # fmt: skip
-        depth = _depths(parents, self.tokens.offsets, problems)
+        depth = _depths(parents, self.tokens.offsets)
         if nodes > 1:
             same_item = node_item[1:] == node_item[:-1]
             bad(np.concatenate([[False], same_item & (np.diff(depth) < 0)]), node_item, "parents",
@@ -369,7 +369,7 @@ class TreeColumns:
         )
 
 
-def _depths(parents: np.ndarray, offsets: np.ndarray, problems: list) -> np.ndarray:
+def _depths(parents: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Depth of every node (1: a child of the root), item by item; chains without a loop."""
     depth = np.zeros(len(parents), np.int64)
     for i in range(len(offsets) - 1):
