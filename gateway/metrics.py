@@ -6,10 +6,12 @@ model's name in the HTTP API."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import time
 
 from specmesh.core.stats import GenerationStats
-from specmesh.rpc.metrics import NS, TIME_BUCKETS, RoundMetrics, RpcMetrics
+from specmesh.rpc.metrics import NS, TIME_BUCKETS, RoundMetrics, RpcMetrics, observe_all
 
 _ROUND_BUCKETS = (*TIME_BUCKETS, 10.0, 30.0)
 _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -59,6 +61,7 @@ class GatewayMetrics(RpcMetrics):
         )
         self.phase = h(f"{NS}round_phase_seconds", _PHASES, _ROUND_BUCKETS, "phase")
         self._phases = {p: self.phase.labels(p) for p in ("draft", "verify", "network")}  # made once
+        self._rounds: list[tuple[GenerationStats, int, dict[str, float]]] = []  # this turn's, not counted yet
         self.tick_items = h(
             f"{NS}tick_items",
             "sessions' drafts or verifications in one tick the gateway sent a replica, by role",
@@ -74,18 +77,32 @@ class GatewayMetrics(RpcMetrics):
 
     def observe_round(self, stats: GenerationStats, tokens: int, phases: dict[str, float]) -> None:
         """One committed round: its stats delta, the tokens kept (after stop / length cuts) and the
-        gateway's own timings (`phases`: commit, drafter_call, verifier_call, round)."""
-        self.round_counts.observe(stats.drafted_tokens, stats.accepted_tokens)
-        self.generation_tokens.inc(tokens)
-        phase = self._phases
-        phase["draft"].observe(stats.draft_seconds)
-        phase["verify"].observe(stats.verify_seconds)
-        phase["network"].observe(stats.network_seconds)
-        for name, seconds in phases.items():
-            child = phase.get(name)
+        gateway's own timings (`phases`: commit, drafter_call, verifier_call, round). Counted at
+        the end of the event loop's turn, with every other round of that turn (a tick's): one
+        update per series, not one per round."""
+        self._rounds.append((stats, tokens, phases))
+        if len(self._rounds) == 1:
+            try:
+                asyncio.get_running_loop().call_soon(self._count_rounds)
+            except RuntimeError:  # no loop (a test): now
+                self._count_rounds()
+
+    def _count_rounds(self) -> None:
+        rounds, self._rounds = self._rounds, []
+        self.round_counts.observe_many((s.drafted_tokens, s.accepted_tokens) for s, _, _ in rounds)
+        self.generation_tokens.inc(sum(tokens for _, tokens, _ in rounds))
+        seconds: dict[str, list[float]] = collections.defaultdict(list)
+        for stats, _, phases in rounds:
+            seconds["draft"].append(stats.draft_seconds)
+            seconds["verify"].append(stats.verify_seconds)
+            seconds["network"].append(stats.network_seconds)
+            for name, value in phases.items():
+                seconds[name].append(value)
+        for name, values in seconds.items():
+            child = self._phases.get(name)
             if child is None:
-                child = phase[name] = self.phase.labels(name)
-            child.observe(seconds)
+                child = self._phases[name] = self.phase.labels(name)
+            observe_all(child, values)
 
 
 class RequestClock:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import logging
 import math
@@ -196,10 +197,17 @@ local function wrong_type(pairs_)
   return nil
 end
 -- unpack() has a stack limit of a few thousand values: push long token lists in slices
-local function push(key, first, last)
+local function push(key, values, first, last)
   for i = first, last, 1000 do
-    redis.call('RPUSH', key, unpack(ARGV, i, math.min(i + 999, last)))
+    redis.call('RPUSH', key, unpack(values, i, math.min(i + 999, last)))
   end
+end
+-- a packed argument: values separated by single spaces (one argument, not one per value: each
+-- argument costs the client a few microseconds to pack, and a commit has dozens)
+local function words(packed)
+  local out = {}
+  for w in string.gmatch(packed, '%S+') do out[#out + 1] = w end
+  return out
 end
 local function expire_all(ttl_ms)
   for i = 1, 4 do if KEYS[i] then redis.call('PEXPIRE', KEYS[i], ttl_ms) end end
@@ -207,7 +215,8 @@ end
 """
 
 # KEYS: the four data keys and the lease key. ARGV: ttl_ms, create_id, owner token, lease_ms,
-# n_meta_args, meta field/value pairs... (with create_id, epoch 1 and owner), prompt tokens...
+# n_meta_args, meta field/value pairs... (with create_id, epoch 1 and owner), the prompt's tokens
+# packed (space-separated: a long prompt is one argument, not thousands).
 # Returns 1 created, 2 this very create was already applied (a retry), 0 the id is taken.
 _CREATE = (
     _PRELUDE
@@ -220,7 +229,8 @@ end
 redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
 local n_meta = tonumber(ARGV[5])
 redis.call('HSET', KEYS[1], unpack(ARGV, 6, 5 + n_meta))
-if #ARGV > 5 + n_meta then push(KEYS[2], 6 + n_meta, #ARGV) end
+local tokens = words(ARGV[6 + n_meta])
+if #tokens > 0 then push(KEYS[2], tokens, 1, #tokens) end
 expire_all(tonumber(ARGV[1]))
 redis.call('SET', KEYS[5], ARGV[3], 'PX', ARGV[4])
 return 1
@@ -229,8 +239,8 @@ return 1
 
 # KEYS: the four data keys and the lease key.
 # ARGV: expected_round, commit_id, ttl_ms, now, finish_reason ('' = not finished),
-#       n_tokens, n_replica_args, n_int_args, n_float_args, owner token ('' = not fenced), lease_ms,
-#       then the four groups in that order.
+#       owner token ('' = not fenced), lease_ms, and four packed groups (space-separated):
+#       new tokens, replica address / length pairs, int stat name / delta pairs, float ones.
 # Returns 1 committed, 2 this very commit was already applied (a client-side retry),
 #         0 stale round or finished session (nothing written), -1 no such session,
 #         -2 the owner token is not the current one (another gateway runs the session).
@@ -243,27 +253,23 @@ if round ~= ARGV[1] then
   if redis.call('HGET', KEYS[1], 'last_commit') == ARGV[2] then return 2 end
   return 0
 end
-if ARGV[10] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[10] then return -2 end
+if ARGV[6] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[6] then return -2 end
 if redis.call('HEXISTS', KEYS[1], 'finish_reason') == 1 then return 0 end
 local err = wrong_type({KEYS[2], 'list', KEYS[3], 'hash', KEYS[4], 'hash'})
 if err then return err end
-local i = 12
-local n = tonumber(ARGV[6])
-if n > 0 then push(KEYS[2], i, i + n - 1) end
-i = i + n
-n = tonumber(ARGV[7])
-if n > 0 then redis.call('HSET', KEYS[3], unpack(ARGV, i, i + n - 1)) end
-i = i + n
-n = tonumber(ARGV[8])
-for j = i, i + n - 1, 2 do redis.call('HINCRBY', KEYS[4], ARGV[j], ARGV[j + 1]) end
-i = i + n
-n = tonumber(ARGV[9])
-for j = i, i + n - 1, 2 do redis.call('HINCRBYFLOAT', KEYS[4], ARGV[j], ARGV[j + 1]) end
+local tokens = words(ARGV[8])
+if #tokens > 0 then push(KEYS[2], tokens, 1, #tokens) end
+local replicas = words(ARGV[9])
+if #replicas > 0 then redis.call('HSET', KEYS[3], unpack(replicas)) end
+local ints = words(ARGV[10])
+for j = 1, #ints, 2 do redis.call('HINCRBY', KEYS[4], ints[j], ints[j + 1]) end
+local floats = words(ARGV[11])
+for j = 1, #floats, 2 do redis.call('HINCRBYFLOAT', KEYS[4], floats[j], floats[j + 1]) end
 redis.call('HSET', KEYS[1], 'round', string.format('%d', tonumber(round) + 1),
            'updated_at', ARGV[4], 'last_commit', ARGV[2])
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'finish_reason', ARGV[5]) end
 expire_all(tonumber(ARGV[3]))
-if ARGV[10] ~= '' then redis.call('SET', KEYS[5], ARGV[10], 'PX', ARGV[11]) end
+if ARGV[6] ~= '' then redis.call('SET', KEYS[5], ARGV[6], 'PX', ARGV[7]) end
 return 1
 """
 )
@@ -445,6 +451,7 @@ class SessionStore:
         self.ttl_seconds = ttl_seconds
         self.lease_seconds = lease_seconds
         self.gateway_id = gateway_id or uuid.uuid4().hex[:12]  # this gateway, in owner tokens
+        self._commit_prefix, self._commit_count = f"{uuid.uuid4().hex}:", itertools.count()
         self.prefix = prefix
         self.reconnect_timeout = reconnect_timeout
         self._down_since: float | None = None  # monotonic time of the current outage's first error
@@ -610,7 +617,15 @@ class SessionStore:
             "create_id": create_id,
         }
         meta_args = _flat(meta)
-        args = [self._ttl_ms, create_id, owner, self._lease_ms, len(meta_args), *meta_args, *tokens]
+        args = [
+            self._ttl_ms,
+            create_id,
+            owner,
+            self._lease_ms,
+            len(meta_args),
+            *meta_args,
+            " ".join(map(str, tokens)),
+        ]
         created = await self._call("create", lambda: self._create(keys=keys.with_owner(), args=args))
         if not created:
             raise SessionExists(f"session {session_id!r} already exists")
@@ -712,14 +727,16 @@ class SessionStore:
         tokens = _tokens(new_tokens)
         delta = stats_delta or GenerationStats()
         replicas = _flat({addr: int(n) for addr, n in (replica_lengths or {}).items()})
-        ints = _flat({k: int(v) for k, v in stats_int_fields(delta).items()})
-        floats = _flat({k: _float(v) for k, v in stats_float_fields(delta).items()})
+        if any(not addr or addr.split() != [addr] for addr in replicas[::2]):
+            raise ValueError(f"replica addresses must be non-empty, without whitespace: {replicas[::2]}")
+        ints = " ".join(f"{k} {int(v)}" for k, v in stats_int_fields(delta).items())
+        floats = " ".join(f"{k} {_float(v)}" for k, v in stats_float_fields(delta).items())
         # A fresh id per call: a retry of this call (redis-py's or _call's) resends the same id and
         # is recognised as a replay; a second call (a duplicate reply) has another id and is refused.
-        commit_id = uuid.uuid4().hex
+        # This store's random prefix and a count: unique without a uuid per commit.
+        commit_id = f"{self._commit_prefix}{next(self._commit_count)}"
         header = [int(expected_round), commit_id, self._ttl_ms, repr(time.time()), finish_reason or ""]
-        counts = [len(tokens), len(replicas), len(ints), len(floats), owner, self._lease_ms]
-        args = [*header, *counts, *tokens, *replicas, *ints, *floats]
+        args = [*header, owner, self._lease_ms, " ".join(map(str, tokens)), " ".join(replicas), ints, floats]
         answer = asyncio.get_running_loop().create_future()
         raw = self._pipelined_commit(keys.with_owner(), args)
         raw.add_done_callback(functools.partial(_commit_answer, session_id, answer))

@@ -5,10 +5,16 @@ before the first stop sequence. Streaming hands out only text that can no longer
 nothing that ends in U+FFFD (an incomplete UTF-8 sequence, completed by a later token) and
 nothing that could still be the start of a stop sequence. The final piece flushes the rest, so
 the streamed pieces always add up to the unary text.
+
+Decoding is incremental (vLLM's detokenizer does the same): the text of the tokens up to the
+last point where it was complete is kept, and each push decodes only a few tokens before that
+point plus the new ones. A push costs the same at the 10th token and at the 10,000th; decoding
+everything again each round made a long generation's text quadratic in its length.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,15 +25,23 @@ CONTEXT_TOKENS = 4
 class TextStream:
     """context: the last few prompt tokens. Decoded in front of the generated ones and then cut
     off, they give the first generated token its leading space (SentencePiece and word-level
-    decoders drop the space of a sequence's first token)."""
+    decoders drop the space of a sequence's first token). The same trick starts each
+    incremental decode a few tokens back."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), context: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
+        self._raw_ids = _decoder(tokenizer)
+        # a decoder that cleans up spaces may revise earlier text: decode everything each time
+        self._incremental = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
         self._stop = tuple(stop)
         self._context = list(context)[-CONTEXT_TOKENS:]
         self._prefix = self._raw(self._context)
         self._tokens: list[int] = []
         self._sent = ""  # the text handed out so far
+        # Complete text: the text of self._tokens[:self._done] never changes with later tokens.
+        # The window (the CONTEXT_TOKENS tokens before that point) and its text start each decode.
+        self._done, self._done_text = 0, ""
+        self._window, self._window_text = self._context, self._prefix
 
     def stop_cut(self, new_tokens: Sequence[int]) -> int | None:
         """How many of `new_tokens` to keep when appending them completes a stop sequence (the
@@ -35,14 +49,18 @@ class TextStream:
         if not self._stop:
             return None
         for n in range(1, len(new_tokens) + 1):
-            if self._find_stop(self._decode([*self._tokens, *new_tokens[:n]])) is not None:
+            if self._find_stop(self._decode([*self._tokens[self._done :], *new_tokens[:n]])) is not None:
                 return n
         return None
 
     def push(self, new_tokens: Sequence[int], final: bool) -> str:
         """Add committed tokens; -> the text that is new and stable (everything left if final)."""
         self._tokens += new_tokens
-        text = self._decode(self._tokens)
+        text = self._decode(self._tokens[self._done :])
+        if self._incremental and not text.endswith(_INCOMPLETE):
+            self._done, self._done_text = len(self._tokens), text
+            self._window = [*self._context, *self._tokens][-CONTEXT_TOKENS:]
+            self._window_text = self._raw(self._window)
         cut = self._find_stop(text)
         if cut is not None:
             text = text[:cut]
@@ -54,14 +72,18 @@ class TextStream:
         self._sent = text if len(text) > len(self._sent) else self._sent
         return piece
 
-    def _decode(self, tokens: Sequence[int]) -> str:
+    def _decode(self, more: Sequence[int]) -> str:
+        """The text of all tokens: the complete text, then that of `more` (the tokens after it)."""
+        text = self._raw([*self._window, *more])
+        if text.startswith(self._window_text):
+            return self._done_text + text[len(self._window_text) :]
+        # the window merged with the new tokens: decode everything, as a whole
+        tokens = [*self._tokens[: self._done], *more]
         text = self._raw([*self._context, *tokens])
-        if not text.startswith(self._prefix):  # the context merged with the new tokens
-            return self._raw(tokens)
-        return text[len(self._prefix) :]
+        return text[len(self._prefix) :] if text.startswith(self._prefix) else self._raw(tokens)
 
     def _raw(self, tokens: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(tokens), skip_special_tokens=True)
+        return self._raw_ids(list(tokens))
 
     def _find_stop(self, text: str) -> int | None:
         found = [i for i in (text.find(s) for s in self._stop) if i >= 0]
@@ -79,3 +101,13 @@ def _overlap(text: str, stop: str) -> int:
         if text.endswith(stop[:n]):
             return n
     return 0
+
+
+def _decoder(tokenizer: Any) -> Any:
+    """ids -> text, special tokens skipped. A fast tokenizer's Rust decoder directly when
+    transformers would add nothing to it (no clean-up of spaces): transformers' own decode
+    converts every id in Python first, most of a decode's cost for a few tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return functools.partial(backend.decode, skip_special_tokens=True)
+    return functools.partial(tokenizer.decode, skip_special_tokens=True)

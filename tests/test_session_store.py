@@ -113,6 +113,17 @@ def test_create_load_commit_delete(server):
             assert done.stats.network_seconds == pytest.approx(0.04)
             assert done.updated_at >= done.created_at
 
+            # a prompt's and a commit's tokens go packed in one argument each and are pushed in
+            # slices of 1000
+            big, prompt = sid(), list(range(7, 2107))
+            await store.create(big, prompt)
+            assert (await store.load(big)).tokens == prompt
+            many = list(range(2500))
+            assert await store.commit_round(big, 0, many, round_stats(1), {"d:1": 4600})
+            assert (await store.load(big)).tokens == [*prompt, *many]
+            with pytest.raises(ValueError, match="whitespace"):
+                await store.commit_round(big, 1, [3], round_stats(1), {"unix:/a b": 3})
+
             assert await store.delete(s)
             assert await store.load(s) is None
             assert not await store.delete(s)

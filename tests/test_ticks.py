@@ -171,3 +171,23 @@ def test_greedy_drafts_carry_no_rows_on_the_wire() -> None:
     assert tree.mode is SamplingMode.IID and not tree.has_draft_probs
     columns = TreeColumns.from_trees([tree], VOCAB)
     assert len(columns.row_probs.values) == 0 and columns.item_rows.tolist() == [0, 0]
+
+
+def test_a_ticks_observations_at_once_count_as_one_by_one() -> None:
+    """observe_all (a tick's rounds into a histogram) against prometheus_client's own observe."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from specmesh.rpc.metrics import observe_all
+
+    buckets = (0.001, 0.01, 0.1, 1.0)
+    values = [0.0, 0.001, 0.0011, 0.01, 0.5, 1.0, 2.0, 7.5, 0.0005, 0.02]
+    one, many = (Histogram(n, "", buckets=buckets, registry=CollectorRegistry()) for n in ("a", "b"))
+    for v in values:
+        one.observe(v)
+    observe_all(many, values)
+    observe_all(many, [])
+
+    def samples(h):
+        return [(s.name[1:], s.labels, s.value) for s in h.collect()[0].samples if "created" not in s.name]
+
+    assert samples(one) == samples(many)

@@ -58,6 +58,11 @@ from specmesh.rpc.ticks import (
 log = logging.getLogger("specmesh.rpc.tick_client")
 
 FLUSH_TURNS = 4  # event-loop turns a tick waits at most for more sessions to queue their work
+# Turns a tick waits after answers came in, grown or not: a session that awaits its answer (a task
+# in asyncio.wait, DSI's) runs two turns after the answer's future is set, and its next item with
+# it. Sent before, the tick would leave without those sessions, and they and the ones in the tick
+# would then take turns (two half-full ticks instead of one full one) for the rest of the run.
+SETTLE_TURNS = 3
 
 
 class Role(StrEnum):
@@ -253,6 +258,7 @@ class TickLoop:
         self._flush_at: asyncio.Handle | None = None
         self._turns = 0
         self._queued_at_check = 0
+        self._settle_turns = 0  # the least turns the next flush waits (SETTLE_TURNS after answers)
         self._closed = False
         self._timed: set[_Work] = set()  # items with a deadline or a per-try timeout, unanswered
         self._timer: asyncio.TimerHandle | None = None
@@ -420,10 +426,12 @@ class TickLoop:
             self._schedule(now=True)
         self._finish(work, error)
 
-    def _schedule(self, now: bool = False) -> None:
+    def _schedule(self, now: bool = False, settle: bool = False) -> None:
         if self._flush_at is None:
             self._turns, self._queued_at_check = 0, len(self._queue)
             self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
+        if settle:
+            self._settle_turns = SETTLE_TURNS
         if now:
             self._turns = FLUSH_TURNS
 
@@ -434,10 +442,11 @@ class TickLoop:
         if self._closed:
             return
         grew = len(self._queue) != self._queued_at_check
-        if grew and self._turns < FLUSH_TURNS:
+        if (grew or self._turns < self._settle_turns) and self._turns < FLUSH_TURNS:
             self._turns, self._queued_at_check = self._turns + 1, len(self._queue)
             self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
             return
+        self._settle_turns = 0
         control = bool(self._cancel or self._release)
         room = self._queue and len(self._in_flight) < self.max_in_flight
         if room and not control and self._hold():
@@ -574,7 +583,7 @@ class TickLoop:
                     )
                     self._resolve(message, work)
                 if self._queue or self._cancel or self._release:
-                    self._schedule()
+                    self._schedule(settle=work is not None)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
