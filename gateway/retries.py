@@ -46,19 +46,26 @@ class TryTimeouts:
     factor: float
     draft_cost: dict[int, float] = field(default_factory=dict)  # rows -> seconds, a drafter's
     verify_cost: dict[int, float] = field(default_factory=dict)  # rows -> seconds, the verifier's
+    # (table, rows) -> forward_seconds: asked several times a round, for a few row counts
+    _seconds: dict[tuple[bool, int], float] = field(default_factory=dict, repr=False)
 
     def draft(self, new_tokens: int, levels: int) -> float:
         """A Draft: the new tokens' forward, then one forward per further tree level."""
-        seconds = forward_seconds(self.draft_cost, new_tokens)
-        seconds += max(levels - 1, 0) * forward_seconds(self.draft_cost, 1)
+        seconds = self._forward(True, new_tokens) + max(levels - 1, 0) * self._forward(True, 1)
         return max(self.floor, self.factor * seconds)
 
     def verify(self, new_tokens: int, nodes: int, plain_steps: int = 1) -> float:
         """A Verify: one forward of the new tokens and the tree's nodes, then a one-row forward per
         further plain step."""
-        seconds = forward_seconds(self.verify_cost, new_tokens + nodes)
-        seconds += (plain_steps - 1) * forward_seconds(self.verify_cost, 1)
+        seconds = self._forward(False, new_tokens + nodes) + (plain_steps - 1) * self._forward(False, 1)
         return max(self.floor, self.factor * seconds)
+
+    def _forward(self, draft: bool, rows: int) -> float:
+        seconds = self._seconds.get((draft, rows))
+        if seconds is None:
+            table = self.draft_cost if draft else self.verify_cost
+            seconds = self._seconds[(draft, rows)] = forward_seconds(table, rows)
+        return seconds
 
 
 class RetryBudget:

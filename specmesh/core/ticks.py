@@ -233,6 +233,8 @@ class TreeColumns:
         problems: list[ColumnError | None] = [None] * n
 
         def bad(mask: np.ndarray, of_item: np.ndarray, name: str, problem: str) -> None:
+            if not mask.any():  # the usual case, and np.unique's cost is not small for a tick
+                return
             for i in np.unique(of_item[mask]).tolist():
                 if problems[i] is None:
                     problems[i] = ColumnError(f"{field}.{name}", problem, i)
@@ -320,7 +322,7 @@ class TreeColumns:
             (row_item[~finite], "row_probs: probabilities must be finite and >= 0"),
             (row_item[np.abs(sums - 1.0) > DISTRIBUTION_TOLERANCE], "row_probs: a row does not sum to 1"),
         ):
-            for item in np.unique(i).tolist():
+            for item in np.unique(i).tolist() if len(i) else ():
                 if problems[item] is None:
                     name, _, text = problem.partition(": ")
                     problems[item] = ColumnError(f"{field}.{name}", text, item)

@@ -58,10 +58,11 @@ from specmesh.rpc.ticks import (
 log = logging.getLogger("specmesh.rpc.tick_client")
 
 FLUSH_TURNS = 4  # event-loop turns a tick waits at most for more sessions to queue their work
-# Turns a tick waits after answers came in, grown or not: a session that awaits its answer (a task
-# in asyncio.wait, DSI's) runs two turns after the answer's future is set, and its next item with
-# it. Sent before, the tick would leave without those sessions, and they and the ones in the tick
-# would then take turns (two half-full ticks instead of one full one) for the rest of the run.
+# Turns a tick waits after answers that tasks await came in, grown or not: a session that awaits
+# its answer's future (a task in asyncio.wait, DSI's) runs two turns after it is set, and queues its
+# next item then. Sent before, the tick would leave without those sessions, and they and the ones in
+# the tick would then take turns (two half-full ticks instead of one full one) for the rest of the
+# run. Answers handed to callbacks (a gateway round's) queue the next item at once: no wait.
 SETTLE_TURNS = 3
 
 
@@ -213,6 +214,7 @@ class _Work:
     due: float = 0.0  # when its patience runs out next
     then: TickLoop | None = None  # where the session goes next: told to expect it once this is sent
     settled: bool = False  # answered, failed or cancelled: `done` was called (or never will be)
+    awaited: bool = False  # answered through a future that a task awaits (not a callback)
 
 
 class TickLoop:
@@ -339,7 +341,7 @@ class TickLoop:
     def _put(self, work: _Work, future: bool) -> Any:
         if future:  # the future's outcome is the item's; cancelling the future cancels the item
             f = asyncio.get_running_loop().create_future()
-            work.done = functools.partial(to_future, f)
+            work.done, work.awaited = functools.partial(to_future, f), True
             f.add_done_callback(lambda f, w=work: self.cancel(w) if f.cancelled() else None)
         if self._closed:
             self._finish(
@@ -583,7 +585,7 @@ class TickLoop:
                     )
                     self._resolve(message, work)
                 if self._queue or self._cancel or self._release:
-                    self._schedule(settle=work is not None)
+                    self._schedule(settle=work is not None and any(w.awaited for w in work))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
