@@ -167,6 +167,7 @@ def _bench_mesh(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         noise=args.noise,
         pipeline=tuple(args.pipeline),
+        repeat=args.repeat,
     )
     rows = bench_mesh(cfg)
     write(rows, cfg, args.json, args.markdown)
@@ -803,6 +804,12 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     mesh.add_argument(
         "--pipeline", nargs="+", default=["off", "auto"], help="the gateway's --pipeline, one stack each"
+    )
+    mesh.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per point, measured as one: a point's CPU over one 0.7 s run moves by 10-20 %%",
     )
     mesh.add_argument("--json", help="write the rows here")
     mesh.add_argument("--markdown", help="write the table here")

@@ -77,6 +77,7 @@ class MeshBenchConfig:
     noise: float | None = None  # None: the target drafts for itself (greedy acceptance 1)
     pipeline: Sequence[str] = ("off", "auto")  # the gateway's --pipeline, one stack each
     seed: int = 0
+    repeat: int = 1  # runs per point, their CPU, walls and ideals summed (one run's CPU is noisy)
 
     def draft_cost(self, rows: float) -> float:
         return (self.draft_ms + self.draft_ms_per_row * rows) / 1000
@@ -238,6 +239,21 @@ def _run(address: str, texts: list[str], shape: Shape, cfg: MeshBenchConfig) -> 
     )  # fmt: skip
 
 
+def _runs(address: str, texts: list[str], shape: Shape, cfg: MeshBenchConfig) -> tuple[dict, float]:
+    """cfg.repeat runs of the same sessions, as one measurement: their totals, and the sum of
+    their ideal walls (each run's ideal from its own measured rounds)."""
+    runs = [_run(address, texts, shape, cfg) for _ in range(max(1, cfg.repeat))]
+    ideal = sum(ideal_wall(cfg, shape, len(texts), m) for m in runs)
+    total = {k: sum(m[k] for m in runs) for k in ("tokens", "seconds", "target_calls", "draft_calls")}
+    efficiency = [(m["block_efficiency"], m["target_calls"]) for m in runs]
+    total["block_efficiency"] = (
+        sum(e * n for e, n in efficiency) / total["target_calls"]
+        if total["target_calls"] and all(e is not None for e, _ in efficiency)
+        else None
+    )
+    return total, ideal
+
+
 def bench_stack(
     cfg: MeshBenchConfig, models: dict[str, Path], pipeline: str, shapes: list[Shape]
 ) -> list[dict]:
@@ -256,12 +272,11 @@ def bench_stack(
             _run(address, texts[:2], shape, cfg)  # warm-up: connections, first sessions
             for n in cfg.sessions:
                 before, cpu_before = scrape(metrics), process_cpu(pids)
-                m = _run(address, texts[:n], shape, cfg)
+                m, ideal = _runs(address, texts[:n], shape, cfg)
                 cpu_after = process_cpu(pids)
                 delta = _delta(scrape(metrics), before)
                 cpu = {k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items()}
                 units = m["draft_calls"] + (m["target_calls"] if shape.spec.method.drafts else m["tokens"])
-                ideal = ideal_wall(cfg, shape, n, m)
                 verifier = next(v for k, v in delta.items() if k.startswith("verifier"))
                 drafter = next((v for k, v in delta.items() if k.startswith("drafter")), {})
                 row = dict(
@@ -315,7 +330,9 @@ def markdown(rows: list[dict], cfg: MeshBenchConfig) -> str:
         "Written by `specmesh bench mesh` (specmesh/bench/mesh.py). Tiny models on one `specmesh up`; "
         f"every forward lasts at least drafter {cfg.draft_ms:g} ms + {cfg.draft_ms_per_row:g} ms/row, "
         f"verifier {cfg.target_ms:g} ms + {cfg.target_ms_per_row:g} ms/row; {acceptance}; greedy, "
-        f"{cfg.max_new_tokens} tokens per session, all sessions at once. *Ideal*: the cost model's wall "
+        f"{cfg.max_new_tokens} tokens per session, all sessions at once"
+        + (f"; each point {cfg.repeat} runs, measured as one" if cfg.repeat > 1 else "")
+        + ". *Ideal*: the cost model's wall "
         "for the same rounds, serial, one batched forward per draft level and per verification over "
         "the sessions still running (each session its measured rounds, in lockstep; DSI: its "
         "coordinator's virtual-time run, acceptance per drafted token). Per round (ms, means per "
