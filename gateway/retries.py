@@ -47,7 +47,7 @@ class TryTimeouts:
     draft_cost: dict[int, float] = field(default_factory=dict)  # rows -> seconds, a drafter's
     verify_cost: dict[int, float] = field(default_factory=dict)  # rows -> seconds, the verifier's
     # (table, rows) -> forward_seconds: asked several times a round, for a few row counts
-    _seconds: dict[tuple[bool, int], float] = field(default_factory=dict, repr=False)
+    _seconds: dict[tuple[bool, int], float] = field(default_factory=dict, init=False, repr=False)
 
     def draft(self, new_tokens: int, levels: int) -> float:
         """A Draft: the new tokens' forward, then one forward per further tree level."""

@@ -49,7 +49,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import unquote
@@ -331,6 +331,11 @@ return 1
 
 def _flat(pairs: Mapping[str, Any]) -> list[str]:
     return [str(x) for kv in pairs.items() for x in kv]
+
+
+def _packed(values: Iterable[Any]) -> str:
+    """Values as one script argument, space-separated: the Lua side splits it (`words`)."""
+    return " ".join(map(str, values))
 
 
 def _float(x: float) -> str:
@@ -624,7 +629,7 @@ class SessionStore:
             self._lease_ms,
             len(meta_args),
             *meta_args,
-            " ".join(map(str, tokens)),
+            _packed(tokens),
         ]
         created = await self._call("create", lambda: self._create(keys=keys.with_owner(), args=args))
         if not created:
@@ -729,14 +734,14 @@ class SessionStore:
         replicas = _flat({addr: int(n) for addr, n in (replica_lengths or {}).items()})
         if any(not addr or addr.split() != [addr] for addr in replicas[::2]):
             raise ValueError(f"replica addresses must be non-empty, without whitespace: {replicas[::2]}")
-        ints = " ".join(f"{k} {int(v)}" for k, v in stats_int_fields(delta).items())
-        floats = " ".join(f"{k} {_float(v)}" for k, v in stats_float_fields(delta).items())
+        ints = _flat({k: int(v) for k, v in stats_int_fields(delta).items()})
+        floats = _flat({k: _float(v) for k, v in stats_float_fields(delta).items()})
         # A fresh id per call: a retry of this call (redis-py's or _call's) resends the same id and
         # is recognised as a replay; a second call (a duplicate reply) has another id and is refused.
         # This store's random prefix and a count: unique without a uuid per commit.
         commit_id = f"{self._commit_prefix}{next(self._commit_count)}"
         header = [int(expected_round), commit_id, self._ttl_ms, repr(time.time()), finish_reason or ""]
-        args = [*header, owner, self._lease_ms, " ".join(map(str, tokens)), " ".join(replicas), ints, floats]
+        args = [*header, owner, self._lease_ms, *map(_packed, (tokens, replicas, ints, floats))]
         answer = asyncio.get_running_loop().create_future()
         raw = self._pipelined_commit(keys.with_owner(), args)
         raw.add_done_callback(functools.partial(_commit_answer, session_id, answer))

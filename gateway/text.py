@@ -29,10 +29,9 @@ class TextStream:
     incremental decode a few tokens back."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), context: Sequence[int] = ()) -> None:
-        self._tokenizer = tokenizer
         self._raw_ids = _decoder(tokenizer)
         # a decoder that cleans up spaces may revise earlier text: decode everything each time
-        self._incremental = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._incremental = not _cleans_up(tokenizer)
         self._stop = tuple(stop)
         self._context = list(context)[-CONTEXT_TOKENS:]
         self._prefix = self._raw(self._context)
@@ -108,6 +107,12 @@ def _decoder(tokenizer: Any) -> Any:
     transformers would add nothing to it (no clean-up of spaces): transformers' own decode
     converts every id in Python first, most of a decode's cost for a few tokens."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    if backend is not None and not _cleans_up(tokenizer):
         return functools.partial(backend.decode, skip_special_tokens=True)
     return functools.partial(tokenizer.decode, skip_special_tokens=True)
+
+
+def _cleans_up(tokenizer: Any) -> bool:
+    """Whether transformers' decode cleans up spaces after the tokenizer's own (a tokenizer that
+    does not say is taken to)."""
+    return bool(getattr(tokenizer, "clean_up_tokenization_spaces", True))
