@@ -209,6 +209,12 @@ local function words(packed)
   for w in string.gmatch(packed, '%S+') do out[#out + 1] = w end
   return out
 end
+-- fields packed one per line into one argument (empty ones kept)
+local function lines(packed)
+  local out = {}
+  for f in string.gmatch(packed .. '\\n', '([^\\n]*)\\n') do out[#out + 1] = f end
+  return out
+end
 local function expire_all(ttl_ms)
   for i = 1, 4 do if KEYS[i] then redis.call('PEXPIRE', KEYS[i], ttl_ms) end end
 end
@@ -238,38 +244,41 @@ return 1
 )
 
 # KEYS: the four data keys and the lease key.
-# ARGV: expected_round, commit_id, ttl_ms, now, finish_reason ('' = not finished),
-#       owner token ('' = not fenced), lease_ms, and four packed groups (space-separated):
-#       new tokens, replica address / length pairs, int stat name / delta pairs, float ones.
+# a[1]: one line each (`lines`): expected_round, commit_id, ttl_ms, now, finish_reason
+#       ('' = not finished), owner token ('' = not fenced), lease_ms, and four packed groups
+#       (space-separated): new tokens, replica address / length pairs, int stat name / delta
+#       pairs, float ones. One argument, not eleven: a tick commits dozens of sessions, and the
+#       client packs each argument of each command in Python.
 # Returns 1 committed, 2 this very commit was already applied (a client-side retry),
 #         0 stale round or finished session (nothing written), -1 no such session,
 #         -2 the owner token is not the current one (another gateway runs the session).
 _COMMIT = (
     _PRELUDE
     + """
+local a = lines(ARGV[1])
 local round = redis.call('HGET', KEYS[1], 'round')
 if not round then return -1 end
-if round ~= ARGV[1] then
-  if redis.call('HGET', KEYS[1], 'last_commit') == ARGV[2] then return 2 end
+if round ~= a[1] then
+  if redis.call('HGET', KEYS[1], 'last_commit') == a[2] then return 2 end
   return 0
 end
-if ARGV[6] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[6] then return -2 end
+if a[6] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= a[6] then return -2 end
 if redis.call('HEXISTS', KEYS[1], 'finish_reason') == 1 then return 0 end
 local err = wrong_type({KEYS[2], 'list', KEYS[3], 'hash', KEYS[4], 'hash'})
 if err then return err end
-local tokens = words(ARGV[8])
+local tokens = words(a[8])
 if #tokens > 0 then push(KEYS[2], tokens, 1, #tokens) end
-local replicas = words(ARGV[9])
+local replicas = words(a[9])
 if #replicas > 0 then redis.call('HSET', KEYS[3], unpack(replicas)) end
-local ints = words(ARGV[10])
+local ints = words(a[10])
 for j = 1, #ints, 2 do redis.call('HINCRBY', KEYS[4], ints[j], ints[j + 1]) end
-local floats = words(ARGV[11])
+local floats = words(a[11])
 for j = 1, #floats, 2 do redis.call('HINCRBYFLOAT', KEYS[4], floats[j], floats[j + 1]) end
 redis.call('HSET', KEYS[1], 'round', string.format('%d', tonumber(round) + 1),
-           'updated_at', ARGV[4], 'last_commit', ARGV[2])
-if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'finish_reason', ARGV[5]) end
-expire_all(tonumber(ARGV[3]))
-if ARGV[6] ~= '' then redis.call('SET', KEYS[5], ARGV[6], 'PX', ARGV[7]) end
+           'updated_at', a[4], 'last_commit', a[2])
+if a[5] ~= '' then redis.call('HSET', KEYS[1], 'finish_reason', a[5]) end
+expire_all(tonumber(a[3]))
+if a[6] ~= '' then redis.call('SET', KEYS[5], a[6], 'PX', a[7]) end
 return 1
 """
 )
@@ -455,6 +464,8 @@ class SessionStore:
         self.url = url
         self.ttl_seconds = ttl_seconds
         self.lease_seconds = lease_seconds
+        if gateway_id is not None and (not gateway_id or gateway_id.split() != [gateway_id]):
+            raise ValueError(f"gateway_id must be non-empty, without whitespace: {gateway_id!r}")
         self.gateway_id = gateway_id or uuid.uuid4().hex[:12]  # this gateway, in owner tokens
         self._commit_prefix, self._commit_count = f"{uuid.uuid4().hex}:", itertools.count()
         self.prefix = prefix
@@ -492,7 +503,7 @@ class SessionStore:
         self._assign = self._redis.register_script(_ASSIGN)
         self._touch = self._redis.register_script(_TOUCH)
         # commits queued this event-loop turn, sent as one pipeline (`_pipelined_commit`)
-        self._commits: list[tuple[list[str], list[Any], asyncio.Future]] = []
+        self._commits: list[tuple[list[Any], list[Any], asyncio.Future]] = []
         self._commit_flush: asyncio.Handle | None = None
         self._sending: set[asyncio.Task] = set()
 
@@ -740,14 +751,22 @@ class SessionStore:
         # is recognised as a replay; a second call (a duplicate reply) has another id and is refused.
         # This store's random prefix and a count: unique without a uuid per commit.
         commit_id = f"{self._commit_prefix}{next(self._commit_count)}"
+        if "\n" in owner or "\n" in (finish_reason or ""):
+            raise ValueError("owner and finish_reason must be single-line")
         header = [int(expected_round), commit_id, self._ttl_ms, repr(time.time()), finish_reason or ""]
-        args = [*header, owner, self._lease_ms, *map(_packed, (tokens, replicas, ints, floats))]
+        fields = [
+            *map(str, header),
+            owner,
+            str(self._lease_ms),
+            *map(_packed, (tokens, replicas, ints, floats)),
+        ]
         answer = asyncio.get_running_loop().create_future()
-        raw = self._pipelined_commit(keys.with_owner(), args)
+        # bytes: redis-py passes them through without its per-argument type checks
+        raw = self._pipelined_commit([k.encode() for k in keys.with_owner()], ["\n".join(fields).encode()])
         raw.add_done_callback(functools.partial(_commit_answer, session_id, answer))
         return answer
 
-    def _pipelined_commit(self, keys: list[str], args: list[Any]) -> asyncio.Future:
+    def _pipelined_commit(self, keys: list[Any], args: list[Any]) -> asyncio.Future:
         """Queue a commit script: every commit queued in one event-loop turn (a tick's sessions)
         goes to Redis in one pipelined round trip, each script still atomic and fenced on its own."""
         loop = asyncio.get_running_loop()
@@ -764,7 +783,7 @@ class SessionStore:
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
 
-    async def _send_commits(self, batch: list[tuple[list[str], list[Any], asyncio.Future]]) -> None:
+    async def _send_commits(self, batch: list[tuple[list[Any], list[Any], asyncio.Future]]) -> None:
         """One pipeline of EVALSHA, retried as a whole while Redis is unreachable (each commit's id
         makes a replay of one that was applied return 2, writing nothing)."""
         sha = self._commit.sha

@@ -39,7 +39,7 @@ from specmesh.core.stats import GenerationResult, GenerationStats
 from specmesh.core.verification import Verdict
 from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2, pb2_grpc
-from specmesh.rpc.tick_client import Drafted, ItemError, Role, TickLoop, Timing, Verified, to_future
+from specmesh.rpc.tick_client import ROLES, Drafted, ItemError, Role, TickLoop, Timing, Verified, to_future
 from specmesh.rpc.ticks import Opened
 from specmesh.rpc.tls import ClientTls, aio_channel
 from specmesh.rpc.tracing import tracer
@@ -231,7 +231,7 @@ class _Round:
         self.plain_steps = plain_steps
         self.start = time.perf_counter()
         self.committed = len(tokens)
-        self.held = {role: placement.held.get(role, 0) for role in Role}
+        self.held = {role: placement.held.get(role, 0) for role in ROLES}
         self.seconds: dict[Role, float] = {}
         self.resyncs = 0
         now = asyncio.get_running_loop().time()

@@ -71,6 +71,9 @@ class Role(StrEnum):
     VERIFIER = "verifier"
 
 
+ROLES = tuple(Role)  # iterating an Enum class builds a generator each time: hot paths use this
+
+
 class ItemError(Exception):
     """One item's failure, with AioRpcError's reading methods (a resync answer reads the same).
     per_try: it ran past its per-try timeout while a spare replica was there (`Timing`)."""

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, filters
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
 
 _HEALTH = "grpc.health.v1.Health"
 
@@ -48,22 +48,26 @@ def configure_tracing(service_name: str) -> bool:
     return True
 
 
-def _not_health() -> Any:
+def _not_health(details: Any) -> bool:
     """Every call but health checks and tick streams: a tick stream lives as long as its caller
-    and carries many requests' work (each request's trace has its items as spans instead)."""
-    return filters.all_of(
-        filters.negate(filters.service_name(_HEALTH)), filters.negate(filters.method_name("Ticks"))
-    )
+    and carries many requests' work (each request's trace has its items as spans instead).
+    Read from `details.method` directly: the instrumentation's own filters isinstance-check a
+    typing Protocol per call (about 20 us, once per request at 32 sessions' start)."""
+    method = details.method
+    if isinstance(method, bytes):  # grpc.aio's client call details carry bytes (grpc issue 31092)
+        method = method.decode()
+    service, _, name = method.lstrip("/").rpartition("/")
+    return service != _HEALTH and name != "Ticks"
 
 
 def server_interceptors() -> list[Any]:
     """For grpc.aio.server(interceptors=...): a span per call, joined to the caller's trace."""
-    return [aio_server_interceptor(filter_=_not_health())]
+    return [aio_server_interceptor(filter_=_not_health)]
 
 
 def client_interceptors() -> list[Any]:
     """For grpc.aio channels: a span per call, the trace context sent in the metadata."""
-    return aio_client_interceptors(filter_=_not_health())
+    return aio_client_interceptors(filter_=_not_health)
 
 
 def tracing_on() -> bool:
