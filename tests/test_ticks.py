@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from specmesh.core.drafting import TreeSpec, build_tree
+from specmesh.core.drafting import TreeSpec, build_tree, draft_many
+from specmesh.core.methods import Method
 from specmesh.core.sampling import Draws, SamplingParams, uniform_many
 from specmesh.core.ticks import ColumnError, Ragged, TreeColumns
 from specmesh.core.tree import SamplingMode
@@ -191,3 +192,40 @@ def test_a_ticks_observations_at_once_count_as_one_by_one() -> None:
         return [(s.name[1:], s.labels, s.value) for s in h.collect()[0].samples if "created" not in s.name]
 
     assert samples(one) == samples(many)
+
+
+def drafted(specs: list[TreeSpec], params: list[SamplingParams], keys: list[int]) -> list:
+    """draft_many over sessions below contexts of different lengths, driven as a drafter does."""
+    contexts = [tuple(range(k % 3)) for k in keys]
+    levels = draft_many(specs, params, [Draws.derive(k, 0, "draft") for k in keys])
+    asked = next(levels)
+    try:
+        while True:
+            asked = levels.send(
+                [
+                    DRAFT.next_logits(c)(paths) if paths else None
+                    for c, paths in zip(contexts, asked, strict=True)
+                ]
+            )
+    except StopIteration as done:
+        return done.value
+
+
+def test_a_sessions_draft_does_not_depend_on_the_others_in_its_tick() -> None:
+    """Chains and RSD-S beams are drafted together over the tick (one warp, one log-softmax, one
+    set of truncated Gumbels per level), the other methods tree by tree beside them: every tree,
+    greedy or sampled, is the one its session drafts alone, in any order."""
+    specs = [*SPECS, TreeSpec("rsd_s", depth=2, beam_width=2), TreeSpec("chain", depth=1)] * 5
+    params = [PARAMS[(i * 3) % len(PARAMS)] for i in range(len(specs))]
+    keys = list(range(len(specs)))
+    together = drafted(specs, params, keys)
+    alone = [drafted([s], [p], [k])[0] for s, p, k in zip(specs, params, keys, strict=True)]
+    for a, b in zip(together, alone, strict=True):
+        assert_same_tree(a, b)
+    order = np.random.default_rng(1).permutation(len(specs)).tolist()
+    shuffled = drafted([specs[i] for i in order], [params[i] for i in order], [keys[i] for i in order])
+    for i, tree in zip(order, shuffled, strict=True):
+        assert_same_tree(tree, alone[i])
+    beams = [t for s, t in zip(specs, alone, strict=True) if s.method is Method.RSD_S]
+    assert {p.greedy for s, p in zip(specs, params, strict=True) if s.method is Method.RSD_S} == {True, False}
+    assert len({tuple(t.tokens.tolist()) for t in beams}) > 2  # the seeds make different trees

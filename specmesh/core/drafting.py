@@ -123,57 +123,77 @@ def draft_many(
 ) -> ManyLevels:
     """The trees of a tick's sessions, level by level in lockstep: every level is one draft forward
     for all of them. Chains are sampled together (`_chain_levels`, one warp and one inverse CDF per
-    level for the tick); other methods run their own level protocol (`tree_levels`) side by side.
-    Each tree depends only on its own logits, params and draws, never on its neighbours."""
-    chains = [b for b, s in enumerate(specs) if s.method is Method.CHAIN]
-    chain = _chain_levels(
-        [specs[b].depth for b in chains], [params[b] for b in chains], [draws[b] for b in chains]
-    )
-    if len(chains) == len(specs):  # a tick of chains (the usual): nothing to interleave
-        return (yield from chain)
-    others = {
-        b: tree_levels(s, params[b], draws[b]) for b, s in enumerate(specs) if s.method is not Method.CHAIN
-    }
-    trees: dict[int, DraftTree | None] = {}
-    wants: dict[int, list[Path]] = {}
-    for b, levels in others.items():
-        wants[b] = next(levels)
-    chain_paths = next(chain) if chains else None
-    while True:
-        if chain_paths is not None:
-            wants.update(zip(chains, chain_paths, strict=True))
-        if not any(wants.values()):
+    level for the tick), so are RSD-S beams (`_beam_levels`); other methods run their own level
+    protocol (`tree_levels`) side by side. Each tree depends only on its own logits, params and
+    draws, never on its neighbours."""
+    groups: list[tuple[list[int], ManyLevels]] = []  # (its sessions, one protocol for all of them)
+    for method, levels in ((Method.CHAIN, _chain_levels), (Method.RSD_S, _beam_levels)):
+        members = [b for b, s in enumerate(specs) if s.method is method]
+        if members:
+            groups.append(
+                (
+                    members,
+                    levels(
+                        [specs[b] for b in members], [params[b] for b in members], [draws[b] for b in members]
+                    ),
+                )
+            )
+    grouped = {b for members, _ in groups for b in members}
+    groups += [
+        ([b], _one(tree_levels(s, params[b], draws[b]))) for b, s in enumerate(specs) if b not in grouped
+    ]
+    if len(groups) == 1:  # one family (the usual): nothing to interleave
+        return (yield from groups[0][1])
+    trees: list[DraftTree | None] = [None] * len(specs)
+    wants: dict[int, list[list[Path]]] = {}  # group -> what its sessions ask for this level
+    for g, (members, levels) in enumerate(groups):
+        try:
+            wants[g] = next(levels)
+        except StopIteration as done:
+            for b, tree in zip(members, done.value, strict=True):
+                trees[b] = tree
+    while wants:
+        asked: list[list[Path]] = [[] for _ in specs]
+        for g, paths in wants.items():
+            for b, p in zip(groups[g][0], paths, strict=True):
+                asked[b] = p
+        if not any(asked):
             break
-        logits = yield [wants.get(b, []) for b in range(len(specs))]
-        for b in list(others):
-            if not wants[b]:
-                continue
-            if logits[b] is None:  # dropped by the caller (its step failed, it was cancelled)
-                trees[b], wants[b] = None, []
-                del others[b]
+        logits = yield asked
+        for g in list(wants):
+            members, levels = groups[g]
+            if not any(wants[g]):
                 continue
             try:
-                wants[b] = others[b].send(logits[b])
+                wants[g] = levels.send([logits[b] for b in members])
             except StopIteration as done:
-                trees[b], wants[b] = done.value, []
-                del others[b]
-        if chain_paths is not None:
-            try:
-                chain_paths = chain.send([logits[b] for b in chains])
-            except StopIteration as done:
-                trees.update(zip(chains, done.value, strict=True))
-                for b in chains:
-                    wants[b] = []
-                chain_paths = None
-    return [trees[b] for b in range(len(specs))]
+                del wants[g]
+                for b, tree in zip(members, done.value, strict=True):
+                    trees[b] = tree
+    return trees
 
 
-def _chain_levels(depths: list[int], params: list[SamplingParams], draws: list[Draws]) -> ManyLevels:
-    """Chains of `depths[b]` tokens, drawn i.i.d. from the draft (plain speculative decoding). Level
+def _one(levels: Levels) -> ManyLevels:
+    """One tree's level protocol as a protocol of many (of one); a dropped session (its logits
+    None: its step failed, it was cancelled) ends with no tree."""
+    try:
+        paths = next(levels)
+        while True:
+            (logits,) = yield [paths]
+            if logits is None:
+                return [None]
+            paths = levels.send(logits)
+    except StopIteration as done:
+        return [done.value]
+
+
+def _chain_levels(specs: list[TreeSpec], params: list[SamplingParams], draws: list[Draws]) -> ManyLevels:
+    """Chains of `depth` tokens, drawn i.i.d. from the draft (plain speculative decoding). Level
     l: greedy chains take the argmax of their row, sampled ones warp their rows together and draw
     one token each by inverse CDF with their next uniform. A greedy chain keeps no distributions.
 
         depths [2, 1]: level 0 asks for both chains' root rows, level 1 only the first's."""
+    depths = [s.depth for s in specs]
     n_chains = len(depths)
     tokens: list[list[int]] = [[] for _ in depths]
     rows: list[list[torch.Tensor]] = [[] for _ in depths]
@@ -229,14 +249,12 @@ def _chain_tree(tokens: list[int], rows: list[torch.Tensor], vocab: int) -> Draf
 
 
 def tree_levels(spec: TreeSpec, params: SamplingParams, draws: Draws) -> Levels:
-    """The level protocol of one tree of a method other than chain."""
+    """The level protocol of one tree of a method drafted tree by tree (not chain or rsd_s)."""
     match spec.method:
         case Method.MCSD:
             return (yield from _build_kary(spec.branching, spec.replacement, params, draws))
         case Method.RSD_C:
             return (yield from _build_kary(spec.branching, False, params, draws))
-        case Method.RSD_S:
-            return (yield from _build_stochastic_beam(spec, params, draws))
         case Method.MTAD:
             return (yield from _build_mtad(spec, params, draws))
     raise ValueError(f"method {spec.method!r} drafts no tree from a draft model")
@@ -318,29 +336,83 @@ def truncated_gumbel(parent_score: torch.Tensor, perturbed: torch.Tensor) -> tor
     return parent_score - torch.nn.functional.softplus(v)
 
 
-def _build_stochastic_beam(spec: TreeSpec, params: SamplingParams, draws: Draws) -> Levels:
-    """RSD-S: each level keeps the global top-W (parent, token) pairs by truncated perturbed score,
-    in decreasing score order. A node may get no children; siblings may be non-contiguous."""
-    tree = _TreeBuilder()
-    beam = [-1]
-    seq_logp = torch.zeros(1, 1, dtype=torch.float64)  # phi: log p of each beam sequence
-    score = torch.zeros(1, 1, dtype=torch.float64)  # psi: truncated perturbed score of each sequence
-    for _ in range(spec.depth):
-        logits = (yield [tree.paths[n] for n in beam]).float()
-        probs = warp(logits, params)
-        token_logp = (logits.log_softmax(-1) if params.greedy else probs.log()).double()
-        phi = seq_logp + token_logp
-        psi = phi if params.greedy else truncated_gumbel(score, phi + gumbel_like(phi, draws.generator()))
-        width = min(spec.beam_width, int(torch.isfinite(psi).sum()))
-        top = psi.flatten().topk(width)
-        vocab = psi.shape[-1]
-        parent_idx, token = top.indices // vocab, top.indices % vocab
-        beam = [
-            tree.add(beam[b], x, probs[b]) for b, x in zip(parent_idx.tolist(), token.tolist(), strict=True)
+def _beam_levels(specs: list[TreeSpec], params: list[SamplingParams], draws: list[Draws]) -> ManyLevels:
+    """RSD-S trees of a tick's sessions in lockstep: each level keeps, per session, the global top-W
+    (parent, token) pairs by truncated perturbed score, in decreasing score order (a node may get
+    no children; siblings may be non-contiguous). The level's vocabulary-wide math (warp,
+    log-probabilities, truncated Gumbels) runs once over every session's beam rows, and so does
+    the top-W, over the rows padded to [sessions, rows x V]; per session remain its Gumbel draws
+    (its own stream) and its nodes. Every step is per row or per session, so a tree is what it
+    would be alone. Two sessions, beam_width 2, then 3:
+
+        level 0   rows [1 | 1]    padded [2, 1 x V]   top-3, session 0 keeps its first 2
+        level 1   rows [2 | 3]    padded [2, 3 x V]   session 0's third row all -inf"""
+    n = len(specs)
+    trees = [_TreeBuilder() for _ in specs]
+    beams: list[list[int]] = [[-1] for _ in specs]
+    seq_logp = [torch.zeros(1, 1, dtype=torch.float64) for _ in specs]  # phi: log p of each beam
+    score = [torch.zeros(1, 1, dtype=torch.float64) for _ in specs]  # psi: truncated perturbed score
+    dropped: set[int] = set()
+    for level in range(max((s.depth for s in specs), default=0)):
+        active = [b for b in range(n) if level < specs[b].depth and b not in dropped]
+        if not active:
+            break
+        asking = set(active)
+        logits = yield [[trees[b].paths[x] for x in beams[b]] if b in asking else [] for b in range(n)]
+        dropped.update(b for b in active if logits[b] is None)
+        active = [b for b in active if logits[b] is not None]
+        if not active:
+            break
+        sizes = [logits[b].shape[0] for b in active]
+        rows = torch.cat([logits[b] for b in active]).float()  # [sum of beams, V]
+        row_params = [params[b] for b, size in zip(active, sizes, strict=True) for _ in range(size)]
+        probs = warp_rows(rows, row_params)
+        greedy = [params[b].greedy for b in active]
+        if all(greedy):  # beams ranked by the unwarped log-probabilities
+            token_logp = rows.log_softmax(-1)
+        elif not any(greedy):
+            token_logp = probs.log()
+        else:
+            is_greedy = torch.tensor([p.greedy for p in row_params]).unsqueeze(-1)
+            token_logp = torch.where(is_greedy, rows.log_softmax(-1), probs.log())
+        phi = torch.cat([seq_logp[b] for b in active]) + token_logp.double()  # [sum of beams, V]
+        psi = phi
+        if not all(greedy):
+            perturbed = torch.cat(
+                [
+                    chunk if params[b].greedy else chunk + gumbel_like(chunk, draws[b].generator())
+                    for b, chunk in zip(active, phi.split(sizes), strict=True)
+                ]
+            )
+            truncated = truncated_gumbel(torch.cat([score[b] for b in active]), perturbed)
+            psi = truncated if not any(greedy) else torch.where(is_greedy, phi, truncated)
+        # each session's top-W over its [rows x V], all at once: rows padded to the longest beam
+        # with -inf, which no pick reaches (W is at most the session's finite scores)
+        finite = torch.isfinite(psi).sum(-1).tolist()
+        offsets = [sum(sizes[:j]) for j in range(len(active))]
+        widths = [
+            min(specs[b].beam_width, sum(finite[at : at + size]))
+            for b, at, size in zip(active, offsets, sizes, strict=True)
         ]
-        seq_logp = phi[parent_idx, token].unsqueeze(-1)
-        score = top.values.unsqueeze(-1)
-    return tree.finish(SamplingMode.WITHOUT_REPLACEMENT)
+        vocab, most = psi.shape[-1], max(sizes)
+        member = torch.tensor([j for j, size in enumerate(sizes) for _ in range(size)])
+        within = torch.tensor([r for size in sizes for r in range(size)])
+        padded = psi.new_full((len(active), most, vocab), -math.inf)
+        padded[member, within] = psi
+        top = padded.view(len(active), most * vocab).topk(max(widths))
+        parents, tokens = (top.indices // vocab).tolist(), (top.indices % vocab).tolist()
+        kept_rows, kept_tokens = [], []
+        for j, b in enumerate(active):
+            picks = list(zip(parents[j][: widths[j]], tokens[j][: widths[j]], strict=True))
+            beams[b] = [trees[b].add(beams[b][i], x, probs[offsets[j] + i]) for i, x in picks]
+            kept_rows += [offsets[j] + i for i, _ in picks]
+            kept_tokens += [x for _, x in picks]
+        kept = torch.arange(top.values.shape[-1]) < torch.tensor(widths).unsqueeze(-1)  # [B, max W]
+        for b, phi_b, score_b in zip(
+            active, phi[kept_rows, kept_tokens].split(widths), top.values[kept].split(widths), strict=True
+        ):
+            seq_logp[b], score[b] = phi_b.unsqueeze(-1), score_b.unsqueeze(-1)
+    return [None if b in dropped else trees[b].finish(SamplingMode.WITHOUT_REPLACEMENT) for b in range(n)]
 
 
 def _build_mtad(spec: TreeSpec, params: SamplingParams, draws: Draws) -> Levels:
