@@ -127,21 +127,12 @@ def draft_many(
     protocol (`tree_levels`) side by side. Each tree depends only on its own logits, params and
     draws, never on its neighbours."""
     groups: list[tuple[list[int], ManyLevels]] = []  # (its sessions, one protocol for all of them)
-    for method, levels in ((Method.CHAIN, _chain_levels), (Method.RSD_S, _beam_levels)):
+    for method, levels in _DRAFTED_TOGETHER.items():
         members = [b for b, s in enumerate(specs) if s.method is method]
         if members:
-            groups.append(
-                (
-                    members,
-                    levels(
-                        [specs[b] for b in members], [params[b] for b in members], [draws[b] for b in members]
-                    ),
-                )
-            )
-    grouped = {b for members, _ in groups for b in members}
-    groups += [
-        ([b], _one(tree_levels(s, params[b], draws[b]))) for b, s in enumerate(specs) if b not in grouped
-    ]
+            groups.append((members, levels(*([xs[b] for b in members] for xs in (specs, params, draws)))))
+    alone = [b for b, s in enumerate(specs) if s.method not in _DRAFTED_TOGETHER]
+    groups += [([b], _one(tree_levels(specs[b], params[b], draws[b]))) for b in alone]
     if len(groups) == 1:  # one family (the usual): nothing to interleave
         return (yield from groups[0][1])
     trees: list[DraftTree | None] = [None] * len(specs)
@@ -386,33 +377,49 @@ def _beam_levels(specs: list[TreeSpec], params: list[SamplingParams], draws: lis
             )
             truncated = truncated_gumbel(torch.cat([score[b] for b in active]), perturbed)
             psi = truncated if not any(greedy) else torch.where(is_greedy, phi, truncated)
-        # each session's top-W over its [rows x V], all at once: rows padded to the longest beam
-        # with -inf, which no pick reaches (W is at most the session's finite scores)
         finite = torch.isfinite(psi).sum(-1).tolist()
         offsets = [sum(sizes[:j]) for j in range(len(active))]
         widths = [
             min(specs[b].beam_width, sum(finite[at : at + size]))
             for b, at, size in zip(active, offsets, sizes, strict=True)
         ]
-        vocab, most = psi.shape[-1], max(sizes)
-        member = torch.tensor([j for j, size in enumerate(sizes) for _ in range(size)])
-        within = torch.tensor([r for size in sizes for r in range(size)])
-        padded = psi.new_full((len(active), most, vocab), -math.inf)
-        padded[member, within] = psi
-        top = padded.view(len(active), most * vocab).topk(max(widths))
-        parents, tokens = (top.indices // vocab).tolist(), (top.indices % vocab).tolist()
+        picks, scores = _top_w(psi, sizes, widths)
         kept_rows, kept_tokens = [], []
-        for j, b in enumerate(active):
-            picks = list(zip(parents[j][: widths[j]], tokens[j][: widths[j]], strict=True))
-            beams[b] = [trees[b].add(beams[b][i], x, probs[offsets[j] + i]) for i, x in picks]
-            kept_rows += [offsets[j] + i for i, _ in picks]
-            kept_tokens += [x for _, x in picks]
-        kept = torch.arange(top.values.shape[-1]) < torch.tensor(widths).unsqueeze(-1)  # [B, max W]
+        for b, at, session_picks in zip(active, offsets, picks, strict=True):
+            beams[b] = [trees[b].add(beams[b][i], x, probs[at + i]) for i, x in session_picks]
+            kept_rows += [at + i for i, _ in session_picks]
+            kept_tokens += [x for _, x in session_picks]
         for b, phi_b, score_b in zip(
-            active, phi[kept_rows, kept_tokens].split(widths), top.values[kept].split(widths), strict=True
+            active, phi[kept_rows, kept_tokens].split(widths), scores.split(widths), strict=True
         ):
             seq_logp[b], score[b] = phi_b.unsqueeze(-1), score_b.unsqueeze(-1)
     return [None if b in dropped else trees[b].finish(SamplingMode.WITHOUT_REPLACEMENT) for b in range(n)]
+
+
+# the families whose trees a tick drafts as one protocol (the others go tree by tree)
+_DRAFTED_TOGETHER: dict[Method, Callable[..., ManyLevels]] = {
+    Method.CHAIN: _chain_levels,
+    Method.RSD_S: _beam_levels,
+}
+
+
+def _top_w(
+    psi: torch.Tensor, sizes: list[int], widths: list[int]
+) -> tuple[list[list[tuple[int, int]]], torch.Tensor]:
+    """Each session's widths[j] best (row, token) pairs of its sizes[j] rows of psi [sum(sizes), V],
+    in decreasing score, and their scores (flat, session after session): one topk over the rows
+    padded to [sessions, most rows x V] with -inf, which no pick reaches (a width is at most the
+    session's finite scores). Rows are the session's own (0 .. sizes[j] - 1)."""
+    vocab, most = psi.shape[-1], max(sizes)
+    member = torch.tensor([j for j, size in enumerate(sizes) for _ in range(size)])
+    within = torch.tensor([r for size in sizes for r in range(size)])
+    padded = psi.new_full((len(sizes), most, vocab), -math.inf)
+    padded[member, within] = psi
+    top = padded.view(len(sizes), most * vocab).topk(max(widths))
+    rows, tokens = (top.indices // vocab).tolist(), (top.indices % vocab).tolist()
+    picks = [list(zip(r[:w], t[:w], strict=True)) for r, t, w in zip(rows, tokens, widths, strict=True)]
+    kept = torch.arange(top.values.shape[-1]) < torch.tensor(widths).unsqueeze(-1)  # [sessions, max W]
+    return picks, top.values[kept]
 
 
 def _build_mtad(spec: TreeSpec, params: SamplingParams, draws: Draws) -> Levels:
