@@ -255,10 +255,28 @@ def _chat_message(i: int, m: Any) -> dict[str, Any]:
     """A ChatMessage as the chat template takes it (OpenAI's message shape)."""
     message: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls_json:
-        message["tool_calls"] = _json_field(m.tool_calls_json, f"chat.messages[{i}].tool_calls_json", list)
+        field = f"chat.messages[{i}].tool_calls_json"
+        message["tool_calls"] = [
+            _template_call(f"{field}[{j}]", c)
+            for j, c in enumerate(_json_field(m.tool_calls_json, field, list))
+        ]
     if m.tool_call_id:
         message["tool_call_id"] = m.tool_call_id
     return message
+
+
+def _template_call(field: str, call: Any) -> dict[str, Any]:
+    """An earlier call as chat templates take it: OpenAI sends its arguments as JSON text, a
+    template writes them with `tojson` and expects an object (vLLM converts them the same way)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise wire.WireError(field, 'must be {"id", "type": "function", "function": {"name", "arguments"}}')
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        arguments = _json_field(arguments, f"{field}.function.arguments", dict)
+    if not isinstance(arguments, dict):
+        raise wire.WireError(f"{field}.function.arguments", "must be a JSON object")
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _json_field(text: str, field: str, kind: type) -> Any:
@@ -267,7 +285,7 @@ def _json_field(text: str, field: str, kind: type) -> Any:
     except ValueError as exc:
         raise wire.WireError(field, f"not valid JSON: {exc}") from None
     if not isinstance(value, kind):
-        raise wire.WireError(field, f"must be a JSON {kind.__name__}")
+        raise wire.WireError(field, f"must be a JSON {'object' if kind is dict else kind.__name__}")
     return value
 
 

@@ -58,6 +58,7 @@ from specmesh.core.logprobs import TokenLogprob
 from specmesh.core.methods import Method
 from specmesh.core.rounds import keep_emitted
 from specmesh.core.stats import GenerationStats
+from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2_grpc
 from specmesh.rpc.round_client import (
     Placement,
@@ -105,11 +106,12 @@ CLIENT_DEADLINE_SLACK = 0.05
 
 
 class GatewayError(Exception):
-    """A request that ends with this status code and message."""
+    """A request that ends with this status code and message; `field`: the request's field it
+    names (the message starts with it), for fronts that name fields their own way."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None) -> None:
         super().__init__(message)
-        self.code = code
+        self.code, self.field = code, field
 
 
 @dataclass
@@ -675,8 +677,8 @@ class SessionRun:
             await asyncio.sleep(0.05)
             return
         if code == grpc.StatusCode.INVALID_ARGUMENT:  # a replica limit, e.g. tree_spec.depth
-            details = error.details() or ""
-            raise GatewayError(code, details.replace("tree_spec", "speculation", 1)) from None
+            details = (error.details() or "").replace("tree_spec", "speculation", 1)
+            raise GatewayError(code, details, wire.field_of(details)) from None
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._client_deadline_reached():
             # the client's deadline, not the replica: marking it failed ejected a lone verifier and
             # the next clients got UNAVAILABLE (tests/test_gateway.py, tiny deadlines)

@@ -28,9 +28,10 @@ from grpc_health.v1 import health, health_pb2
 
 from gateway.api import SESSION_ID_METADATA, gateway_pb2, gateway_pb2_grpc, logprobs_to_proto
 from gateway.dsi import DsiRun
-from gateway.http_server import HttpServer
+from gateway.http.app import create_app
+from gateway.http.server import HttpServer
+from gateway.http.tools import TOOL_PARSERS
 from gateway.metrics import GatewayMetrics, RequestClock
-from gateway.openai_api import create_app
 from gateway.pools import NoHealthyReplica, ReplicaPool
 from gateway.requests import (
     AUTO_SPEC,
@@ -113,6 +114,7 @@ class GatewayConfig(ServerConfig):
     plain_steps: int
     http_port: int
     served_model_name: str
+    tool_call_parser: str
     max_concurrent_requests: int
     api_keys: str
     max_depth: int
@@ -136,6 +138,8 @@ class GatewayConfig(ServerConfig):
         Pipelining.parse(self.pipeline)
         if self.plain_steps > MAX_PLAIN_STEPS:
             raise ValueError(f"--plain-steps must be at most {MAX_PLAIN_STEPS}")
+        if self.tool_call_parser not in ("auto", "none", *TOOL_PARSERS):
+            raise ValueError(f"--tool-call-parser: one of auto, none, {', '.join(TOOL_PARSERS)}")
 
 
 _FLAGS: dict[str, tuple[type, str]] = {
@@ -211,6 +215,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
     ),
     "http_port": (int, "port of the OpenAI-compatible HTTP API, /health and /metrics (0 = off)"),
     "served_model_name": (str, "the model name of the HTTP API (empty: the verifier's model id)"),
+    "tool_call_parser": (
+        str,
+        "how the HTTP API reads tool calls out of a model's text with tool_choice auto: auto (the "
+        f"syntax the chat template teaches), none (auto refused), or one of: {', '.join(TOOL_PARSERS)}",
+    ),
     "max_concurrent_requests": (
         int,
         "generations at once; one more is refused at once with RESOURCE_EXHAUSTED / HTTP 429 (0 = no limit)",
@@ -264,6 +273,7 @@ DEFAULTS: dict[str, Any] = {
     "plain_steps": 4,
     "http_port": 8000,
     "served_model_name": "",
+    "tool_call_parser": "auto",
     "max_concurrent_requests": 0,
     "api_keys": "",
     "replica_ca": "",
@@ -538,6 +548,10 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         """One token's text, as the HTTP API's logprobs name it (vLLM's: the token decoded alone)."""
         return self.served_model().tokenizer.decode([token_id])
 
+    def tool_call_parser(self) -> str:
+        """--tool-call-parser (the HTTP API's)."""
+        return self.config.tool_call_parser
+
     def model_name(self) -> str:
         """The model's name in the HTTP API: --served-model-name, else the verifier's model id."""
         return self.config.served_model_name or self.served_model().name
@@ -663,11 +677,11 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
                 return await self.env.store.take(session_id)
             except SessionNotFound:
                 message = f"resume.session_id: no session {session_id} (finished, expired or unknown)"
-                raise GatewayError(grpc.StatusCode.NOT_FOUND, message) from None
+                raise GatewayError(grpc.StatusCode.NOT_FOUND, message, "resume.session_id") from None
             except NotOwner as exc:
                 if loop.time() + exc.retry_after > end:
                     raise GatewayError(
-                        grpc.StatusCode.FAILED_PRECONDITION, f"resume.session_id: {exc}"
+                        grpc.StatusCode.FAILED_PRECONDITION, f"resume.session_id: {exc}", "resume.session_id"
                     ) from None
                 await asyncio.sleep(exc.retry_after + 0.01)
 
@@ -742,6 +756,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"speculation.parallel: {settings.parallel} is above the gateway's limit of {limit} "
                 "(--dsi-max-parallel)",
+                "speculation.parallel",
             )
         available = max(1, min(limit, len(self.env.verifiers.healthy())))
         parallels = [settings.parallel] if settings.parallel else range(1, available + 1)
@@ -762,12 +777,14 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             raise GatewayError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "speculation.method: 'ngram' needs n-gram drafters; this gateway has none (--ngram-drafters)",
+                "speculation.method",
             )
         if plan.spec.method.needs_model and self.env.drafters is None:
             raise GatewayError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"speculation.method: {plan.spec.method!r} needs drafters; this gateway has none "
                 "(--drafters), use method 'none'",
+                "speculation.method",
             )
         return plan
 

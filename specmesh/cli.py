@@ -203,6 +203,12 @@ def _bench_http(args: argparse.Namespace) -> int:
     return 0 if results["errors"] == 0 else 1
 
 
+def _bench_tools(args: argparse.Namespace) -> int:
+    from specmesh.bench.tools import bench_tools
+
+    return _write_json(args.json, bench_tools(args.url, args.model, args.max_new_tokens))
+
+
 def _bench_gateway(args: argparse.Namespace) -> int:
     from specmesh.bench.gateway import bench_gateway
 
@@ -902,6 +908,15 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     http.add_argument("--json", help="also write the results here")
     http.set_defaults(func=_bench_http)
+
+    tools = bench.add_parser(
+        "tools", help="tool calls with tool_choice left out (auto) through any OpenAI-compatible server"
+    )
+    tools.add_argument("--url", default="http://127.0.0.1:8000", help="the server's HTTP API")
+    tools.add_argument("--model", default=None, help="model name (default: the server's first)")
+    tools.add_argument("--max-new-tokens", type=int, default=128, help="max_tokens per answer")
+    tools.add_argument("--json", help="also write the results here")
+    tools.set_defaults(func=_bench_tools)
 
     demo = sub.add_parser("demo", help="in-process generation on the default pair, AR vs speculative")
     demo.add_argument("prompt", nargs="?", default=DEMO_PROMPT, help="the prompt (default: a Python stub)")

@@ -437,6 +437,9 @@ BAD: dict[str, tuple[str, dict, int, str | None]] = {
     "speculation-depth-negative": ("completions", {**BASE, "speculation": {"depth": -1}}, 400, "speculation"),
     "speculation-parallel-without-dsi": ("completions", {**BASE, "speculation": {"parallel": 2}}, 400,
                                          "speculation.parallel"),
+    # the plain tiny template teaches no tool-call syntax: "auto" (the default with tools) has no parser
+    "tools-auto-without-parser": ("chat", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]
+                                           }, 400, "tool_choice"),
 }  # fmt: skip
 
 
@@ -447,7 +450,7 @@ CODES = {
     "model-missing": "missing_required_parameter", "model-unknown": "model_not_found",
     "frequency-penalty": "unsupported_parameter", "echo": "unsupported_parameter",
     "message-without-role": "missing_required_parameter", "message-image-part": "invalid_type",
-    "prompt-beyond-context": "context_length_exceeded",
+    "prompt-beyond-context": "context_length_exceeded", "tools-auto-without-parser": "unsupported_value",
 }  # fmt: skip
 
 

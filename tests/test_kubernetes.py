@@ -593,10 +593,10 @@ def test_gpu_overlay_puts_only_the_verifier_on_a_gpu():
         container = _container_running(workload, "verifier_service")
         verifiers[stack_name] = workload, container, _parsed(f"{stack_name}: verifier", container)
     _, cpu_container, cpu_config = verifiers["base"]
-    assert cpu_config.device == "cpu" and cpu_container["image"] == "specmesh:cpu"
+    assert cpu_config.device == "cpu" and cpu_container["image"] == "specmesh:verifier-cpu"
     assert "nvidia.com/gpu" not in cpu_container["resources"]["limits"]
     workload, container, config = verifiers["gpu"]
-    assert config.device == "cuda" and container["image"] == "specmesh:cuda"
+    assert config.device == "cuda" and container["image"] == "specmesh:verifier-cuda"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert container["resources"]["requests"]["nvidia.com/gpu"] == 1
     assert workload["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0, "a surge would need a spare GPU"
@@ -663,3 +663,30 @@ def test_kustomize_cli_agrees(stack_name):
     assert set(theirs) == set(ours)
     for key, obj in ours.items():  # the objects checked above are exactly what kustomize builds
         assert theirs[key] == obj, f"{stack_name}: {key} differs from `{' '.join(cli)}`"
+
+
+# The Dockerfile target (and image) of each role, as docker-compose.yml builds them; a pod's init
+# containers run its main container's image. The model Job converts weights: the drafter's torch.
+ROLE_IMAGES = {
+    "gateway": "specmesh:gateway", "drafter_service": "specmesh:drafter",
+    "verifier_service": "specmesh:verifier-cpu", "specmesh": "specmesh:drafter",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("stack_name", ["base", "gpu"])
+def test_every_pod_runs_the_image_of_its_role(stack_name):
+    targets = set(re.findall(r"^FROM \S+ AS (\S+)", (ROOT / "docker" / "Dockerfile").read_text(), re.M))
+    seen = set()
+    for obj in build(STACKS[stack_name]):
+        if obj["kind"] not in WORKLOADS or not any(_ours(c) for c in _main(obj)):
+            continue
+        command = _main(obj)[0]["command"]
+        role = command[2] if command[:2] == ["python", "-m"] else command[0]
+        image = ROLE_IMAGES[role]
+        if stack_name == "gpu" and role == "verifier_service":
+            image = "specmesh:verifier-cuda"
+        for container in _containers(_pod_template(obj)["spec"]):
+            assert container["image"] == image, f"{obj['metadata']['name']}: {container['name']}"
+        assert image.split(":")[1] in targets
+        seen.add(role)
+    assert seen == set(ROLE_IMAGES)

@@ -113,7 +113,7 @@ def test_the_gateway_imports_without_the_model_backends() -> None:
         import sys
         for name in ("torch", "llama_cpp", "gguf", "accelerate", "transformers"):
             sys.modules[name] = None  # import raises ModuleNotFoundError
-        import gateway.server, gateway.http_server, gateway.openai_api, gateway.dsi
+        import gateway.server, gateway.http.server, gateway.http.app, gateway.dsi
         import specmesh.cli, specmesh.rpc.health, specmesh.stack.certs
         import numpy as np
         from specmesh.core.drafting import TreeSpec
@@ -205,7 +205,7 @@ def test_a_gateway_only_install_serves_replicas_of_another_venv(models, tmp_path
     run.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     probe = (
-        "import importlib.util as u, json, gateway.server, gateway.http_server; "
+        "import importlib.util as u, json, gateway.server, gateway.http.server; "
         "print(json.dumps({m: u.find_spec(m) is not None for m in "
         "('torch', 'llama_cpp', 'accelerate', 'gguf', 'specmesh')} | {'file': gateway.server.__file__}))"
     )

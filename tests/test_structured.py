@@ -309,14 +309,113 @@ def test_required_calls_one_of_the_tools_and_the_call_can_be_answered(client) ->
     assert names <= set(TOOLS)
 
 
+# tool_choice "auto" (the default with tools): the byte pair's template teaches Hermes-style calls,
+# so the gateway parses them. A random model writes no call by itself: a regex makes it write one
+# (or a broken one), through the same path a real model's text takes.
+CALL = (
+    r'<tool_call>\n\{"name":"get_weather","arguments":\{"city":"(Paris|Oslo)","days":[1-7]\}\}\n</tool_call>'
+)
+TIME_CALL = r'<tool_call>\n\{"name":"get_time","arguments":\{"utc":(true|false)\}\}\n</tool_call>'
+HI = [{"role": "user", "content": "hi"}]  # the byte pair's context is 256 tokens
+AUTO = dict(model="tiny", messages=HI, max_tokens=160, temperature=0.9, tools=[WEATHER, TIME])
+
+
+def auto_answer(client, regex: str, seed: int, stream: bool, **more) -> tuple[str | None, list, str]:
+    """(content, [(name, arguments as a dict)], finish_reason), whole or accumulated from a stream
+    as the openai client's users do (deltas merged by tool call index)."""
+    kwargs = {**AUTO, "seed": seed, "extra_body": {"constraint": {"regex": regex}}, **more}
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+        for c in choice.message.tool_calls or []:
+            check_call(c)
+        return choice.message.content, calls, choice.finish_reason
+    content, parts, finish = "", {}, None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        if not chunk.choices:
+            continue
+        delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
+        content += delta.content or ""
+        for t in delta.tool_calls or []:
+            part = parts.setdefault(t.index, {"name": "", "arguments": "", "id": ""})
+            part["id"] += t.id or ""
+            part["name"] += (t.function.name or "") if t.function else ""
+            part["arguments"] += (t.function.arguments or "") if t.function else ""
+    assert all(p["id"].startswith("call_") for p in parts.values())
+    calls = [(p["name"], json.loads(p["arguments"])) for _, p in sorted(parts.items())]
+    return content or None, calls, finish
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_auto_reads_the_models_calls_whole_or_streamed_alike(client, stream) -> None:
+    regex = rf"Ok\.\n{CALL}\n{TIME_CALL}"
+    for seed in range(3):
+        content, calls, finish = auto_answer(client, regex, seed, stream)
+        assert (content, finish) == ("Ok.", "tool_calls")
+        assert [name for name, _ in calls] == ["get_weather", "get_time"]
+        assert (content, calls, finish) == auto_answer(client, regex, seed, not stream)
+        one = auto_answer(client, regex, seed, stream, parallel_tool_calls=False)
+        assert one == (content, calls[:1], finish)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_auto_keeps_a_broken_call_as_text(client, stream) -> None:
+    regex = r'<tool_call>\n\{"name": "get_weather", "arguments": \[(1|2)\]\}\n</tool_call>'
+    content, calls, finish = auto_answer(client, regex, 0, stream)
+    assert calls == [] and finish == "stop"
+    assert re.fullmatch(regex, content), content
+
+
+def test_greedy_with_tools_auto_is_the_targets_own_greedy(stack, byte_models) -> None:
+    """Parsing only reads the text: the tokens are the target's greedy decode of the prompt the
+    template writes with the tools."""
+    tokenizer = AutoTokenizer.from_pretrained(byte_models["target"])
+    prompt = tokenizer.apply_chat_template(
+        HI, tools=[WEATHER, TIME], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    next_logits = transformers_logits(byte_models["target"], list(prompt))
+    want, logits = [], next_logits([])
+    for _ in range(24):
+        want.append(int(logits.argmax()))
+        logits = next_logits(want[-1:])
+    body = {**AUTO, "temperature": 0, "max_tokens": 24, "logprobs": True}
+    for spec in ("none", "chain", "rsd_s"):
+        body["speculation"] = SPECS[spec]
+        response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60).json()
+        tokens = [t["token"] for t in response["choices"][0]["logprobs"]["content"]]
+        assert tokens == [tokenizer.decode([w]) for w in want], spec
+        assert response["choices"][0]["message"]["content"] == tokenizer.decode(want), spec
+
+
+def test_auto_answers_can_be_followed_by_tool_messages(client) -> None:
+    answer = client.chat.completions.create(
+        **{**AUTO, "seed": 1, "extra_body": {"constraint": {"regex": CALL}}}
+    )
+    call = answer.choices[0].message.tool_calls[0]
+    follow_up = [
+        *HI,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
+    again = client.chat.completions.create(**{**AUTO, "messages": follow_up, "max_tokens": 8, "seed": 2})
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+BROKEN_CALL = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{utc"}}]}  # fmt: skip
 BAD_TOOLS = {
-    "auto": ({"tools": [WEATHER]}, "tool_choice"),
     "unknown-function": ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
                          "tool_choice.function.name"),
     "choice-without-tools": ({"tool_choice": "required"}, "tool_choice"),
     "duplicate-names": ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
     "bad-parameters": ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}],
                         "tool_choice": "required"}, "tools"),
+    "tool-without-name": ({"tools": [{"type": "function", "function": {"parameters": {}}}]},
+                          "tools[0].function.name"),
+    "tool-message-without-call-id": ({"messages": [*MESSAGES, {"role": "tool", "content": "sunny"}]},
+                                     "messages[1].tool_call_id"),
+    "call-arguments-not-json": ({"messages": [*MESSAGES, BROKEN_CALL]},
+                                "messages[1].tool_calls[0].function.arguments"),
 }  # fmt: skip
 
 

@@ -98,7 +98,11 @@ def _gpt2_byte_of() -> dict[str, int]:
 
 _GPT2_BYTE_OF = _gpt2_byte_of()
 BYTE_VOCAB = 256 + len(SPECIALS)
+# With tools it names them and teaches Hermes-style calls (<tool_call>...</tool_call>), as Qwen2.5's
+# template does (the gateway picks its tool-call parser by the template); short, for a 256-token context.
 BYTE_CHAT_TEMPLATE = (
+    "{% if tools %}tools: {{ tools | map(attribute='function.name') | join(', ') }}; call one as "
+    "<tool_call>{...}</tool_call>\n{% endif %}"
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )

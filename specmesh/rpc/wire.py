@@ -69,6 +69,16 @@ class WireError(ValueError):
         self.field = field
 
 
+_FIELD = re.compile(r"[a-z_][a-z0-9_]*(\[\d+\])?(\.[a-z_][a-z0-9_]*(\[\d+\])?)*")
+
+
+def field_of(details: str) -> str | None:
+    """The field an INVALID_ARGUMENT's details name ("field: problem", a WireError's form), read
+    where a status arrives over gRPC as text; None if they name none."""
+    field, sep, _ = details.partition(":")
+    return field if sep and _FIELD.fullmatch(field) else None
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one replica accepts (its --max-* flags)."""
