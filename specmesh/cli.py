@@ -545,6 +545,61 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+BACKEND_CHOICES = ("auto", "torch", "llama.cpp")  # the model services' --backend
+GATEWAY_ADDRESS, GATEWAY_URL = "127.0.0.1:50051", "http://127.0.0.1:8000"  # `specmesh up`'s defaults
+
+
+# ---- flags several subcommands take: written once here (vLLM's add_cli_args) --------------------
+
+
+def _add_pair_flags(
+    parser: argparse.ArgumentParser, draft: str = "draft model", target: str = "target model"
+) -> None:
+    parser.add_argument("--draft", default="default-draft", help=f"{draft}: a source name or a path")
+    parser.add_argument("--target", default="default-target", help=f"{target}: a source name or a path")
+
+
+def _add_gateway_flags(parser: argparse.ArgumentParser, grpc: bool = True, http: bool = False) -> None:
+    """Where a running gateway (`specmesh up`) answers."""
+    if grpc:
+        parser.add_argument(
+            "--address", default=GATEWAY_ADDRESS, help="the gateway's gRPC address, HOST:PORT"
+        )
+    if http:
+        parser.add_argument("--url", default=GATEWAY_URL, help="the gateway's HTTP API")
+
+
+def _add_workload_flags(
+    parser: argparse.ArgumentParser, max_new_tokens: int, prompts: int | None = None, what: str = "prompts"
+) -> None:
+    """How much a benchmark asks for: `prompts` (None: no such flag) of `what`, max_new_tokens each."""
+    if prompts is not None:
+        parser.add_argument("--prompts", type=int, default=prompts, help=what)
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens per prompt")
+
+
+def _add_temperatures_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0, 1.0],
+        help="sampling temperatures, one run each",
+    )
+
+
+def _add_output_flags(
+    parser: argparse.ArgumentParser, json: str = "also write the results here", markdown: bool = False,
+    plot: str | None = None,
+) -> None:  # fmt: skip
+    """Where a benchmark writes what it measured, besides its printout."""
+    parser.add_argument("--json", help=json)
+    if markdown:
+        parser.add_argument("--markdown", help="write the table here")
+    if plot:
+        parser.add_argument("--plot", help=plot)
+
+
 def _add_request_flags(parser: argparse.ArgumentParser, max_new_tokens: int | None) -> None:
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     parser.add_argument(
@@ -658,7 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument(
         "--backend",
         default="auto",
-        choices=["auto", "torch", "llama.cpp"],
+        choices=BACKEND_CHOICES,
         help="the backend that will run them: llama.cpp needs the GGUF files only, torch converted "
         "bf16 folders (auto: llama.cpp on a machine without a GPU)",
     )
@@ -671,7 +726,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--repeats", type=int, default=20, help="timed runs per tree")
     verify.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    verify.add_argument("--json", help="also write the results here")
+    _add_output_flags(verify)
     verify.set_defaults(func=_bench_verify)
 
     dsi_sim = bench.add_parser(
@@ -680,28 +735,18 @@ def build_parser() -> argparse.ArgumentParser:
     dsi_sim.add_argument("--out", default="docs/benchmarks", help="where dsi.md and its plots go")
     dsi_sim.add_argument("--repeats", type=int, default=1000, help="sampled runs per Table 2 row (0: none)")
     dsi_sim.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")
-    dsi_sim.add_argument("--json", help="also write the Table 2 rows (the paper's figure and ours) here")
+    _add_output_flags(dsi_sim, json="also write the Table 2 rows (the paper's figure and ours) here")
     dsi_sim.set_defaults(func=_bench_dsi)
 
     engine = bench.add_parser(
         "engine", help="engine tokens/s on the real pair, autoregressive vs speculative"
     )
-    engine.add_argument("--draft", default="default-draft", help="draft model: a source name or a path")
-    engine.add_argument("--target", default="default-target", help="target model: a source name or a path")
+    _add_pair_flags(engine)
     engine.add_argument("--dtype", default="bf16", help="torch dtype of both models")
-    engine.add_argument(
-        "--backend", default="torch", choices=["auto", "torch", "llama.cpp"], help="model backend"
-    )
-    engine.add_argument("--prompts", type=int, default=3, help="HumanEval prompts")
-    engine.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
-    engine.add_argument(
-        "--temperatures",
-        type=float,
-        nargs="+",
-        default=[0.0, 1.0],
-        help="sampling temperatures, one run each",
-    )
-    engine.add_argument("--json", help="also write the results here")
+    engine.add_argument("--backend", default="torch", choices=BACKEND_CHOICES, help="model backend")
+    _add_workload_flags(engine, 64, prompts=3, what="HumanEval prompts")
+    _add_temperatures_flag(engine)
+    _add_output_flags(engine)
     engine.set_defaults(func=_bench_engine)
 
     report = bench.add_parser(
@@ -717,8 +762,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--out", default="docs/benchmarks", help="folder of results.json, README.md and plots"
     )
-    report.add_argument("--draft", default="default-draft", help="draft model: a source name or a path")
-    report.add_argument("--target", default="default-target", help="target model: a source name or a path")
+    _add_pair_flags(report)
     report.add_argument(
         "--draft-dtypes", default="int8,bf16", help="drafter dtypes; the sweeps use the first"
     )
@@ -758,13 +802,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the DSI paper's Table 2 latencies instead of cost ratios 0.05/0.15/0.5",
     )
     dsi_stack.add_argument("--pipeline", default="off", help="the gateway's --pipeline (off: the paper's SI)")
-    dsi_stack.add_argument("--plot", help="write the plot here (png)")
     dsi_stack.add_argument("--verifiers", type=int, default=4, help="DSI with 1..N verifications in flight")
     dsi_stack.add_argument("--lookahead", type=int, default=3, help="draft tokens per chain (SI and DSI)")
-    dsi_stack.add_argument("--prompts", type=int, default=6, help="random prompts per row")
-    dsi_stack.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt")
-    dsi_stack.add_argument("--json", help="write the rows here")
-    dsi_stack.add_argument("--markdown", help="write the table here")
+    _add_workload_flags(dsi_stack, 96, prompts=6, what="random prompts per row")
+    _add_output_flags(dsi_stack, json="write the rows here", markdown=True, plot="write the plot here (png)")
     dsi_stack.set_defaults(func=_bench_dsi_stack)
 
     timeline = bench.add_parser(
@@ -779,13 +820,12 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_argument(
         "--parallel", type=int, nargs="+", default=[4, 2], help="DSI shapes to run; the first is drawn"
     )
-    timeline.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt")
+    _add_workload_flags(timeline, 64)
     timeline.add_argument(
         "--pipeline", default="auto", help="the gateway's --pipeline (off: serial SI rounds)"
     )
-    timeline.add_argument("--json", help="write the rows and the drawn timeline here")
-    timeline.add_argument("--markdown", help="write the table here")
-    timeline.add_argument("--plot", help="write the timeline's plot here (png)")
+    _add_output_flags(timeline, json="write the rows and the drawn timeline here", markdown=True,
+                      plot="write the timeline's plot here (png)")  # fmt: skip
     timeline.set_defaults(func=_bench_dsi_timeline)
 
     mesh = bench.add_parser(
@@ -802,7 +842,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--shapes", nargs="+", default=["none", "chain 4", "rsd_s 2x4", "dsi 4x4"],
         help="among: none, 'chain 4', 'rsd_s 2x4', 'dsi 4x4'",
     )  # fmt: skip
-    mesh.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request")
+    _add_workload_flags(mesh, 64)
     mesh.add_argument(
         "--noise", type=float, default=None,
         help="the draft is the target plus this much noise (default: the target drafts for itself, "
@@ -817,9 +857,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="runs per point, measured as one: a point's CPU over one 0.7 s run moves by 10-20 %%",
     )
-    mesh.add_argument("--json", help="write the rows here")
-    mesh.add_argument("--markdown", help="write the table here")
-    mesh.add_argument("--plot", help="write a PNG here")
+    _add_output_flags(mesh, json="write the rows here", markdown=True, plot="write a PNG here")
     mesh.set_defaults(func=_bench_mesh)
 
     chaos = bench.add_parser(
@@ -832,30 +870,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--streams", type=int, default=16, help="concurrent clients, each sending requests back to back"
     )
     chaos.add_argument("--seconds", type=float, default=120.0, help="how long the streams run")
-    chaos.add_argument("--max-new-tokens", type=int, default=48, help="tokens per request")
+    _add_workload_flags(chaos, 48)
     chaos.add_argument("--pause-seconds", type=float, default=10.0, help="how long a drafter is paused")
     chaos.add_argument("--seed", type=int, default=0, help="seed of the requests and the disturbances")
     chaos.add_argument("--log", help="the stack's output (default: a temporary file)")
-    chaos.add_argument("--json", help="also write the result here")
+    _add_output_flags(chaos)
     chaos.set_defaults(func=_bench_chaos)
 
     gw = bench.add_parser("gateway", help="tokens/s through a running gateway (start it with specmesh up)")
-    gw.add_argument("--address", default="127.0.0.1:50051", help="the gateway, HOST:PORT")
-    gw.add_argument("--prompts", type=int, default=3, help="HumanEval prompts (or chat questions)")
-    gw.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt")
-    gw.add_argument(
-        "--temperatures",
-        type=float,
-        nargs="+",
-        default=[0.0, 1.0],
-        help="sampling temperatures, one run each",
-    )
+    _add_gateway_flags(gw)
+    _add_workload_flags(gw, 64, prompts=3, what="HumanEval prompts (or chat questions)")
+    _add_temperatures_flag(gw)
     gw.add_argument("--engine-json", help="results of `specmesh bench engine --json`, to compare")
     gw.add_argument(
         "--dsi", type=int, default=0, metavar="P", help="rows none, chain-3 (SI) and DSI-3 with P in flight"
     )
     gw.add_argument("--chat", action="store_true", help="the chat questions as user messages, not HumanEval")
-    gw.add_argument("--json", help="also write the results here")
+    _add_output_flags(gw)
     gw.set_defaults(func=_bench_gateway)
 
     calls = bench.add_parser("calls", help="a model service's call against its bare forward (llama-bench)")
@@ -868,17 +899,15 @@ def build_parser() -> argparse.ArgumentParser:
     calls.add_argument(
         "--threads", type=int, default=0, help="llama-bench's threads (0: all cores, as the services)"
     )
-    calls.add_argument("--json", help="also write the results here")
+    _add_output_flags(calls)
     calls.set_defaults(func=_bench_calls)
 
     default = bench.add_parser(
         "default", help="the default path vs method none, and a seed's text under load, on a running stack"
     )
-    default.add_argument("--address", default="127.0.0.1:50051", help="the gateway's gRPC address")
-    default.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's HTTP API")
+    _add_gateway_flags(default, http=True)
     default.add_argument("--sets", nargs="+", default=["chat", "code", "edit"], help="prompt sets")
-    default.add_argument("--prompts", type=int, default=4, help="prompts per set")
-    default.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt")
+    _add_workload_flags(default, 64, prompts=4, what="prompts per set")
     default.add_argument(
         "--temperatures",
         type=float,
@@ -892,36 +921,33 @@ def build_parser() -> argparse.ArgumentParser:
     default.add_argument(
         "--llama-server", help="llama.cpp's llama-server binary: also plain decoding through it"
     )
-    default.add_argument("--json", help="also write the results here")
+    _add_output_flags(default)
     default.set_defaults(func=_bench_default)
 
     http = bench.add_parser(
         "http", help="N concurrent streams for a while through the OpenAI HTTP API and through gRPC"
     )
-    http.add_argument("--address", default="127.0.0.1:50051", help="the gateway's gRPC address")
-    http.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's HTTP API")
+    _add_gateway_flags(http, http=True)
     http.add_argument("--concurrency", type=int, default=8, help="concurrent streams per phase")
     http.add_argument("--duration", type=float, default=60.0, help="seconds per phase")
     http.add_argument("--repeats", type=int, default=1, help="gRPC, HTTP phase pairs")
-    http.add_argument("--prompts", type=int, default=8, help="HumanEval prompts, taken in turn")
-    http.add_argument("--max-new-tokens", type=int, default=64, help="tokens per completion")
+    _add_workload_flags(http, 64, prompts=8, what="HumanEval prompts, taken in turn")
     http.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
-    http.add_argument("--json", help="also write the results here")
+    _add_output_flags(http)
     http.set_defaults(func=_bench_http)
 
     tools = bench.add_parser(
         "tools", help="tool calls with tool_choice left out (auto) through any OpenAI-compatible server"
     )
-    tools.add_argument("--url", default="http://127.0.0.1:8000", help="the server's HTTP API")
+    _add_gateway_flags(tools, grpc=False, http=True)  # or any OpenAI-compatible server's
     tools.add_argument("--model", default=None, help="model name (default: the server's first)")
-    tools.add_argument("--max-new-tokens", type=int, default=128, help="max_tokens per answer")
-    tools.add_argument("--json", help="also write the results here")
+    _add_workload_flags(tools, 128)
+    _add_output_flags(tools)
     tools.set_defaults(func=_bench_tools)
 
     demo = sub.add_parser("demo", help="in-process generation on the default pair, AR vs speculative")
     demo.add_argument("prompt", nargs="?", default=DEMO_PROMPT, help="the prompt (default: a Python stub)")
-    demo.add_argument("--draft", default="default-draft", help="draft model: a source name or a path")
-    demo.add_argument("--target", default="default-target", help="target model: a source name or a path")
+    _add_pair_flags(demo)
     demo.add_argument("--dtype", default="bf16", help="torch dtype of both models")
     demo.add_argument(
         "--method", default="rsd_s", choices=[m for m in METHODS if Method(m).drafts], help="drafting method"
@@ -934,12 +960,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     up = sub.add_parser("up", help="the whole stack locally: Redis, drafters, a verifier, the gateway")
-    up.add_argument(
-        "--draft", default="default-draft", help="draft model of the drafters: a source name or a path"
-    )
-    up.add_argument(
-        "--target", default="default-target", help="target model of the verifiers: a source name or a path"
-    )
+    _add_pair_flags(up, draft="draft model of the drafters", target="target model of the verifiers")
     up.add_argument("--drafters", type=int, default=1, help="drafter replicas (draft model)")
     up.add_argument(
         "--ngram-drafters",
@@ -958,7 +979,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--backend",
         default=None,
-        choices=["auto", "torch", "llama.cpp"],
+        choices=BACKEND_CHOICES,
         help="model backend of the drafters and verifiers (default: the services' auto, which picks "
         "llama.cpp for the GGUF default pair on a machine without a GPU, torch otherwise)",
     )
@@ -1018,7 +1039,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = sub.add_parser("generate", help="stream a completion from a gateway, then its stats")
     generate.add_argument("prompt", help="the prompt (with --chat: the user message)")
-    generate.add_argument("--address", default="127.0.0.1:50051", help="the gateway, HOST:PORT")
+    _add_gateway_flags(generate)
     _add_client_flags(generate)
     _add_request_flags(generate, max_new_tokens=None)
     generate.set_defaults(func=_generate)

@@ -338,7 +338,7 @@ def _status(method: str, session: str, exc: Exception) -> tuple[grpc.StatusCode,
     )
     return (
         grpc.StatusCode.INTERNAL,
-        f"internal error {error_id} in {method}; the replica logged the details",
+        f"internal error {error_id} in {method}; the server that answered logged the details",
         (),
     )
 
