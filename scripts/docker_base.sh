@@ -57,6 +57,13 @@ rm -f "$ROOT.debootstrap.log"
 # first), documentation and manual pages
 rm -rf "$ROOT"/var/cache/apt/archives/*.deb "$ROOT"/var/lib/apt/lists/* \
     "$ROOT"/usr/share/doc/* "$ROOT"/usr/share/man/* "$ROOT"/usr/share/info/*
+# The host's own certificate authorities (update-ca-certificates' local ones): where HTTPS goes
+# through a proxy that re-signs it, the image's pip and apt reach PyPI and Debian as the host does.
+if compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then
+    cp /usr/local/share/ca-certificates/*.crt "$ROOT/usr/local/share/ca-certificates/"
+    chroot "$ROOT" update-ca-certificates >/dev/null 2>&1
+    step "added the host's local CAs: $(cd /usr/local/share/ca-certificates && echo *.crt)"
+fi
 step "root ready: $(du -sh "$ROOT" | cut -f1), $(chroot "$ROOT" python3 --version)"
 
 if [ -n "$ROOT_ONLY" ]; then

@@ -4,10 +4,14 @@ engine, and run for real where one is.
 The files are parsed with PyYAML and their structure checked; every command a service or a
 healthcheck runs must be an entry point of this repo that accepts the flags given to it. If a
 compose CLI is installed (`docker compose` v2 or the `docker-compose` v1 package), it must
-also accept the file (`config` needs no engine). Where a Docker daemon answers, the last test
-builds every role's image on a Debian root made here (scripts/docker_base.sh), starts the stack on
-the host's loopback network (docker-compose.host.yml) with the tiny model pair, streams a chat
-completion through the gateway and kills the drafter serving it mid-stream.
+also accept the file (`config` needs no engine). Where a Docker daemon and `docker compose` v2
+answer, a test builds every role's image on a Debian root made here (scripts/docker_base.sh),
+starts the stack on the host's loopback network (docker-compose.host.yml) with the tiny model
+pair, streams a chat completion through the gateway and kills the drafter serving it mid-stream.
+
+The role images themselves (scripts/docker_images.sh, which .ci/run runs) are tested wherever a
+daemon holds them, compose or not: what each holds, and the four servers run as containers of
+their images serving a stream that outlives its drafter's `docker kill`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import ssl
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -415,7 +420,7 @@ def test_the_stack_runs_for_real_and_a_stream_outlives_its_drafter(host, models,
     over to the other drafter)."""
     if reason := _docker_unavailable():
         pytest.skip(reason)
-    import httpx
+    import httpx2 as httpx
     import redis
 
     from specmesh.stack.ports import free_port
@@ -504,3 +509,149 @@ def test_the_proxy_profile_fronts_every_gateway_over_tls(services):
     assert "grpc_pass grpcs://grpc_gateways" in conf and "proxy_pass https://http_gateways" in conf
     assert conf.count("_ssl_verify on") == 2 and "listen 50051 ssl http2" in conf
     assert "proxy_buffering off" in conf  # server-sent events go out as they come
+
+
+# ---- the role images, built for real (scripts/docker_images.sh; .ci/run builds them) ---------------
+
+ROLE_TARGETS = ("gateway", "drafter", "verifier-cpu")
+
+
+@pytest.fixture(scope="module")
+def images() -> str:
+    """The Docker CLI that reaches a daemon holding specmesh:<role> for every role; skipped where
+    there is none, failed where CI built them (SPECMESH_IMAGES=1) and they are gone."""
+    docker = shutil.which("docker", path="/usr/bin") or shutil.which("docker")
+    reason = None
+    if docker is None:
+        reason = "no Docker CLI"
+    elif subprocess.run([docker, "info"], capture_output=True).returncode != 0:
+        reason = "no Docker daemon"
+    else:
+        inspect = [docker, "image", "inspect"]
+        missing = [
+            t
+            for t in ROLE_TARGETS
+            if subprocess.run([*inspect, f"specmesh:{t}"], capture_output=True).returncode
+        ]
+        if missing:
+            reason = f"images not built (bash scripts/docker_images.sh): {missing}"
+    if reason is not None:
+        if os.environ.get("SPECMESH_IMAGES"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return docker
+
+
+def _in_image(docker: str, image: str, *argv: str) -> str:
+    done = subprocess.run([docker, "run", "--rm", "--network", "host", image, *argv],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, f"{image} {argv}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
+    return done.stdout
+
+
+def test_each_role_image_holds_what_its_role_runs_and_no_more(images):
+    found = "[m for m in ('torch', 'llama_cpp') if u.find_spec(m)]"
+    backends = f"import importlib.util as u, gateway.server; print({found})"
+    assert _in_image(images, "specmesh:gateway", "python", "-c", backends).strip() == "[]"
+    assert "--tool-call-parser" in _in_image(images, "specmesh:gateway", "python", "-m", "gateway", "--help")
+    loads = "import torch, llama_cpp, drafter_service, verifier_service; print(torch.__version__)"
+    for image in ("specmesh:drafter", "specmesh:verifier-cpu"):
+        assert _in_image(images, image, "python", "-c", loads).strip().endswith("+cpu")
+    for target in ROLE_TARGETS:
+        assert _in_image(images, f"specmesh:{target}", "id", "-u").strip() == "1000"  # not root
+
+
+def _role_containers(
+    docker: str, tiny: Path, ports: dict[str, int], redis_url: str, tag: str
+) -> dict[str, str]:
+    """Two drafters, a verifier and a gateway, each from its role's image, on the host's loopback
+    with the tiny pair at /tiny: role name -> container name."""
+    replica = ("--host", "127.0.0.1", "--metrics-port", "0", "--dtype", "fp32", "--torch-threads", "1")
+    drafters = f"127.0.0.1:{ports['drafter']},127.0.0.1:{ports['drafter-2']}"
+    commands = {
+        "drafter": ("drafter", "drafter_service", "--model", "/tiny/draft", *replica),
+        "drafter-2": ("drafter", "drafter_service", "--model", "/tiny/draft", *replica),
+        "verifier": ("verifier-cpu", "verifier_service", "--model", "/tiny/target", *replica),
+        "gateway": ("gateway", "gateway", "--host", "127.0.0.1", "--http-port", str(ports["http"]),
+                    "--redis-url", redis_url, "--drafters", drafters, "--verifiers",
+                    f"127.0.0.1:{ports['verifier']}", "--served-model-name", "tiny"),
+    }  # fmt: skip
+    containers = {}
+    for name, (target, module, *argv) in commands.items():
+        containers[name] = f"specmesh-test-{name}-{tag}"
+        run = [docker, "run", "-d", "--network", "host", "--name", containers[name], "-v", f"{tiny}:/tiny:ro"]
+        _run(
+            [*run, f"specmesh:{target}", "python", "-m", module, "--port", str(ports[name]), *argv],
+            timeout=120,
+        )
+    return containers
+
+
+def _completion_stream(client, body: dict, first: Callable[[str], None] = lambda session: None) -> tuple:
+    """(text, finish_reason) of a streamed completion; `first(session id)` after its first chunk."""
+    text, finish = [], None
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line.removeprefix("data: "))
+                if not text:
+                    first(chunk["id"].removeprefix("cmpl-"))
+                text.append(chunk["choices"][0]["text"])
+                finish = chunk["choices"][0].get("finish_reason") or finish
+    return "".join(text), finish
+
+
+def test_the_role_images_serve_a_stream_that_outlives_its_drafter(images, models, tmp_path):
+    """The role images as containers (Redis on the host): a greedy stream whose drafter is
+    `docker kill`ed after the first chunk finishes with the text of an undisturbed run."""
+    import httpx2 as httpx
+    import redis
+
+    from specmesh.stack.ports import free_port
+    from specmesh.stack.redis_server import RedisServer
+
+    tiny = Path(tempfile.mkdtemp(prefix="specmesh-images-"))  # readable by the containers' uid 1000
+    for which in ("draft", "target"):
+        shutil.copytree(models[which], tiny / which)
+    for path in (tiny, *tiny.rglob("*")):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    ports = {name: free_port() for name in ("drafter", "drafter-2", "verifier", "gateway", "http")}
+    containers: dict[str, str] = {}
+    killed: list[str] = []
+    body = {"model": "tiny", "prompt": "w1 w13 w38", "max_tokens": 150, "temperature": 0, "stream": True,
+            "speculation": {"method": "chain", "depth": 3}}  # fmt: skip
+    try:
+        with RedisServer() as redis_server:
+            containers = _role_containers(images, tiny, ports, redis_server.url, secrets.token_hex(4))
+
+            def kill_its_drafter(session: str) -> None:
+                store = redis.Redis.from_url(redis_server.url)
+                address = store.hget(f"specmesh:{{{session}}}:meta", "drafter").decode()
+                store.close()
+                name = next(n for n in ("drafter", "drafter-2") if address.endswith(f":{ports[n]}"))
+                _run([images, "kill", containers[name]], timeout=60)
+                killed.append(name)
+
+            with httpx.Client(base_url=f"http://127.0.0.1:{ports['http']}", timeout=120) as client:
+                deadline = time.monotonic() + 300
+                while not _healthy(client):
+                    assert time.monotonic() < deadline, "the gateway never became healthy"
+                    time.sleep(1)
+                calm = _completion_stream(client, body)
+                disturbed = _completion_stream(client, body, kill_its_drafter)
+        assert killed and calm[1] in ("length", "stop") and disturbed == calm
+        print(f"killed {killed[0]} after the first chunk; the stream finished alike ({calm[1]})")
+    finally:
+        for container in containers.values():
+            logs = subprocess.run([images, "logs", container], capture_output=True, text=True)
+            (tmp_path / f"{container}.log").write_text(logs.stdout + logs.stderr)
+            subprocess.run([images, "rm", "-f", container], capture_output=True, timeout=60)
+        shutil.rmtree(tiny, ignore_errors=True)
+
+
+def _healthy(client) -> bool:
+    try:
+        return client.get("/health").status_code == 200
+    except Exception:  # not listening yet
+        return False
