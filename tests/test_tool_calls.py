@@ -42,6 +42,7 @@ WEATHER = block("get_weather", {"city": "Paris", "unit": "celsius"})
 SEARCH = block("search", {"query": "a <tool_call> inside a string"})
 
 BAD_JSON = "<tool_call>\n{not json}\n</tool_call>"
+DEEP = "<tool_call>" + "[" * 5000 + "</tool_call>"
 FENCED = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
 NOT_A_CALL = 'Here:\n```json\n{"name": "Ada", "age": 36}\n```\n'
 PYTHON = "```python\ndef f():\n    return 1\n```"
@@ -57,6 +58,10 @@ CASES = {
     "a tag's start at the end": ("see <tool_c", "see <tool_c", []),
     "a good call beside a bad one": (WEATHER + "\n<tool_call>{}</tool_call>", "<tool_call>{}</tool_call>",
                                      ["get_weather"]),
+    "text on both sides of a call": ("see " + WEATHER + " below", "see below", ["get_weather"]),
+    "a name that is not a string": ('<tool_call>{"name": ["f"], "arguments": {}}</tool_call>',
+                                    '<tool_call>{"name": ["f"], "arguments": {}}</tool_call>', []),
+    "nested deeper than json reads": (DEEP, DEEP, []),
     # Qwen2.5-Coder writes its calls in a json fence rather than the tags its template asks for
     "a call in a json fence": (FENCED, None, ["get_weather"]),
     "a json fence that is no call": (NOT_A_CALL, NOT_A_CALL, []),
@@ -139,3 +144,58 @@ def test_tool_choice_decides_the_use() -> None:
     assert list(use.values()) == [ToolUse.AUTO, ToolUse.AUTO, ToolUse.TEXT, ToolUse.FORCED, ToolUse.FORCED]
     no_tools = ChatBody.model_validate({"model": "m", "messages": base["messages"]})
     assert tool_plan(no_tools, "hermes").use is ToolUse.TEXT
+
+
+def chunks(*pieces: str):
+    """GenerateChunks of these texts, the last one finished."""
+    from gateway.api import gateway_pb2
+
+    return [
+        gateway_pb2.GenerateChunk(
+            text=p, token_ids=[1], session_id="s", finish_reason="stop" if k == len(pieces) - 1 else ""
+        )
+        for k, p in enumerate(pieces)
+    ]
+
+
+def test_a_streamed_answer_in_openais_shape_with_resume_points_only_before_its_calls() -> None:
+    from gateway.http.serving import ResponseShape
+
+    shape = ResponseShape(True, "s", "m", tools=plan())
+    pieces = ("Let me", " look.\n<tool", "_call>\n" + WEATHER[len("<tool_call>\n") :], "\n" + SEARCH, "\n")
+    events, resumable = [], []
+    for k, chunk in enumerate(chunks(*pieces)):
+        out, given_out = shape.chunk(0, chunk, first=k == 0)
+        events += out
+        resumable.append(given_out)
+    assert resumable == [True, False, False, False, False]  # held text, then calls: no resume point
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me look."
+    calls: dict[int, dict] = {}
+    for d in deltas:  # merged by index, as the openai client does
+        for t in d.get("tool_calls", []):
+            call = calls.setdefault(t["index"], {"id": "", "name": "", "arguments": ""})
+            call["id"] += t.get("id", "")
+            call["name"] += t.get("function", {}).get("name", "")
+            call["arguments"] += t.get("function", {}).get("arguments", "")
+    assert [c["name"] for c in calls.values()] == ["get_weather", "search"]
+    assert [json.loads(c["arguments"]) for c in calls.values()] == [
+        {"city": "Paris", "unit": "celsius"},
+        {"query": "a <tool_call> inside a string"},
+    ]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+    finishes = [e["choices"][0]["finish_reason"] for e in events]
+    assert finishes[-1] == "tool_calls" and not any(finishes[:-1])
+
+
+def test_a_forced_call_has_no_resume_point_before_it_is_whole() -> None:
+    from gateway.http.serving import ResponseShape
+    from gateway.http.tools import ToolPlan
+
+    shape = ResponseShape(True, "s", "m", tools=ToolPlan(ToolUse.FORCED, plan().tools))
+    resumable = [
+        shape.chunk(0, c, first=k == 0)[1]
+        for k, c in enumerate(chunks('{"name":"search",', '"arguments":{}}'))
+    ]
+    assert resumable == [False, True]

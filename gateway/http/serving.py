@@ -202,7 +202,8 @@ class ResponseShape:
         event = self._object(kind, [choice])
         if finish:
             event["stats"] = _stats(chunk.stats)
-        return [event], True
+        # a forced call's text waits for its end: a resume point before it would lose the call
+        return [event], not (self.chat and self.tools.use.constrains) or finish is not None
 
     def _parsed(
         self, index: int, chunk: Any, first: bool, logprobs: dict | None
@@ -242,7 +243,8 @@ class ResponseShape:
             if last and finish:
                 event["stats"] = _stats(chunk.stats)
             out.append(event)
-        return out, reader.idle
+        # a resumed stream reads on with a new reader: only from before the first call is that the same
+        return out, reader.idle and not reader.calls
 
     def usage_chunk(self, lasts: Sequence[Any]) -> dict[str, Any]:
         """The usage chunk; with several choices their stats were in each one's last chunk."""

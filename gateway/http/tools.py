@@ -146,14 +146,20 @@ Event = Content | Call
 
 def call_from_json(text: str, names: frozenset[str]) -> Call:
     """{"name": ..., "arguments": {...}} -> a Call; ValueError says why it is not one."""
-    call = json.loads(text)
+    try:
+        call = json.loads(text)
+    except RecursionError:  # not a ValueError: nested deeper than the parser goes
+        raise ValueError("nested too deeply") from None
     if not isinstance(call, dict) or set(call) != {"name", "arguments"}:
         raise ValueError('not an object of "name" and "arguments"')
-    if call["name"] not in names:
+    if not isinstance(call["name"], str) or call["name"] not in names:
         raise ValueError(f"{call['name']!r} is not among the tools")
     if not isinstance(call["arguments"], dict):
         raise ValueError("arguments are not an object")
-    return Call(call["name"], json.dumps(call["arguments"], ensure_ascii=False))
+    try:
+        return Call(call["name"], json.dumps(call["arguments"], ensure_ascii=False))
+    except RecursionError:
+        raise ValueError("arguments nested too deeply") from None
 
 
 def forced_call(text: str, names: frozenset[str]) -> Call | None:
@@ -209,7 +215,8 @@ def parser_for_template(chat_template: str | None) -> str | None:
 class CallReader:
     """One choice's text, read piece by piece into Content and Call events (module docstring).
     Text that may still become a call (an open tag, or the start of one) is held back until it is
-    decided. Whitespace next to a call is layout and dropped; with no call the content is the text
+    decided. Whitespace next to a call is layout and dropped, except after a call that follows
+    content ("see <call> below" keeps "see below" apart); with no call the content is the text
     exactly."""
 
     def __init__(self, plan: ToolPlan) -> None:
@@ -218,7 +225,8 @@ class CallReader:
         self._held = ""  # text not yet given out
         self._open: tuple[str, str] | None = None  # the tags of the call _held is inside of
         self._space = ""  # trailing whitespace, given out only if content follows
-        self._after_call = False  # the next content's leading whitespace is layout
+        self._after_call = False  # a call was the last thing read
+        self._given = False  # some content has been given out
         self.calls = 0
 
     @property
@@ -278,13 +286,13 @@ class CallReader:
 
     def _content(self, text: str) -> list[Event]:
         text, self._space = self._space + text, ""
-        if self._after_call:
+        if self._after_call and not self._given:  # between calls, or after the first: layout
             text = text.lstrip()
         body = text.rstrip()
         self._space = text[len(body) :]
         if not body:
             return []
-        self._after_call = False
+        self._after_call, self._given = False, True
         return [Content(body)]
 
 
