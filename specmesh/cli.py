@@ -908,13 +908,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gateway_flags(default, http=True)
     default.add_argument("--sets", nargs="+", default=["chat", "code", "edit"], help="prompt sets")
     _add_workload_flags(default, 64, prompts=4, what="prompts per set")
-    default.add_argument(
-        "--temperatures",
-        type=float,
-        nargs="+",
-        default=[0.0, 1.0],
-        help="sampling temperatures, one run each",
-    )
+    _add_temperatures_flag(default)
     default.add_argument(
         "--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrent chat streams"
     )
