@@ -28,6 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specmesh.bench.tiny import save_tiny_pair
+from specmesh.bench.tools import stream_chat
 from specmesh.rpc.proto import load
 from specmesh.stack.ports import free_port
 from specmesh.stack.redis_server import RedisServer
@@ -330,19 +331,9 @@ def auto_answer(client, regex: str, seed: int, stream: bool, **more) -> tuple[st
         for c in choice.message.tool_calls or []:
             check_call(c)
         return choice.message.content, calls, choice.finish_reason
-    content, parts, finish = "", {}, None
-    for chunk in client.chat.completions.create(**kwargs, stream=True):
-        if not chunk.choices:
-            continue
-        delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
-        content += delta.content or ""
-        for t in delta.tool_calls or []:
-            part = parts.setdefault(t.index, {"name": "", "arguments": "", "id": ""})
-            part["id"] += t.id or ""
-            part["name"] += (t.function.name or "") if t.function else ""
-            part["arguments"] += (t.function.arguments or "") if t.function else ""
-    assert all(p["id"].startswith("call_") for p in parts.values())
-    calls = [(p["name"], json.loads(p["arguments"])) for _, p in sorted(parts.items())]
+    content, parts, finish = stream_chat(client, kwargs)
+    assert all(p["id"].startswith("call_") for p in parts)
+    calls = [(p["name"], json.loads(p["arguments"])) for p in parts]
     return content or None, calls, finish
 
 

@@ -106,7 +106,6 @@ class ResponseShape:
         self._offset: dict[int, int] = {}  # completions, per choice: where its next token's text starts
         self._call_text: dict[int, str] = {}  # forced calls, per choice: the text so far (streamed)
         self._readers: dict[int, CallReader] = {}  # "auto", per choice
-        self._calls: dict[int, int] = {}  # "auto", per choice: calls streamed so far
 
     def _message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
         """A chat choice's whole message and finish_reason."""
@@ -213,19 +212,20 @@ class ResponseShape:
         streams them."""
         reader = self._readers.setdefault(index, CallReader(self.tools))
         finish = chunk.finish_reason or None
+        k = reader.calls  # the index of the next call given out
         events = reader.feed(chunk.text) + (reader.close() if finish else [])
         deltas: list[dict[str, Any]] = []
         for event in events:
             if isinstance(event, Content):
                 deltas.append({"content": event.text})
                 continue
-            k = self._calls[index] = self._calls.get(index, -1) + 1
             whole = event.openai()
             whole["function"]["arguments"] = ""
             deltas.append({"tool_calls": [{"index": k, **whole}]})
             for at in range(0, len(event.arguments), ARGUMENT_PIECE):
                 piece = event.arguments[at : at + ARGUMENT_PIECE]
                 deltas.append({"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
+            k += 1
         if first and deltas and "content" in deltas[0]:
             deltas[0] = {"role": "assistant", **deltas[0]}
         elif first:

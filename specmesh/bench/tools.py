@@ -96,7 +96,9 @@ def _calls_of_message(message: Any) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
 
 
-def _streamed(client: Any, kwargs: dict) -> tuple[str, list[tuple[str, str]], str | None]:
+def stream_chat(client: Any, kwargs: dict) -> tuple[str, list[dict[str, str]], str | None]:
+    """A streamed chat completion as the openai client's users put it together: (its content, its
+    calls {"id", "name", "arguments"} merged from their deltas by index, its finish_reason)."""
     content, parts, finish = "", {}, None
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         if not chunk.choices:
@@ -104,11 +106,12 @@ def _streamed(client: Any, kwargs: dict) -> tuple[str, list[tuple[str, str]], st
         delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
         content += delta.content or ""
         for t in delta.tool_calls or []:
-            part = parts.setdefault(t.index, ["", ""])
+            part = parts.setdefault(t.index, {"id": "", "name": "", "arguments": ""})
+            part["id"] += t.id or ""
             if t.function is not None:
-                part[0] += t.function.name or ""
-                part[1] += t.function.arguments or ""
-    return content, [(n, a) for _, (n, a) in sorted(parts.items())], finish
+                part["name"] += t.function.name or ""
+                part["arguments"] += t.function.arguments or ""
+    return content, [p for _, p in sorted(parts.items())], finish
 
 
 def _parsed(calls: list[tuple[str, str]]) -> list[tuple[str, Any]]:
@@ -132,7 +135,7 @@ def bench_tools(base_url: str, model: str | None, max_tokens: int, api_key: str 
             kwargs = dict(model=model, messages=[{"role": "user", "content": prompt}], tools=TOOLS,
                           temperature=0.0, max_tokens=max_tokens)  # fmt: skip
             whole = client.chat.completions.create(**kwargs).choices[0]
-            content, stream_calls, stream_finish = _streamed(client, kwargs)
+            content, stream_calls, stream_finish = stream_chat(client, kwargs)
             calls = _parsed(_calls_of_message(whole.message))
             row = {
                 "kind": kind,
@@ -141,7 +144,7 @@ def bench_tools(base_url: str, model: str | None, max_tokens: int, api_key: str 
                 "finish_reason": whole.finish_reason,
                 "content": whole.message.content,
                 "valid": bool(calls) and all(a is not None and _valid(n, a) for n, a in calls),
-                "same_streamed": _parsed(stream_calls) == calls
+                "same_streamed": _parsed([(c["name"], c["arguments"]) for c in stream_calls]) == calls
                 and stream_finish == whole.finish_reason
                 and (content or None) == (whole.message.content or None),
             }
