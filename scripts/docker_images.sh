@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Build the role images of docker/Dockerfile (gateway, drafter, verifier-cpu) on the Debian root of
+# Build the role images of docker/Dockerfile (gateway, drafter, verifier-cpu, and nginx's proxy) on the Debian root of
 # scripts/docker_base.sh, with BuildKit and the host network, and print each one's size and build
 # time. Needs a Docker daemon and root (the base).
 #
-#   bash scripts/docker_images.sh                 # -> specmesh:gateway, specmesh:drafter, specmesh:verifier-cpu
+#   bash scripts/docker_images.sh   # -> specmesh:gateway, specmesh:drafter, specmesh:verifier-cpu, specmesh:proxy
 #
 # torch comes from TORCH_INDEX_URL (the Dockerfile's default: download.pytorch.org's CPU index).
 # Where that index does not answer, the CPU wheel this host's pip resolves (`pip download torch`)
@@ -43,7 +43,7 @@ if [ -z "${TORCH_INDEX_URL:-}" ] && ! curl -s -m 10 -o /dev/null https://downloa
 fi
 [ -n "${TORCH_INDEX_URL:-}" ] && INDEX_ARGS=(--build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL")
 
-for target in gateway drafter verifier-cpu; do
+for target in gateway drafter verifier-cpu proxy; do
     began=$SECONDS
     DOCKER_BUILDKIT=1 "$DOCKER" build --network host -f docker/Dockerfile --target "$target" \
         --build-arg "BASE_IMAGE=$BASE_IMAGE" "${INDEX_ARGS[@]}" -t "specmesh:$target" . \
