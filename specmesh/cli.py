@@ -226,6 +226,19 @@ def _bench_calls(args: argparse.Namespace) -> int:
     return _write_json(args.json, results)
 
 
+def _bench_invariance(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from specmesh.bench.invariance import bench_invariance, markdown
+
+    setting, cases = bench_invariance(args.model, args.backend, args.dtype, args.deterministic, args.long)
+    table = markdown(setting, cases)
+    print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    return _write_json(args.json, {"setting": setting, "cases": [dataclasses.asdict(c) for c in cases]})
+
+
 def _bench_default(args: argparse.Namespace) -> int:
     from specmesh.bench.default_path import bench_default
 
@@ -901,6 +914,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_output_flags(calls)
     calls.set_defaults(func=_bench_calls)
+
+    invariance = bench.add_parser(
+        "invariance",
+        help="bitwise self-test: a row's logits alone, then in forwards of 2-32 rows beside other sessions",
+    )
+    invariance.add_argument("--model", default="default-target", help="a source name or a path")
+    invariance.add_argument("--backend", default="auto", choices=BACKEND_CHOICES, help="model backend")
+    invariance.add_argument("--dtype", default="bf16", help="torch dtype (the torch backend)")
+    invariance.add_argument(
+        "--deterministic", action="store_true", help="llama.cpp's batch-invariant setting (docs/decisions.md)"
+    )
+    invariance.add_argument("--long", action="store_true", help="a ~700-token prompt: 512+ cells in use")
+    _add_output_flags(invariance, markdown=True)
+    invariance.set_defaults(func=_bench_invariance)
 
     default = bench.add_parser(
         "default", help="the default path vs method none, and a seed's text under load, on a running stack"

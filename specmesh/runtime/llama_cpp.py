@@ -137,11 +137,25 @@ class LlamaCppRunner(SessionTable[_Session]):
         kv_type: str = "f16",
         flash_attn: bool = False,
         repack: bool = True,
+        deterministic: bool = False,
     ) -> None:
         """kv_type: the KV cache's element type, "f16" (llama.cpp's default, half the memory
         traffic) or "f32" (bit-for-bit comparisons in tests). n_batch: rows one forward may take;
         llama.cpp computes them n_ubatch at a time (llama-server's 512: a 1363-token prefill of the
-        1.5B target took 7.2 ms per token, 7.6 with 2048 in one piece, on 2 cores)."""
+        1.5B target took 7.2 ms per token, 7.6 with 2048 in one piece, on 2 cores).
+
+        deterministic: a row's logits do not depend on the rows it shares a forward with, nor on
+        where its cells sit (`specmesh bench invariance`; docs/decisions.md, "Batch invariance").
+        Every kernel that llama.cpp picks by row count is avoided: repacked weights (their gemm
+        takes 4+ rows), the tiled K-quant matmul (8+ rows; GGML_CPU_TILED_MM=0, read once per
+        process) and flash attention's tiled path (64+ query rows: n_ubatch 32); flash attention
+        itself is on, because it skips the cells a row does not see, where the plain path sums
+        over them in SIMD lanes set by their cache index. Not yet avoided: with 512+ cells in
+        use, a one-row forward splits its attention over the threads (llama.cpp has no switch)."""
+        if deterministic:
+            os.environ["GGML_CPU_TILED_MM"] = "0"
+            repack, flash_attn, n_ubatch = False, True, min(n_ubatch, 32)
+        self.deterministic = deterministic
         lib = self._lib = _lib()
         if not 1 <= n_seq_max <= MAX_SEQUENCES:
             raise ValueError(f"n_seq_max must be in [1, {MAX_SEQUENCES}], got {n_seq_max}")
