@@ -83,3 +83,13 @@ def test_the_deterministic_setting_makes_rows_independent_of_their_forward(q4_k_
     cases = run_probe(q4_k_m, deterministic=True)
     guaranteed = [n for n in cases if not n.startswith("tree")]
     assert {n: cases[n]["differing"] for n in guaranteed} == dict.fromkeys(guaranteed, 0)
+
+
+def test_only_llama_cpp_has_a_deterministic_setting(tmp_path) -> None:
+    """--deterministic on a torch replica is refused at start, naming the setting, not ignored."""
+    from specmesh.bench.tiny import save_tiny_pair
+    from specmesh.runtime.models import load_model
+
+    target = load_model(save_tiny_pair(tmp_path)["target"], dtype="fp32", backend="torch")
+    with pytest.raises(ValueError, match=r"deterministic: only the llama\.cpp backend"):
+        target.open_runner(deterministic=True)

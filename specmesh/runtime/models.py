@@ -74,12 +74,19 @@ class LoadedModel:
     backend: Backend = Backend.TORCH
     gguf: Path | None = None  # the file the llama.cpp backend runs
 
-    def open_runner(self, max_cache_tokens: int | None = None, threads: int = 0) -> ModelBackend:
-        """A new runner of this model's backend (many sessions, one KV budget)."""
+    def open_runner(
+        self, max_cache_tokens: int | None = None, threads: int = 0, deterministic: bool = False
+    ) -> ModelBackend:
+        """A new runner of this model's backend (many sessions, one KV budget). deterministic:
+        llama.cpp's batch-invariant kernels (`LlamaCppRunner`); the other backends have none yet."""
+        if deterministic and self.backend is not Backend.LLAMA_CPP:
+            raise ValueError(f"deterministic: only the llama.cpp backend has it, not {self.backend}")
         if self.backend is Backend.LLAMA_CPP:
             from specmesh.runtime.llama_cpp import LlamaCppRunner
 
-            return LlamaCppRunner(self.gguf, max_cache_tokens=max_cache_tokens, threads=threads)
+            return LlamaCppRunner(
+                self.gguf, max_cache_tokens=max_cache_tokens, threads=threads, deterministic=deterministic
+            )
         if self.backend is Backend.NGRAM:
             return TokenRunner(self.vocab_size, max_cache_tokens)
         return ModelRunner(self.model, max_cache_tokens=max_cache_tokens)

@@ -118,6 +118,7 @@ class ServiceConfig(ServerConfig):
     max_cache_tokens: int
     max_message_bytes: int
     torch_threads: int
+    deterministic: bool
     forward_latency_ms: float
     forward_ms_per_row: float
     session_idle_seconds: float
@@ -160,6 +161,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
     ),
     "max_message_bytes": (int, "largest request / response; larger requests get RESOURCE_EXHAUSTED"),
     "torch_threads": (int, "compute threads: torch intra-op or llama.cpp (0 = the backend's default)"),
+    "deterministic": (
+        bool,
+        "llama.cpp: kernels that do not depend on the rows a forward holds (experimental, slower, not "
+        'yet invariant with 512+ cells in use or under eviction: docs/decisions.md, "Batch invariance")',
+    ),
     "forward_latency_ms": (
         float,
         "benchmarks only: every forward takes at least this long, the rest slept (emulates a slower "
@@ -185,6 +191,7 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "max_cache_tokens": 0,
     "max_message_bytes": 64 * 1024 * 1024,
     "torch_threads": 0,
+    "deterministic": False,
     "forward_latency_ms": 0.0,
     "forward_ms_per_row": 0.0,
     "session_idle_seconds": 900.0,  # longer than the gateway's --session-ttl: its keys go first
@@ -352,7 +359,9 @@ class ModelService(RpcService):
 
     def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
         self.config, self.model, self.metrics = config, model, metrics
-        self.runner = model.open_runner(config.max_cache_tokens or None, threads=config.torch_threads)
+        self.runner = model.open_runner(
+            config.max_cache_tokens or None, threads=config.torch_threads, deterministic=config.deterministic
+        )
         self.vocab_size = self.runner.vocab_size
         self.limits = config.limits
         self.loop = asyncio.get_running_loop()
