@@ -51,5 +51,13 @@ else
     built="first time llama.cpp compiles from source, ~10 min on 2 cores, unless pip cached the wheel"
 fi
 step 3 3 "installing specmesh (editable) and its dependencies ($built)" pip_install -e '.[dev]'
+# pip reuses a wheel it cached from an earlier build whatever CMAKE_ARGS say now: one built with AMX
+# kills the default pair where AMX faults (scripts/llama_cpu_flags.sh). Say so, and how to rebuild.
+amx_check='import llama_cpp, sys; sys.exit("AMX_INT8 = 1" not in llama_cpp.llama_print_system_info().decode())'
+if [[ "$CMAKE_ARGS" == *GGML_NATIVE=OFF* && "$CMAKE_ARGS" != *AMX* ]] && .venv/bin/python -c "$amx_check" 2>/dev/null; then
+    echo "WARNING: llama-cpp-python came from a wheel pip cached with AMX, which faults here. Rebuild it:"
+    echo "  .venv/bin/pip cache remove llama_cpp_python && CMAKE_ARGS='$CMAKE_ARGS' .venv/bin/pip install \\"
+    echo "      --force-reinstall --no-deps --no-cache-dir llama-cpp-python==\$(.venv/bin/pip show llama-cpp-python | sed -n 's/^Version: //p')"
+fi
 printf 'ready in %s. Everything is in .venv: `source .venv/bin/activate` (then `specmesh up`), or run `.venv/bin/specmesh up`\n' \
     "$(elapsed "$SECONDS")"
