@@ -17,6 +17,7 @@ that backend and dtype: the same seed gives the same text whatever else the serv
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -132,18 +133,12 @@ def bench_invariance(
     from specmesh.runtime.models import load_model
 
     loaded = load_model(model, dtype=dtype, backend=backend)
+    # open_runner refuses `deterministic` on a backend that has no such setting
+    open_runner = functools.partial(loaded.open_runner, deterministic=deterministic)
     if loaded.backend is Backend.LLAMA_CPP:
-        from specmesh.runtime.llama_cpp import LlamaCppRunner
-
-        def open_runner() -> ModelBackend:
-            return LlamaCppRunner(loaded.gguf, deterministic=deterministic)
-
         setting = f"llama.cpp {loaded.gguf.name if loaded.gguf else model}"
-    elif deterministic:
-        raise ValueError("--deterministic: only the llama.cpp backend has a deterministic setting yet")
     else:
-        open_runner = loaded.open_runner
-        setting = f"torch {str(loaded.dtype).removeprefix('torch.')} {model}"
+        setting = f"{loaded.backend} {str(loaded.dtype).removeprefix('torch.')} {model}"
     tokenizer = loaded.tokenizer
     prompt = tokenizer(PROMPT * (12 if long else 1))["input_ids"]
     other = tokenizer(OTHER)["input_ids"] * 3

@@ -155,7 +155,6 @@ class LlamaCppRunner(SessionTable[_Session]):
         if deterministic:
             os.environ["GGML_CPU_TILED_MM"] = "0"
             repack, flash_attn, n_ubatch = False, True, min(n_ubatch, 32)
-        self.deterministic = deterministic
         lib = self._lib = _lib()
         if not 1 <= n_seq_max <= MAX_SEQUENCES:
             raise ValueError(f"n_seq_max must be in [1, {MAX_SEQUENCES}], got {n_seq_max}")
