@@ -239,6 +239,13 @@ def _bench_invariance(args: argparse.Namespace) -> int:
     return _write_json(args.json, {"setting": setting, "cases": [dataclasses.asdict(c) for c in cases]})
 
 
+def _bench_same_text(args: argparse.Namespace) -> int:
+    from specmesh.bench.same_text import bench_same_text
+
+    results = bench_same_text(args.address, args.target, args.prompts, args.max_new_tokens, args.sessions)
+    return _write_json(args.json, results)
+
+
 def _bench_default(args: argparse.Namespace) -> int:
     from specmesh.bench.default_path import bench_default
 
@@ -928,6 +935,17 @@ def build_parser() -> argparse.ArgumentParser:
     invariance.add_argument("--long", action="store_true", help="a ~700-token prompt: 512+ cells in use")
     _add_output_flags(invariance, markdown=True)
     invariance.set_defaults(func=_bench_invariance)
+
+    same_text = bench.add_parser(
+        "same-text",
+        help="every method's greedy tokens vs plain decoding's, alone and together, on a running stack",
+    )
+    _add_gateway_flags(same_text)
+    same_text.add_argument("--target", default="default-target", help="the stack's target (its tokenizer)")
+    _add_workload_flags(same_text, 48, prompts=8)
+    same_text.add_argument("--sessions", type=int, default=8, help="streams at once in the second pass")
+    _add_output_flags(same_text)
+    same_text.set_defaults(func=_bench_same_text)
 
     default = bench.add_parser(
         "default", help="the default path vs method none, and a seed's text under load, on a running stack"

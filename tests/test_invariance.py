@@ -46,7 +46,8 @@ def _amx_build_that_faults_here() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def q4_k_m(tmp_path_factory) -> Path:
+def tiny_ggufs(tmp_path_factory) -> dict[str, Path]:
+    """The tiny model in f32 and quantized to Q4_K_M by llama.cpp."""
     import llama_cpp
 
     if reason := _amx_build_that_faults_here():
@@ -61,15 +62,20 @@ def q4_k_m(tmp_path_factory) -> Path:
     params.ftype, params.nthread = LLAMA_FTYPE_MOSTLY_Q4_K_M, 2
     out = root / "tiny-q4_k_m.gguf"
     assert llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), ctypes.byref(params)) == 0
-    return out
+    return {"f32": f32, "q4_k_m": out}
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(tiny_ggufs) -> Path:
+    return tiny_ggufs["q4_k_m"]
 
 
 PROBE = """
 import dataclasses, json, sys
 from specmesh.bench.invariance import probe
 from specmesh.runtime.llama_cpp import LlamaCppRunner
-gguf, deterministic = sys.argv[1], sys.argv[2] == "1"
-prompt = [259 + (i * 7) % 60 for i in range(60)]  # words of tests.tiny_gguf's vocabulary
+gguf, deterministic, length = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+prompt = [259 + (i * 7) % 60 for i in range(length)]  # words of tests.tiny_gguf's vocabulary
 other = [259 + (i * 13 + 3) % 60 for i in range(60)]
 def runner():
     return LlamaCppRunner(gguf, n_ctx=4096, n_seq_max=64, deterministic=deterministic)
@@ -78,11 +84,9 @@ print(json.dumps([dataclasses.asdict(c) for c in cases]))
 """
 
 
-def run_probe(gguf: Path, deterministic: bool) -> dict[str, dict]:
-    """The probe in a process of its own -> its cases by name. A 60-token prompt: fewer than 512
-    cells in use (a one-row forward over 512+ splits its attention over the threads, which the
-    deterministic setting does not avoid yet)."""
-    argv = [sys.executable, "-c", PROBE, str(gguf), "1" if deterministic else "0"]
+def run_probe(gguf: Path, deterministic: bool, length: int = 60) -> dict[str, dict]:
+    """The probe in a process of its own, on a prompt of `length` tokens -> its cases by name."""
+    argv = [sys.executable, "-c", PROBE, str(gguf), "1" if deterministic else "0", str(length)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return {c["name"]: c for c in json.loads(done.stdout.strip().splitlines()[-1])}
@@ -93,19 +97,68 @@ def test_the_self_test_catches_the_default_kernels(q4_k_m) -> None:
     weights from 4) change a row's logits: the self-test sees it, so it can fail."""
     cases = run_probe(q4_k_m, deterministic=False)
     assert set(cases) == {
-        *(f"{kind} {k}" for kind in ("own", "beside", "tree") for k in SIZES), "late", "churned",
+        *(f"{kind} {k}" for kind in ("own", "beside", "tree") for k in SIZES), "late", "churned", "reordered",
     }  # fmt: skip
     differing = [name for name, c in cases.items() if c["differing"]]
     assert differing and all(cases[n]["max_abs_diff"] > 0 for n in differing)
 
 
-def test_the_deterministic_setting_makes_rows_independent_of_their_forward(q4_k_m) -> None:
+@pytest.mark.parametrize("length", [60, 600], ids=["60 cells", "600 cells"])
+def test_the_deterministic_setting_makes_rows_independent_of_their_forward(q4_k_m, length) -> None:
     """--deterministic: the row is bit-identical in a prefill chunk of its own, beside other
-    sessions' rows, and alone again after the cache filled or churned. Trees of siblings are not
-    asserted: on this model a few widths still differ (docs/decisions.md, "Batch invariance")."""
-    cases = run_probe(q4_k_m, deterministic=True)
-    guaranteed = [n for n in cases if not n.startswith("tree")]
-    assert {n: cases[n]["differing"] for n in guaranteed} == dict.fromkeys(guaranteed, 0)
+    sessions' rows, as a tree node among 1-31 siblings, and alone again after the cache filled or
+    churned; with 600 cells too (a one-row forward over 512+ cells would split its attention over
+    the threads, were K and V of one type), and in the hole a rejected sibling left (`reordered`:
+    the deterministic cache is append-only, so the hole is not reused)."""
+    cases = run_probe(q4_k_m, deterministic=True, length=length)
+    assert {n: c["differing"] for n, c in cases.items()} == dict.fromkeys(cases, 0)
+
+
+def test_an_append_only_cache_keeps_a_sessions_cells_in_position_order(tiny_ggufs) -> None:
+    """Flash attention sums a row's cells in cache order; a cache that reuses holes puts the row
+    before its session's earlier tokens after a rejected sibling (`reordered`). On f32 weights,
+    where a changed last bit is not absorbed by 8-bit activations, that changed 281 logits before
+    the deterministic cache became append-only. (f32 weights take tinyBLAS's row-count kernels,
+    so only the one-row layouts are compared here.)"""
+    cases = run_probe(tiny_ggufs["f32"], deterministic=True)
+    one_row = ["late", "churned", "reordered"]
+    assert {n: cases[n]["differing"] for n in one_row} == dict.fromkeys(one_row, 0)
+
+
+RESTART = """
+import json, sys
+import numpy as np
+from specmesh.runtime.backend import Step
+from specmesh.runtime.llama_cpp import LlamaCppRunner
+gguf = sys.argv[1]
+prompt = [259 + (i * 7) % 60 for i in range(40)]
+other = [259 + (i * 13 + 3) % 60 for i in range(60)]
+def runner():
+    return LlamaCppRunner(gguf, n_ctx=256, n_seq_max=16, deterministic=True)
+fresh = runner()
+fresh.forward([Step("s", prompt[:-1])])
+alone = fresh.forward([Step("s", prompt[-1:])])[0][-1].numpy()
+r = runner()
+r.forward([Step("s", prompt[:-10])])
+for i in range(12):  # other sessions come and go, trees are rejected: the log runs past 256 cells
+    r.forward([Step(f"o{i}", other[: 10 + i]), Step("s", node_tokens=other[:3], node_parents=[-1, 0, -1])])
+    r.commit("s", [])
+    r.release(f"o{i}")
+r.forward([Step("s", prompt[-10:-1])])
+row = r.forward([Step("s", prompt[-1:])])[0][-1].numpy()
+print(json.dumps({"restarts": r.stats["log_restarts"], "differing": int(np.count_nonzero(row != alone))}))
+"""
+
+
+def test_a_deterministic_cache_that_fills_restarts_its_log_and_stays_invariant(q4_k_m) -> None:
+    """The append-only cache of the deterministic setting: when its log reaches the end of the
+    cache, every session is dropped and re-fed in order; the row is still the alone row's bits."""
+    done = subprocess.run(
+        [sys.executable, "-c", RESTART, str(q4_k_m)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["restarts"] >= 1 and result["differing"] == 0, result
 
 
 def test_only_llama_cpp_has_a_deterministic_setting(tmp_path) -> None:

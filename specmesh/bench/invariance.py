@@ -10,6 +10,8 @@ bit:
   tree k     a tree node among k - 1 siblings (a verification)
   late       alone again, after every case above filled the cache (its cells elsewhere)
   churned    alone, after its own session's rejected tree left holes where its cells go
+  reordered  alone, after its last 8 prompt tokens were a tree path, each beside a rejected
+             sibling: holes before their cells, where a reusing cache puts the row's
 
 k runs over 2, 4, 8 and 32. A row that equals the alone row in every case is batch invariant for
 that backend and dtype: the same seed gives the same text whatever else the server runs.
@@ -103,6 +105,15 @@ def probe(open_runner: Callable[[], ModelBackend], prompt: list[int], other: lis
     runner.commit("churned", [])
     runner.forward([Step("churned", head[-8:])])
     cases.append(_compare("churned", 1, _row(runner.forward([Step("churned", [last])])[0]), reference))
+    # head's last 8 tokens as a tree path, each after a rejected sibling: holes before its cells
+    runner.forward([Step("reordered", head[:-8])])
+    tokens, parents = [], []
+    for j, tok in enumerate(head[-8:]):
+        tokens += [other[j], tok]
+        parents += [2 * j - 1] * 2  # both hang from the previous kept node (-1: the root)
+    runner.forward([Step("reordered", node_tokens=tokens, node_parents=parents)])
+    runner.commit("reordered", list(range(1, 16, 2)))
+    cases.append(_compare("reordered", 1, _row(runner.forward([Step("reordered", [last])])[0]), reference))
     return cases
 
 

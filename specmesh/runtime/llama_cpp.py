@@ -23,6 +23,14 @@ KV cells are bounded by `n_ctx`. Both are budgets: when a call needs more than i
 recently used sessions not in the call lose their KV (their tokens and pending tree are kept) and
 are re-fed in full by the next call that names them, as the torch backend does.
 
+Cache order (deterministic only). Flash attention sums a row's cells in cache order, and llama.cpp
+places a forward's tokens in the first free cells from its search head, which `seq_rm` moves back
+to the first cell it frees: a session's next tokens could land before its earlier ones, and its
+logits would then depend on what other sessions freed. So a deterministic runner frees no cell:
+what would be freed is parked on a reserved sequence, and tokens are appended in position order
+after all others. When the log reaches the end of the cache, every session's KV is dropped and
+re-fed by its next call (an eviction of all), in order again.
+
 Threads: how llama.cpp's OpenMP workers wait between a forward's steps is chosen per process
 before torch or llama.cpp is loaded: specmesh/runtime/threads.py.
 """
@@ -121,6 +129,9 @@ class _Plan:
         return bool(self.causal or self.nodes)
 
 
+_GGML_TYPE_BF16 = 30  # ggml.h's enum; the binding does not export it
+
+
 class LlamaCppRunner(SessionTable[_Session]):
     """Per-session KV in one llama.cpp context; one llama_decode per forward (see the module doc)."""
 
@@ -144,20 +155,28 @@ class LlamaCppRunner(SessionTable[_Session]):
         llama.cpp computes them n_ubatch at a time (llama-server's 512: a 1363-token prefill of the
         1.5B target took 7.2 ms per token, 7.6 with 2048 in one piece, on 2 cores).
 
-        deterministic: a row's logits do not depend on the rows it shares a forward with, nor on
-        where its cells sit (`specmesh bench invariance`; docs/decisions.md, "Batch invariance").
-        Every kernel that llama.cpp picks by row count is avoided: repacked weights (their gemm
-        takes 4+ rows), the tiled K-quant matmul (8+ rows; GGML_CPU_TILED_MM=0, read once per
-        process) and flash attention's tiled path (64+ query rows: n_ubatch 32); flash attention
-        itself is on, because it skips the cells a row does not see, where the plain path sums
-        over them in SIMD lanes set by their cache index. Not yet avoided: with 512+ cells in
-        use, a one-row forward splits its attention over the threads (llama.cpp has no switch)."""
+        deterministic: a row's logits do not depend on the rows it shares a forward with
+        (`specmesh bench invariance`; docs/decisions.md, "Batch invariance"). Every kernel that
+        llama.cpp picks by the shape of a forward is avoided: repacked weights (their gemm takes
+        4+ rows), the tiled K-quant matmul (8+ rows; GGML_CPU_TILED_MM=0, read once per process),
+        attention without flash attention (it sums over every cell in SIMD lanes set by the cell's
+        index, masked ones included), and flash attention's split (one row over 512+ cells) and
+        tiled (64+ query rows) kernels, which only run where K and V share one f16/f32 type: so V
+        is kept in bf16 (an f32 V would be cast to f16 in the graph), K in f16 as by default.
+        Every row then takes one kernel that sums the cells it sees in cache order, with an f32
+        accumulator (the f16 V path accumulates in f16); the cache is append-only (the module
+        docstring, "Cache order"), so that each session's cells stay in position order."""
+        lib = self._lib = _lib()
+        types = {"f16": lib.GGML_TYPE_F16, "f32": lib.GGML_TYPE_F32, "bf16": _GGML_TYPE_BF16}
+        type_k = type_v = types[kv_type]
         if deterministic:
             os.environ["GGML_CPU_TILED_MM"] = "0"
-            repack, flash_attn, n_ubatch = False, True, min(n_ubatch, 32)
-        lib = self._lib = _lib()
+            repack, flash_attn = False, True
+            type_k, type_v = types["f16"], types["bf16"]
         if not 1 <= n_seq_max <= MAX_SEQUENCES:
             raise ValueError(f"n_seq_max must be in [1, {MAX_SEQUENCES}], got {n_seq_max}")
+        if deterministic and n_seq_max < 2:
+            raise ValueError("deterministic: n_seq_max must be at least 2 (one sequence parks cells)")
         lib.llama_backend_init()
         model_params = lib.llama_model_default_params()
         model_params.n_gpu_layers = 0
@@ -172,7 +191,7 @@ class LlamaCppRunner(SessionTable[_Session]):
         params.kv_unified = True  # cells shared by sequences: a tree node in several leaf sequences
         params.n_threads = params.n_threads_batch = threads or (os.cpu_count() or 1)
         params.embeddings = False
-        params.type_k = params.type_v = {"f16": lib.GGML_TYPE_F16, "f32": lib.GGML_TYPE_F32}[kv_type]
+        params.type_k, params.type_v = type_k, type_v
         params.no_perf = True
         # Flash attention off: llama.cpp's CPU kernel rounds through f16, so a row's logits then
         # depend (~1e-4) on where its cells sit in the cache, which compaction changes; without it
@@ -192,8 +211,12 @@ class LlamaCppRunner(SessionTable[_Session]):
         self.max_cache_tokens = min(max_cache_tokens or self.n_ctx, self.n_ctx)
         self._batch = lib.llama_batch_init(n_batch, 0, n_seq_max)
         self._free = list(range(n_seq_max - 1, -1, -1))  # a stack of free sequence ids
+        # deterministic: the sequence that parks cells instead of freeing them, and the cells
+        # appended since the cache was last emptied (the log's end: nothing is freed before it)
+        self._parking = self._free.pop(0) if deterministic else None
+        self._appended = 0
         super().__init__()
-        self.stats.update(decodes=0, batch_sizes=Counter())
+        self.stats.update(decodes=0, batch_sizes=Counter(), log_restarts=0)
 
     def close(self) -> None:
         with self._lock:
@@ -229,7 +252,7 @@ class LlamaCppRunner(SessionTable[_Session]):
     def _truncate_kv(self, s: _Session, length: int) -> None:
         self._drop_leaves(s)
         if s.main is not None:
-            self._lib.llama_memory_seq_rm(self._memory, s.main, length, -1)
+            self._forget(s.main, length, -1)
 
     def _discard_failed(self, plans: list[_Plan]) -> None:
         for p in plans:  # whatever the failed decode left is not trusted
@@ -258,8 +281,13 @@ class LlamaCppRunner(SessionTable[_Session]):
     # ---- budgets -------------------------------------------------------------------------------
 
     def _make_room(self, active: list[_Plan], in_call: set[str]) -> None:
-        """Evict least recently used idle sessions until the call's cells and sequences fit."""
-        cells = self.cached_positions() + sum(len(p.causal) + len(p.nodes) for p in active)
+        """Evict least recently used idle sessions until the call's cells and sequences fit
+        (deterministic: restart the log first where the call would pass the cache's end)."""
+        rows = sum(len(p.causal) + len(p.nodes) for p in active)
+        if self._parking is not None and self._appended + rows > self.n_ctx:
+            self._restart_log(active)
+            rows = sum(len(p.causal) + len(p.nodes) for p in active)
+        cells = self.cached_positions() + rows
         seqs = sum(self._seqs_needed(p) for p in active)
         for sid, s in list(self._sessions.items()):
             if cells <= self.max_cache_tokens and seqs <= len(self._free):
@@ -285,16 +313,35 @@ class LlamaCppRunner(SessionTable[_Session]):
 
     def _drop_leaves(self, s: _Session) -> None:
         for seq in s.leaves:
-            self._lib.llama_memory_seq_rm(self._memory, seq, -1, -1)
+            self._forget(seq)
             self._free.append(seq)
         s.leaves, s.node_seq = [], []
 
     def _drop_kv(self, s: _Session) -> None:
         self._drop_leaves(s)
         if s.main is not None:
-            self._lib.llama_memory_seq_rm(self._memory, s.main, -1, -1)
+            self._forget(s.main)
             self._free.append(s.main)
             s.main = None
+
+    def _forget(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """Remove `seq` from its cells in [p0, p1); deterministic: park them rather than free them."""
+        if self._parking is not None:
+            self._lib.llama_memory_seq_cp(self._memory, seq, self._parking, p0, p1)
+        self._lib.llama_memory_seq_rm(self._memory, seq, p0, p1)
+
+    def _restart_log(self, active: list[_Plan]) -> None:
+        """Deterministic, when this call's rows would pass the cache's end: every session loses its
+        KV (tokens and trees are kept), the cache empties, and this call's plans become rebuilds
+        that re-feed their sessions from position 0, in order."""
+        for s in self._sessions.values():
+            self._drop_kv(s)
+        for p in active:
+            self._drop_kv(p.session)  # a session new in this call is not in the table yet
+        self._lib.llama_memory_clear(self._memory, False)
+        self._appended = 0
+        self.stats["log_restarts"] += 1
+        active[:] = [self._plan(p.step) for p in active]  # rebuilds; a new session stays new
 
     # ---- the model call ------------------------------------------------------------------------
 
@@ -366,7 +413,7 @@ class LlamaCppRunner(SessionTable[_Session]):
             old = s.node_seq[anchor]  # the anchor's own leaf sequence (it was a leaf)
             s.node_seq = [seq if q == old else q for q in s.node_seq]
             s.leaves.remove(old)
-            self._lib.llama_memory_seq_rm(self._memory, old, -1, -1)
+            self._forget(old)
             self._free.append(old)
 
     def _depth(self, s: _Session, node: int) -> int:
@@ -421,6 +468,7 @@ class LlamaCppRunner(SessionTable[_Session]):
             b.logits[i] = want
             wanted += want
         b.n_tokens = len(rows)
+        self._appended += len(rows)  # each row takes a new cell (a failed decode's too: not reused)
         rc = lib.llama_decode(self._ctx, b)
         self.stats["decodes"] += 1
         if rc != 0:
