@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -84,12 +85,18 @@ print(json.dumps([dataclasses.asdict(c) for c in cases]))
 """
 
 
-def run_probe(gguf: Path, deterministic: bool, length: int = 60) -> dict[str, dict]:
-    """The probe in a process of its own, on a prompt of `length` tokens -> its cases by name."""
-    argv = [sys.executable, "-c", PROBE, str(gguf), "1" if deterministic else "0", str(length)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+def _in_process(program: str, *argv: str) -> Any:
+    """`program` in a Python process of its own (llama.cpp reads GGML_CPU_TILED_MM once per
+    process) -> the JSON of its last line of output."""
+    done = subprocess.run([sys.executable, "-c", program, *argv], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return {c["name"]: c for c in json.loads(done.stdout.strip().splitlines()[-1])}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_probe(gguf: Path, deterministic: bool, length: int = 60) -> dict[str, dict]:
+    """The probe on a prompt of `length` tokens -> its cases by name."""
+    cases = _in_process(PROBE, str(gguf), "1" if deterministic else "0", str(length))
+    return {c["name"]: c for c in cases}
 
 
 def test_the_self_test_catches_the_default_kernels(q4_k_m) -> None:
@@ -153,11 +160,7 @@ print(json.dumps({"restarts": r.stats["log_restarts"], "differing": int(np.count
 def test_a_deterministic_cache_that_fills_restarts_its_log_and_stays_invariant(q4_k_m) -> None:
     """The append-only cache of the deterministic setting: when its log reaches the end of the
     cache, every session is dropped and re-fed in order; the row is still the alone row's bits."""
-    done = subprocess.run(
-        [sys.executable, "-c", RESTART, str(q4_k_m)], capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = _in_process(RESTART, str(q4_k_m))
     assert result["restarts"] >= 1 and result["differing"] == 0, result
 
 

@@ -164,7 +164,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "deterministic": (
         bool,
         "llama.cpp: a row's logits do not depend on the rows a forward holds nor on the other "
-        'sessions (experimental, slower: docs/decisions.md, "Batch invariance")',
+        'sessions (slower: docs/decisions.md, "Batch invariance")',
     ),
     "forward_latency_ms": (
         float,
