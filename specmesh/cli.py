@@ -930,7 +930,9 @@ def build_parser() -> argparse.ArgumentParser:
     invariance.add_argument("--backend", default="auto", choices=BACKEND_CHOICES, help="model backend")
     invariance.add_argument("--dtype", default="bf16", help="torch dtype (the torch backend)")
     invariance.add_argument(
-        "--deterministic", action="store_true", help="llama.cpp's batch-invariant setting (docs/decisions.md)"
+        "--deterministic",
+        action="store_true",
+        help="the backend's batch-invariant setting (docs/decisions.md)",
     )
     invariance.add_argument("--long", action="store_true", help="a ~700-token prompt: 512+ cells in use")
     _add_output_flags(invariance, markdown=True)

@@ -77,10 +77,13 @@ class LoadedModel:
     def open_runner(
         self, max_cache_tokens: int | None = None, threads: int = 0, deterministic: bool = False
     ) -> ModelBackend:
-        """A new runner of this model's backend (many sessions, one KV budget). deterministic:
-        llama.cpp's batch-invariant kernels (`LlamaCppRunner`); the other backends have none yet."""
-        if deterministic and self.backend is not Backend.LLAMA_CPP:
-            raise ValueError(f"deterministic: only the llama.cpp backend has it, not {self.backend}")
+        """A new runner of this model's backend (many sessions, one KV budget). deterministic: a
+        row's logits do not depend on the forward it shares (llama.cpp's setting, or the torch
+        backend's batch-invariant matmuls and attention; an n-gram runner has no arithmetic)."""
+        if deterministic and self.weights == "int8":
+            raise ValueError(
+                "deterministic: int8 weights (dynamic quantization) have no batch-invariant kernels"
+            )
         if self.backend is Backend.LLAMA_CPP:
             from specmesh.runtime.llama_cpp import LlamaCppRunner
 
@@ -89,7 +92,7 @@ class LoadedModel:
             )
         if self.backend is Backend.NGRAM:
             return TokenRunner(self.vocab_size, max_cache_tokens)
-        return ModelRunner(self.model, max_cache_tokens=max_cache_tokens)
+        return ModelRunner(self.model, max_cache_tokens=max_cache_tokens, deterministic=deterministic)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:

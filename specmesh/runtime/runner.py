@@ -42,6 +42,7 @@ Sliding-window layers are not supported (the explicit 4D mask would override the
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,7 @@ from specmesh.runtime.backend import (
     UnknownSessionError,
     check_path,
 )
+from specmesh.runtime.invariant_ops import batch_invariant
 
 __all__ = ["ModelRunner", "Step", "UnknownSessionError"]  # the last two: runtime.backend, re-exported
 
@@ -135,7 +137,11 @@ class _StoreLayer(CacheLayerMixin):
 class ModelRunner(SessionTable[_Session]):
     """One batched KV store and one-call batched tree-attention forwards of one causal LM."""
 
-    def __init__(self, model: torch.nn.Module, *, max_cache_tokens: int | None = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, max_cache_tokens: int | None = None, deterministic: bool = False
+    ) -> None:
+        """deterministic: a row's logits do not depend on the forward it shares (batch-invariant
+        matmuls and attention, specmesh.runtime.invariant_ops; sdpa models on the CPU)."""
         cfg = model.config
         self.attn_impl = cfg._attn_implementation
         if self.attn_impl not in ("sdpa", "eager"):
@@ -156,6 +162,9 @@ class ModelRunner(SessionTable[_Session]):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.vocab_size = self._head.out_features  # also for int8 (quantized) heads
         self.max_cache_tokens = max_cache_tokens
+        self.deterministic = deterministic
+        if deterministic and (self.attn_impl != "sdpa" or self.device.type != "cpu"):
+            raise ValueError("deterministic: the torch backend has it for sdpa attention on the CPU only")
         self.max_context = getattr(cfg, "max_position_embeddings", None)
         super().__init__()
         self._kv: torch.Tensor | None = None  # the store [layers, 2, slots, kv_heads, capacity, head_dim]
@@ -295,17 +304,18 @@ class ModelRunner(SessionTable[_Session]):
         every_slot = slots == list(range(n_b)) and n_b == len(self._slots)
         slot_index = None if every_slot else torch.tensor(slots, device=dev)
         cache = Cache(layers=[_StoreLayer(kv[i], slot_index, write, length) for i in range(self.num_layers)])
-        hidden = self._decoder(
-            input_ids=ids.to(dev),
-            attention_mask=self._impl_mask(allow.to(dev)),
-            position_ids=pos.to(dev),
-            cache=cache,
-            use_cache=True,
-        ).last_hidden_state
         # the returned rows: each session's last `rows` queries, through the LM head together
         row_b = torch.repeat_interleave(torch.arange(n_b), torch.tensor([p.rows for p in plans_sorted]))
         row_j = torch.cat([torch.arange(q - p.rows, q) for p, q in zip(plans_sorted, q_len, strict=True)])
-        logits = self._head(hidden[row_b.to(dev), row_j.to(dev)]).float()
+        with batch_invariant() if self.deterministic else contextlib.nullcontext():
+            hidden = self._decoder(
+                input_ids=ids.to(dev),
+                attention_mask=self._impl_mask(allow.to(dev)),
+                position_ids=pos.to(dev),
+                cache=cache,
+                use_cache=True,
+            ).last_hidden_state
+            logits = self._head(hidden[row_b.to(dev), row_j.to(dev)]).float()
         self._count(plans_sorted, q_max)
         for p in plans_sorted:
             p.session.length, p.session.chain = p.past + len(p.query), p.chain

@@ -43,7 +43,14 @@ class ServiceMetrics(RpcMetrics):
             "sessions released after --session-idle-seconds without a request (their gateway died "
             "and no other resumed them)",
         )
-        self._evictions = 0  # the runner's eviction count at the last observation
+        self.log_restarts = self.counter(
+            f"{NS}kv_log_restarts",
+            "--deterministic on llama.cpp: times the append-only KV cache reached its end, so that "
+            "every session's KV was dropped and re-fed in order (docs/decisions.md, Batch invariance)",
+        )
+        # the runner's counts in `stats` (not part of the ModelBackend protocol) -> their counters
+        self._counted = {"evictions": self.preemptions, "log_restarts": self.log_restarts}
+        self._seen = dict.fromkeys(self._counted, 0)  # each count at the last observation
 
     def observe_runner(self, runner: ModelBackend) -> None:
         """Call on the model thread (the only thread that changes the runner)."""
@@ -52,8 +59,9 @@ class ServiceMetrics(RpcMetrics):
         self.cached_tokens.set(cached)
         budget = runner.max_cache_tokens
         self.kv_usage.set(cached / budget if budget else 0.0)
-        # every backend counts its evictions in `stats` (not part of the ModelBackend protocol)
-        evictions = getattr(runner, "stats", {}).get("evictions", 0)
-        if evictions > self._evictions:
-            self.preemptions.inc(evictions - self._evictions)
-        self._evictions = evictions
+        stats = getattr(runner, "stats", {})
+        for key, counter in self._counted.items():
+            count = stats.get(key, 0)
+            if count > self._seen[key]:
+                counter.inc(count - self._seen[key])
+            self._seen[key] = count

@@ -163,8 +163,8 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "torch_threads": (int, "compute threads: torch intra-op or llama.cpp (0 = the backend's default)"),
     "deterministic": (
         bool,
-        "llama.cpp: a row's logits do not depend on the rows a forward holds nor on the other "
-        'sessions (slower: docs/decisions.md, "Batch invariance")',
+        "a row's logits do not depend on the rows a forward holds nor on the other sessions "
+        '(llama.cpp, and torch on the CPU; slower: docs/decisions.md, "Batch invariance")',
     ),
     "forward_latency_ms": (
         float,
