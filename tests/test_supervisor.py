@@ -384,3 +384,23 @@ def test_plan_stack_command_lines():
     assert [s.name for s in external.specs] == ["drafter-0", "verifier-0", "gateway"]
     assert external.specs[-1].env == {"SPECMESH_REDIS_URL": "redis://:pw@cache:6379/0"}
     assert external.redis_dir == "" and "--redis-url" not in external.specs[-1].argv
+
+
+@pytest.mark.parametrize("module", ["verifier_service", "drafter_service", "gateway"])
+def test_sigint_before_serving_stops_a_service_without_a_traceback(module, tmp_path):
+    """`specmesh up` stopped while a service still imports or loads its model: the SIGINT it
+    forwards ends the service quietly (as SIGTERM does), not with a KeyboardInterrupt traceback."""
+    from specmesh.bench.tiny import save_tiny_pair
+
+    model = save_tiny_pair(tmp_path)["target"]
+    argv = [sys.executable, "-m", module, "--port", str(free_port()), "--metrics-port", "0"]
+    if module == "gateway":
+        argv += ["--drafters", "127.0.0.1:1", "--verifiers", "127.0.0.1:1", "--tokenizer", str(model)]
+    else:
+        argv += ["--model", str(model), "--backend", "torch", "--dtype", "fp32"]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+    time.sleep(1.0)  # importing torch alone takes longer
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err, err[-2000:]
+    assert proc.returncode in (-signal.SIGINT, 0), err[-2000:]
