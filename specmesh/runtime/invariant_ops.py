@@ -127,8 +127,8 @@ def _distinct_heads(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tenso
     if h == 1:
         return key, value
     equal = (key[:, 1:] == key[:, :-1]) & (value[:, 1:] == value[:, :-1])  # [B, H - 1, L, D]
-    same = equal.flatten(2).all(-1).all(0)  # [H - 1]: head i + 1 repeats head i
-    starts = [0, *(i + 1 for i, equal in enumerate(same.tolist()) if not equal)]
+    repeats = equal.flatten(2).all(-1).all(0).tolist()  # [H - 1]: head i + 1 repeats head i
+    starts = [0, *(i + 1 for i, repeated in enumerate(repeats) if not repeated)]
     run = h // len(starts)
     if run == 1 or starts != list(range(0, h, run)):
         return key, value
