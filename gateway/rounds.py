@@ -51,7 +51,7 @@ from gateway.requests import GenerationPlan, stored_plan
 from gateway.retries import RetryBudget, TryTimeouts
 from gateway.session_store import NotOwner, Session, SessionExists, SessionStore, StoreError
 from gateway.text import TextStream
-from specmesh.core.adaptive import AdaptivePolicy
+from specmesh.core.adaptive import RoundPolicy
 from specmesh.core.ahead import PipelinePolicy
 from specmesh.core.dsi import Learnt
 from specmesh.core.logprobs import TokenLogprob
@@ -219,10 +219,11 @@ class SessionRun:
         env: GatewayEnv,
         text: TextStream,
         deadline: float | None,
-        policy: AdaptivePolicy | None = None,
+        policy: RoundPolicy | None = None,
         resumed: Session | None = None,
     ) -> None:
-        """policy: an adaptive plan's depth controller (the gateway builds it, reproducible).
+        """policy: an adaptive plan's depth controller, or the default's FamilyPolicy (the gateway
+        builds either, reproducible).
         resumed: a session taken over from Redis (`SessionStore.take`): the run goes on from its
         committed tokens, as the gateway that started it would have."""
         self.plan, self.env, self.text, self.deadline = plan, env, text, deadline
@@ -639,7 +640,8 @@ class SessionRun:
     def _plain_steps(self, tokens: list[int]) -> int:
         """Tokens a plain round after `tokens` may decode in one Verify call: one for the first round
         (the prompt's: its token is the time to first token), then --plain-steps, within
-        max_new_tokens. Rounds that draft (or follow an adaptive policy) decode one round anyway."""
+        max_new_tokens (steps: n-gram rides may emit more; the round is cut at max_new_tokens).
+        Rounds that draft, or an adaptive policy's, decode one round anyway."""
         generated = len(tokens) - len(self.plan.prompt_ids)
         if generated == 0:
             return 1

@@ -35,7 +35,6 @@ from gateway.metrics import GatewayMetrics, RequestClock
 from gateway.pools import NoHealthyReplica, ReplicaPool
 from gateway.requests import (
     AUTO_SPEC,
-    METHOD_DEFAULTS,
     REPLICA_LIMITS,
     DsiSettings,
     GenerationPlan,
@@ -54,8 +53,9 @@ from gateway.session_store import (
     StoreUnavailable,
 )
 from gateway.text import TextStream
-from specmesh.core.adaptive import AdaptivePolicy, ForwardCost, choose_family
+from specmesh.core.adaptive import MAX_LOOKUP, AdaptivePolicy, FamilyPolicy, ForwardCost, RoundPolicy
 from specmesh.core.ahead import PipelinePolicy
+from specmesh.core.drafting import TreeSpec
 from specmesh.core.dsi import Shape, choose_shape
 from specmesh.core.methods import Method
 from specmesh.core.ngram import prompt_hit_rate
@@ -210,8 +210,9 @@ _FLAGS: dict[str, tuple[type, str]] = {
     ),
     "plain_steps": (
         int,
-        "plain decoding (no drafts): tokens the verifier decodes per call after the first (one call "
-        "per token costs a round trip each; more per call streams in larger pieces), at most 64",
+        "plain decoding (no drafter): steps the verifier takes per call after the first, each one "
+        "token or, with the default's n-gram rides, its accepted drafts and one more (one call per "
+        "token costs a round trip each; more per call streams in larger pieces), at most 64",
     ),
     "http_port": (int, "port of the OpenAI-compatible HTTP API, /health and /metrics (0 = off)"),
     "served_model_name": (str, "the model name of the HTTP API (empty: the verifier's model id)"),
@@ -299,6 +300,9 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
             "redis_reconnect_seconds",
         ),
     )  # fmt: skip
+
+
+NONE_SPEC = TreeSpec(Method.NONE)
 
 
 @dataclass(frozen=True)
@@ -652,7 +656,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
                 run: SessionRun = await self._dsi_run(plan, text, deadline, resumed=session)
             else:
                 policy = None
-                if plan.adaptive:  # the depth policy starts afresh: the shape may differ from here on
+                if plan.adaptive or plan.auto:  # the policy starts afresh: the shape may differ from here on
                     plan, policy = await asyncio.get_running_loop().run_in_executor(
                         self._parser, self._speculation, plan
                     )
@@ -707,11 +711,11 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             ahead=shape.ahead, verify_cost=verify, resumed=resumed,
         )  # fmt: skip
 
-    def _speculation(self, plan: GenerationPlan) -> tuple[GenerationPlan, AdaptivePolicy | None]:
-        """A request with no speculation field: its family (plain, n-gram or the draft model's
-        chains) chosen by `choose_family`; an adaptive plan: its depth policy. Both reproducible
-        (specmesh.core.adaptive): fixed start-up costs, the prompt, and the session's own rounds.
-        Runs in the parse thread."""
+    def _speculation(self, plan: GenerationPlan) -> tuple[GenerationPlan, RoundPolicy | None]:
+        """A request with no speculation field: a FamilyPolicy, which picks every round (plain
+        steps with n-gram rides in the verifier, or the draft model's chain); an adaptive plan: its
+        depth policy. Both reproducible (specmesh.core.adaptive): fixed start-up costs, the
+        session's tokens and its own rounds. Runs in the parse thread."""
         model = self.served_model()
         overhead = self.config.call_overhead_ms / 1000.0
         draft_level = {
@@ -725,13 +729,20 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             return ngram_hits() if method is Method.NGRAM else ADAPTIVE_PRIOR
 
         if plan.auto:
-            candidates = {}
-            if self.env.ngram_drafters is not None:
-                candidates[METHOD_DEFAULTS[Method.NGRAM]] = prior(Method.NGRAM)
+            chain = None
             if self.env.drafters is not None:
-                candidates[AUTO_SPEC] = prior(Method.CHAIN)
-            spec = choose_family(candidates, model.forward_cost, draft_level, overhead, self.env.plain_steps)
-            plan = dataclasses.replace(plan, spec=spec, adaptive=spec.method.drafts)
+                chain = AdaptivePolicy(
+                    AUTO_SPEC, model.forward_cost, prior_alpha=ADAPTIVE_PRIOR,
+                    draft_cost=draft_level[Method.CHAIN], call_overhead=overhead,
+                )  # fmt: skip
+            family = FamilyPolicy(
+                model.forward_cost, overhead, self.env.plain_steps, len(plan.prompt_ids), chain,
+                max_lookup=0 if plan.grammar is not None else min(MAX_LOOKUP, self.config.max_depth),
+            )  # fmt: skip  # a grammar masks a tree's paths: no rides (VerifyRequest.lookup_depth)
+            family.estimate.sync(plan.prompt_ids)  # here in the parse thread, not on the event loop
+            # a drafter role only where the draft model's rounds may ever pay (FamilyPolicy)
+            spec = AUTO_SPEC if family.chain is not None else NONE_SPEC
+            return dataclasses.replace(plan, spec=spec, adaptive=False), family
         if not plan.adaptive:
             return plan, None
         method = plan.spec.method

@@ -248,10 +248,12 @@ def _bench_same_text(args: argparse.Namespace) -> int:
 
 def _bench_default(args: argparse.Namespace) -> int:
     from specmesh.bench.default_path import bench_default
+    from specmesh.bench.measure import PROMPT_SETS
 
     results = bench_default(
-        args.address, args.url, tuple(args.sets), args.prompts, args.max_new_tokens, tuple(args.temperatures),
-        tuple(args.sessions), args.llama_server,
+        args.address, args.url, tuple(args.sets or PROMPT_SETS), args.prompts, args.max_new_tokens,
+        tuple(args.temperatures), tuple(args.sessions), args.llama_server,
+        lookup_draft_max=args.lookup_draft_max,
     )  # fmt: skip
     return _write_json(args.json, results)
 
@@ -953,14 +955,21 @@ def build_parser() -> argparse.ArgumentParser:
         "default", help="the default path vs method none, and a seed's text under load, on a running stack"
     )
     _add_gateway_flags(default, http=True)
-    default.add_argument("--sets", nargs="+", default=["chat", "code", "edit"], help="prompt sets")
+    default.add_argument(
+        "--sets", nargs="+", help="prompt sets (default: every set, specmesh.bench.measure.PROMPT_SETS)"
+    )
     _add_workload_flags(default, 64, prompts=4, what="prompts per set")
     _add_temperatures_flag(default)
     default.add_argument(
         "--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrent chat streams"
     )
     default.add_argument(
-        "--llama-server", help="llama.cpp's llama-server binary: also plain decoding through it"
+        "--llama-server",
+        help="llama.cpp's llama-server binary: also plain decoding through it, and its llama-lookup "
+        "(beside it) on the sets whose answers copy their context",
+    )
+    default.add_argument(
+        "--lookup-draft-max", type=int, default=4, help="llama-lookup's --spec-draft-n-max (its draft length)"
     )
     _add_output_flags(default)
     default.set_defaults(func=_bench_default)

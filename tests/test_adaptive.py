@@ -11,10 +11,10 @@ import torch
 
 from specmesh.core.adaptive import (
     AdaptivePolicy,
+    FamilyPolicy,
     ForwardCost,
     Load,
     PolicyMemory,
-    choose_family,
     expected_tokens,
     family_spec,
 )
@@ -273,33 +273,66 @@ FLAT = {1: 0.030, 2: 0.0301, 4: 0.0302, 8: 0.0305, 16: 0.031}  # a GPU-like targ
 NGRAM, CHAIN = TreeSpec("ngram", depth=4), TreeSpec("chain", depth=3)
 
 
+def _tokens(n: int, seed: int) -> list[int]:
+    return random.Random(seed).choices(range(100, 5000), k=n)
+
+
+def _family(forward: dict, draft: float | None, prompt: list[int]) -> FamilyPolicy:
+    chain = None if draft is None else AdaptivePolicy(CHAIN, forward, draft_cost=draft, call_overhead=0.002)
+    return FamilyPolicy(forward, 0.002, 4, len(prompt), chain)
+
+
 @pytest.mark.parametrize(
-    ("forward", "draft", "ngram_hits", "want"),
+    ("forward", "draft", "fresh", "copying"),
     [
-        (CPU, 0.020, 0.1, Method.NONE),  # a draft token at 0.65 of a target token, text that does not repeat
-        (CPU, 0.020, 0.9, Method.NGRAM),  # free drafts copied from a repeating context pay even here
-        (FLAT, 0.003, 0.1, Method.CHAIN),  # rows nearly free, a 10x cheaper drafter
-        (FLAT, 0.003, 0.9, Method.NGRAM),
+        # a draft token at 0.65 of a target token: the draft model never pays (never probed);
+        # n-gram rides do where the answer copies
+        (CPU, 0.020, Method.NONE, "ride"),
+        (FLAT, 0.003, Method.CHAIN, "ride"),  # rows nearly free, a 10x cheaper drafter
+        (FLAT, None, Method.NONE, "ride"),  # no draft model
     ],
 )
-def test_the_default_family_follows_the_costs_and_the_prompt(forward, draft, ngram_hits, want) -> None:
-    costs = {Method.NGRAM: 0.0, Method.CHAIN: draft}
-    spec = choose_family({NGRAM: ngram_hits, CHAIN: 0.7}, forward, costs, call_overhead=0.002)
-    assert spec.method is want
-    assert choose_family({}, forward, costs, 0.002).method is Method.NONE  # nothing to draft with
+def test_the_default_family_follows_the_costs_and_the_tokens(forward, draft, fresh, copying) -> None:
+    """Per round, both ways within one session: fresh text, then an answer copying a passage of
+    its prompt (n-gram rides, no drafter call), then fresh text again."""
+    passage = _tokens(300, 0)
+    prompt = [*_tokens(40, 1), *passage]
+    policy = _family(forward, draft, prompt)
+    answer = _tokens(100, 2)
+    plans = [policy.plan([*prompt, *answer])]
+    answer += passage[:120]
+    plans.append(policy.plan([*prompt, *answer]))
+    answer += _tokens(150, 3)
+    plans.append(policy.plan([*prompt, *answer]))
+    assert plans[1].spec.method is Method.NONE and plans[1].plain_run and plans[1].lookup_depth >= 1
+    for plan in (plans[0], plans[2]):
+        # a step without a proposal costs nothing more: where rows are nearly free, shallow rides
+        # stay on for the rare match
+        assert plan.spec.method is fresh and plan.lookup_depth < plans[1].lookup_depth
+        assert plan.lookup_depth == 0 or forward is FLAT
+    assert (policy.chain is None) == (fresh is Method.NONE)
 
 
-def test_plain_decoding_that_pays_one_call_per_several_tokens_raises_the_bar_for_drafts() -> None:
-    """With 4 tokens per plain call, plain decoding's overhead per token is a quarter: a hit rate
-    that beats one call per token no longer beats it."""
-    costs = {Method.NGRAM: 0.0, Method.CHAIN: 0.020}
-    rates = [h / 100 for h in range(50, 100)]
-    chosen = [
-        [choose_family({NGRAM: a}, CPU, costs, 0.004, steps).method is Method.NGRAM for a in rates]
-        for steps in (1, 4)
-    ]
-    threshold = [rates[row.index(True)] for row in chosen]
-    assert threshold[1] > threshold[0]
+def test_rides_go_deeper_where_rows_are_cheap() -> None:
+    """The same copying text: a deeper ride where a forward is nearly flat in rows than where
+    every row costs (this CPU's llama.cpp curve)."""
+    passage = _tokens(300, 0)
+    prompt = [*_tokens(40, 1), *passage]
+    answer = [*_tokens(30, 2), *passage[:100]]
+    depths = [_family(forward, None, prompt).plan([*prompt, *answer]).lookup_depth for forward in (CPU, FLAT)]
+    assert 1 <= depths[0] < depths[1]
+
+
+def test_the_family_choice_is_a_function_of_the_tokens() -> None:
+    """A policy built afresh (a resumed session) and fed the same tokens plans the same round."""
+    passage = _tokens(200, 4)
+    prompt = [*_tokens(40, 5), *passage]
+    answer = [*_tokens(20, 6), *passage[:30]]
+    first = _family(CPU, 0.020, prompt)
+    for end in range(len(prompt), len(prompt) + len(answer), 7):
+        first.plan([*prompt, *answer[: end - len(prompt)]])
+    again = _family(CPU, 0.020, prompt)
+    assert again.plan([*prompt, *answer]) == first.plan([*prompt, *answer])
 
 
 def test_the_reproducible_policy_reads_no_clock() -> None:

@@ -263,13 +263,34 @@ def test_adaptive_greedy_through_the_gateway_equals_the_targets_greedy_decode(
 
 
 def test_a_request_without_speculation_gets_the_gateways_reproducible_choice(stub, target_greedy) -> None:
-    """No speculation field: the gateway chooses the family and the depths (none, ngram or the
-    draft model's chains, from start-up costs and the session's own acceptance); the output is
+    """No speculation field: the gateway chooses every round (plain steps with n-gram rides, or the
+    draft model's chain, from start-up costs and the session's tokens and rounds); the output is
     still the target's greedy decode, and the same request makes the same rounds again."""
     request = make_request(max_new_tokens=24)
     request.ClearField("speculation")
     first, second = (stub.Generate(request, timeout=60) for _ in range(2))
     assert list(first.token_ids) == list(second.token_ids) == target_greedy[:24]
+    fields = ("rounds", "drafted_tokens", "accepted_tokens")
+    assert [getattr(first.stats, f) for f in fields] == [getattr(second.stats, f) for f in fields]
+
+
+def test_the_default_rides_n_gram_drafts_where_the_answer_copies_its_prompt(
+    stub, models, target_greedy
+) -> None:
+    """A prompt that holds its own greedy continuation, then its start again: the answer copies
+    the prompt, the default lets n-gram drafts ride in the verifier's plain steps (drafted and
+    accepted tokens, no drafter call), and the output is still the target's greedy decode; the
+    same request makes the same rounds again."""
+    target = load_model(models["target"], dtype="fp32", device="cpu")
+    prompt = [*PROMPT, *target_greedy[:32], *PROMPT]
+    want = hf_greedy(target.model, prompt, 32)
+    request = make_request(max_new_tokens=32)
+    request.ClearField("speculation")
+    request.prompt_token_ids.ids[:] = prompt
+    first, second = (stub.Generate(request, timeout=60) for _ in range(2))
+    assert list(first.token_ids) == list(second.token_ids) == want
+    stats = first.stats
+    assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0 and stats.draft_calls == 0
     fields = ("rounds", "drafted_tokens", "accepted_tokens")
     assert [getattr(first.stats, f) for f in fields] == [getattr(second.stats, f) for f in fields]
 

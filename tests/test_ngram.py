@@ -9,10 +9,11 @@ from collections import Counter
 import pytest
 import torch
 
-from specmesh.core.ngram import chain_tree, draft_ngram, prompt_hit_rate, propose
+from specmesh.core.ngram import NgramEstimate, NgramIndex, chain_tree, draft_ngram, prompt_hit_rate, propose
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.tree import SamplingMode
 from specmesh.core.verification import verify_tree
+from specmesh.runtime.rounds import VerifyJob, run_ticked, verify_steps
 from tests.stats import chi_square_pvalue
 from tests.test_lossless import (
     P_VALUE_THRESHOLD,
@@ -99,17 +100,6 @@ def ngram_two_token_pvalue(params: SamplingParams, wrong_q: bool = False) -> tup
     return chi_square_pvalue(counts, exact_two_token_distribution(params)), accepted / (2 * SAMPLES)
 
 
-@pytest.mark.parametrize("params_name", ["T0.6", "T1.0", "T1.0-topk3", "T1.0-topp0.8"])
-def test_ngram_drafts_keep_the_target_distribution(params_name: str) -> None:
-    p_value, accepted_share = ngram_two_token_pvalue(PARAMS[params_name])
-    assert p_value > P_VALUE_THRESHOLD, f"ngram @ {params_name}: p = {p_value:.3g}"
-    assert 0.1 < accepted_share < 0.95, accepted_share  # drafts are accepted and rejected
-
-
-def test_detects_a_drafter_that_sends_the_wrong_q() -> None:
-    assert ngram_two_token_pvalue(PARAMS["T1.0"], wrong_q=True)[0] < P_VALUE_THRESHOLD
-
-
 def test_greedy_emits_the_target_argmax_path() -> None:
     target = ToyModel(VOCAB, 5, 1.0)
     g = torch.Generator().manual_seed(0)
@@ -128,3 +118,143 @@ def test_prompt_hit_rate_is_what_propose_guesses(seed: int) -> None:
     start = len(prompt) // 4
     want = sum(propose(prompt[:i], 1) == [prompt[i]] for i in range(start, 80)) / (80 - start)
     assert prompt_hit_rate(prompt) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_index_proposes_what_propose_does(seed: int) -> None:
+    """NgramIndex kept token by token = `propose` over the same tokens (short of its window), with
+    a step's fed tokens given apart; sync rebuilds after a rollback."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 5, (300,), generator=g).tolist()
+    index = NgramIndex()
+    for i in range(1, 300):
+        index.sync(tokens[: i - 1])
+        assert index.propose(4, tokens[i - 1 : i]) == propose(tokens[:i], 4)
+    index.sync(tokens[:50])  # rolled back
+    assert index.tokens == tokens[:50]
+    assert index.propose(3) == propose(tokens[:50], 3)
+
+
+def _passage(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 5000, (n,), generator=g).tolist()
+
+
+def test_the_estimate_sees_an_answer_copy_its_prompt_and_stop() -> None:
+    """Fresh text: few proposals, and wrong ones. An answer that copies a passage of its prompt:
+    nearly every position has a proposal and nearly all of it is right. Then fresh text again:
+    the estimate falls back (the counts decay)."""
+    passage = _passage(200, 0)
+    prompt = [*_passage(50, 1), *passage, *_passage(20, 2)]
+    fresh = _passage(120, 3)
+    estimate = NgramEstimate(start=len(prompt))
+    estimate.sync([*prompt, *fresh])
+    assert estimate.matched < 0.2
+    estimate.sync([*prompt, *fresh, *passage[:150]])
+    copying = estimate.alphas()
+    assert estimate.matched > 0.8 and min(copying[:4]) > 0.8
+    estimate.sync([*prompt, *fresh, *passage[:150], *_passage(150, 4)])
+    assert estimate.matched < 0.2
+
+
+def test_the_estimate_is_a_function_of_the_tokens() -> None:
+    """However the tokens arrive (one by one, all at once, after a rollback to other tokens), the
+    same tokens give the same estimate: a resumed session chooses as the original would have."""
+    passage = _passage(100, 5)
+    tokens = [*passage, *_passage(30, 6), *passage[:60], *_passage(30, 7)]
+    whole = NgramEstimate(start=100)
+    whole.sync(tokens)
+    stepwise = NgramEstimate(start=100)
+    stepwise.sync([*tokens[:150], 1, 2, 3])  # a branch later rolled back
+    for i in range(140, len(tokens) + 1):
+        stepwise.sync(tokens[:i])
+    assert (stepwise.matched, stepwise.alphas()) == (whole.matched, whole.alphas())
+
+
+# --- rides: n-gram proposals inside a verifier's plain steps ---------------------------------------
+
+
+class ToyVerifier:
+    """The toy target behind `verify_steps`, one session: its committed tokens (HISTORY, then what
+    the steps emitted); a step's logits are the target's rows after the tokens past HISTORY."""
+
+    def __init__(self) -> None:
+        self.tokens = list(HISTORY[:-1])
+        self.nodes: list[int] = []  # the last step's node tokens
+
+    def forward(self, steps: list) -> list[torch.Tensor]:
+        (step,) = steps
+        self.tokens += step.new_tokens
+        context = tuple(self.tokens[len(HISTORY) :])
+        paths = [context]
+        for t, parent in zip(step.node_tokens, step.node_parents, strict=True):
+            paths.append((*paths[parent + 1], t))
+        self.nodes = list(step.node_tokens)
+        return [TARGET.logits(paths)]
+
+    def commit(self, session_id: str, nodes: list[int]) -> None:
+        self.tokens += [self.nodes[n] for n in nodes]
+
+
+def ride_run(params: SamplingParams, seed: int, steps: int, wrong_q: bool = False) -> tuple[list[int], int]:
+    """One plain call of `steps` steps from HISTORY, with rides of up to 3 tokens looked up in
+    HISTORY and the output (the verifier's NgramIndex); -> (emitted tokens, accepted ride tokens).
+    wrong_q: rides that claim a uniform draft distribution instead of their one-hot one."""
+    toy, index = ToyVerifier(), NgramIndex()
+
+    def ride(before: int, after: list[int], depth: int):
+        index.sync(toy.tokens[:before])
+        tree = chain_tree(index.propose(depth, after), VOCAB)
+        if wrong_q and tree is not None:
+            tree = dataclasses.replace(tree, draft_probs=torch.full_like(tree.draft_probs, 1.0 / VOCAB))
+        return tree
+
+    job = VerifyJob(
+        "s", [HISTORY[-1]], None, params, seed, len(HISTORY), plain_steps=steps, ride=ride, lookup_depth=3
+    )
+    (outcome,) = run_ticked(verify_steps([job], toy.commit), toy.forward)
+    assert outcome.error is None
+    return [*outcome.plain_tokens, *outcome.verdict.emitted_tokens], outcome.rides[1]
+
+
+RIDE_SAMPLES = SAMPLES // 2  # a call through verify_steps costs ~2 ms: half the samples, still 64 cells x 390
+
+
+def ride_two_token_pvalue(params: SamplingParams, wrong_q: bool = False) -> tuple[float, float]:
+    """The first two tokens of plain calls of two or three steps (a ride emits 1-4 tokens, so the
+    two are often one step's, else two steps'), against the target's exact distribution."""
+    counts: Counter = Counter()
+    accepted = 0
+    for seed in range(RIDE_SAMPLES):
+        tokens, n_accepted = ride_run(params, seed, steps=2 + seed % 2, wrong_q=wrong_q)
+        counts[tuple(tokens[:2])] += 1
+        accepted += min(n_accepted, 2)
+    return chi_square_pvalue(counts, exact_two_token_distribution(params)), accepted / (2 * RIDE_SAMPLES)
+
+
+# n-gram drafts from the drafter (a round of their own), or riding in a verifier's plain steps
+PVALUES = {"drafter": ngram_two_token_pvalue, "ride": ride_two_token_pvalue}
+
+
+@pytest.mark.parametrize(
+    ("how", "params_name"),
+    [
+        *(("drafter", p) for p in ("T0.6", "T1.0", "T1.0-topk3", "T1.0-topp0.8")),
+        ("ride", "T1.0"),
+        ("ride", "T0.6-topk3"),
+    ],
+)
+def test_ngram_drafts_keep_the_target_distribution(how: str, params_name: str) -> None:
+    p_value, accepted_share = PVALUES[how](PARAMS[params_name])
+    assert p_value > P_VALUE_THRESHOLD, f"ngram ({how}) @ {params_name}: p = {p_value:.3g}"
+    assert 0.1 < accepted_share < 0.95, accepted_share  # drafts are accepted and rejected
+
+
+@pytest.mark.parametrize("how", list(PVALUES))
+def test_detects_ngram_drafts_that_claim_the_wrong_q(how: str) -> None:
+    assert PVALUES[how](PARAMS["T1.0"], wrong_q=True)[0] < P_VALUE_THRESHOLD
+
+
+def test_greedy_rides_emit_the_targets_greedy_decode() -> None:
+    tokens, accepted = ride_run(SamplingParams(0.0), 0, steps=12)
+    assert accepted > 0 and tokens == TARGET.greedy((), len(tokens))

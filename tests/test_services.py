@@ -397,6 +397,34 @@ def test_plain_steps_in_one_call_equal_one_call_per_token_and_stop_at_a_stop_tok
     assert stopped == [expected[: k + 1]]
 
 
+def test_n_gram_rides_in_plain_steps_give_the_plain_tokens(stack) -> None:
+    """VerifyRequest.lookup_depth: a prompt that holds its own greedy continuation once, then its
+    start again; calls of 4 steps whose n-gram proposals (up to 3 tokens) ride in the steps give
+    the greedy tokens of one-token plain calls, and the replies count the rides."""
+
+    async def decode(session_id: str, prompt: list[int], steps: int, lookup: int, total: int) -> tuple:
+        tokens, position, new, rides = [], 0, list(prompt), [0, 0]
+        async with Stubs(stack) as stubs:
+            while len(tokens) < total:
+                request = wire.verify_request(
+                    session_id, position, new, GREEDY, None, steps, lookup_depth=lookup
+                )
+                reply = await stubs.verifier.Verify(request)
+                emitted = [*reply.plain_token_ids, *reply.accepted_token_ids, reply.next_token]
+                tokens += emitted
+                rides = [rides[0] + reply.ride_nodes, rides[1] + reply.ride_accepted]
+                position, new = position + len(new) + len(emitted) - 1, [reply.next_token]
+            await stubs.verifier.Release(pb2.ReleaseRequest(session_id=session_id))
+        return tokens[:total], rides
+
+    first, _ = asyncio.run(decode("rides-0", list(PROMPT), 1, 0, 16))
+    prompt = [*PROMPT, *first, *PROMPT]  # the lookup proposes `first` again after PROMPT
+    plain, none = asyncio.run(decode("rides-1", prompt, 1, 0, 24))
+    ridden, rides = asyncio.run(decode("rides-2", prompt, 4, 3, 24))
+    assert ridden == plain and none == [0, 0]
+    assert rides[0] > 0 and 0 <= rides[1] <= rides[0]
+
+
 def test_release_forgets_the_session_and_the_next_round_resyncs(stack, reference) -> None:
     request = Request(PROMPT, SPECS["rsd_c"], SamplingParams(1.0, seed=21), 14)
 
@@ -790,6 +818,13 @@ BAD_INPUT: dict[str, tuple[str, Callable, str]] = {
         "plain_steps: ",
     ),
     "stop-token-outside-vocab": ("Verify", lambda r: r.stop_token_ids.append(VOCAB), "stop_token_ids[0]: "),
+    # n-gram rides: plain steps only, within --max-depth
+    "lookup-with-a-tree": ("Verify", put("lookup_depth", 2), "lookup_depth: "),
+    "lookup-limit": (
+        "Verify",
+        lambda r: (r.ClearField("tree"), setattr(r, "lookup_depth", MAX_DEPTH + 1)),
+        "lookup_depth: ",
+    ),
 }
 
 

@@ -15,6 +15,7 @@ of the batcher until its last step, so every session's next step makes the same 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ import grpc
 import numpy as np
 
 from specmesh.core.grammar import TokenMask
+from specmesh.core.ngram import NgramIndex, chain_tree
 from specmesh.core.tree import DraftTree
 from specmesh.rpc import wire
 from specmesh.rpc.metrics import RoundMetrics, count_labels
@@ -70,6 +72,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
 
     def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
         super().__init__(config, model, metrics)
+        self._lookups: dict[str, NgramIndex] = {}  # sessions' n-gram indexes (plain steps' rides)
         self._rounds = RoundMetrics(metrics)  # vLLM's spec-decode names, with the same meaning
         self._per_depth = metrics.counter(
             "specmesh:verifier_draft_tokens_per_depth",
@@ -90,7 +93,10 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             raise out
         verdict = out.verdict
         assert verdict is not None
-        return wire.verdict_to_proto(verdict, out.plain_tokens, out.logprobs, **tick.stats)
+        nodes, accepted = out.rides
+        return wire.verdict_to_proto(
+            verdict, out.plain_tokens, out.logprobs, ride_nodes=nodes, ride_accepted=accepted, **tick.stats
+        )
 
     async def tick_items(
         self, stream: TickStream, message: pb2.VerifyTick, items: TickItems
@@ -100,6 +106,9 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         problems = trees.check(n, self.vocab_size)
         rows = trees.dense_rows() if len(trees.row_probs) else None
         steps = column(message.plain_steps, "u1", "plain_steps", n) if n else np.zeros(0, np.uint8)
+        lookups = np.zeros(n, np.uint8)  # absent: no rides
+        if message.lookup_depth:
+            lookups = column(message.lookup_depth, "u1", "lookup_depth", n)
         answers: list = [None] * n
         verifies, where = [], []
         positions, handles = items.positions.tolist(), items.handles.tolist()
@@ -120,7 +129,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
                 v = wire.VerifyInput(
                     session_id=o.session_id, position=positions[i], new_tokens=new, params=o.params,
                     grammar=o.grammar, tree=tree, plain_steps=plain, stop_token_ids=o.stop_token_ids,
-                    top_logprobs=o.top_logprobs,
+                    top_logprobs=o.top_logprobs, lookup_depth=int(lookups[i]),
                 )  # fmt: skip
                 wire.check_verify_input(v, self.limits)
                 verifies.append((v, owner_hash(o.key)))
@@ -142,6 +151,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
                 accepted_nodes=list(verdict.accepted_nodes),
                 bonus=verdict.bonus,
                 logprobs=out.logprobs,
+                rides=out.rides,
             )
         return verify_result(message.id, answers, **tick.stats)
 
@@ -214,11 +224,27 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
                 # on the model thread after the forward: the runner holds this step's new tokens
                 return masks.allowed((self.runner.committed_tokens(sid) or [])[start:], paths)
 
+        max_context = self.runner.max_context
         return VerifyJob(
             v.session_id, list(v.new_tokens), v.tree, v.params, v.params.seed or 0, v.committed_length,
-            plain_steps=plain_room(v.plain_steps, v.committed_length, self.runner.max_context),
+            plain_steps=plain_room(v.plain_steps, v.committed_length, max_context),
             stop_token_ids=v.stop_token_ids, top_logprobs=v.top_logprobs, allowed=allowed,
+            ride=functools.partial(self._ride, v.session_id) if v.lookup_depth else None,
+            lookup_depth=v.lookup_depth,
+            room=None if max_context is None else max_context - v.committed_length + 1,
         )  # fmt: skip
+
+    def _ride(self, session_id: str, before: int, after: list[int], depth: int) -> DraftTree | None:
+        """The lookup's chain after the session's first `before` committed tokens and `after` (a
+        step's fed tokens). The session's index follows its committed tokens (rebuilt when they
+        were rolled back); only this session's own request reads them, so any thread may call it."""
+        index = self._lookups.setdefault(session_id, NgramIndex())
+        index.sync((self.runner.committed_tokens(session_id) or [])[:before])
+        return chain_tree(index.propose(depth, after), self.vocab_size)
+
+    def forget_local(self, session_id: str) -> None:
+        super().forget_local(session_id)
+        self._lookups.pop(session_id, None)
 
     def _record(self, rounds: list[tuple[DraftTree | None, VerifyOutcome]]) -> None:
         """A tick's verifications (and their plain steps)."""
@@ -226,10 +252,11 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         for tree, outcome in rounds:
             verdict = outcome.verdict
             assert verdict is not None
-            counts += [(0, 0)] * (outcome.steps - 1)  # the plain steps before the last
-            counts.append((tree.num_nodes if tree is not None else 0, len(verdict.accepted_nodes)))
+            counts += outcome.checked  # every step's, rides in plain steps included
             if tree is not None:
                 depths += range(1, tree.num_nodes + 1) if tree.is_chain else tree.depths().tolist()
+            for nodes, _ in outcome.checked if tree is None else ():  # rides are chains
+                depths += range(1, nodes + 1)
         self._rounds.observe_many(counts)
         count_labels(self._per_depth, depths)
 

@@ -8,6 +8,10 @@
 Each prompt is one `/completion` request (no prompt cache, one slot) timed from send to the last
 byte, like the gateway rows; T > 0 samples from the whole distribution (top-k, top-p and min-p
 off) so that both engines sample the same distribution.
+
+Prompt lookup: `llama-lookup` (llama.cpp's example of n-gram drafts from the context, built beside
+the server), one process per prompt; its time is the prompt's encoding plus the decoding as it
+reports them (the model's load is not counted).
 """
 
 from __future__ import annotations
@@ -120,4 +124,46 @@ def run_llama_server(url: str, texts: list[str], temperature: float, max_new: in
     out: dict = dict(tokens=tokens, seconds=seconds)
     if drafted:
         out.update(drafted_tokens=drafted, accepted_tokens=accepted, draft_acceptance=accepted / drafted)
+    return out
+
+
+def find_llama_lookup(server: Path | None) -> Path | None:
+    """llama-lookup beside a llama-server binary (the build script builds both), or on PATH."""
+    for candidate in (server.parent / "llama-lookup" if server else None, shutil.which("llama-lookup")):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+def run_llama_lookup(
+    binary: Path, target: Path, texts: list[str], temperature: float, max_new: int, draft_max: int = 4
+) -> dict:
+    """Each text once with llama.cpp's prompt-lookup decoding (`--spec-draft-n-max draft_max`, seed
+    1000 + i); -> tokens, seconds (encode + decode, as it reports them), drafted and accepted."""
+    import re
+
+    threads = str(os.cpu_count() or 1)
+    tokens = drafted = accepted = 0
+    seconds = 0.0
+    for i, text in enumerate(texts):
+        argv = [str(binary), "-m", str(target), "-p", text, "-n", str(max_new), "-t", threads, "-c", "4096"]
+        argv += ["--temp", str(temperature), "--top-k", "0", "--top-p", "1.0", "--min-p", "0.0"]
+        argv += ["--repeat-penalty", "1.0", "--seed", str(1000 + i), "--spec-draft-n-max", str(draft_max)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
+        log = done.stdout + done.stderr
+        if done.returncode != 0:
+            raise RuntimeError(f"llama-lookup exited with {done.returncode}: {log[-2000:]}")
+        encoded = re.search(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log)
+        decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
+        n_drafted = re.search(r"n_drafted\s*=\s*(\d+)", log)
+        n_accept = re.search(r"n_accept\s*=\s*(\d+)", log)
+        if not (encoded and decoded):
+            raise RuntimeError(f"llama-lookup printed no timings: {log[-2000:]}")
+        tokens += int(decoded.group(1))
+        seconds += float(encoded.group(1)) + float(decoded.group(2))
+        drafted += int(n_drafted.group(1)) if n_drafted else 0
+        accepted += int(n_accept.group(1)) if n_accept else 0
+    out: dict = dict(tokens=tokens, seconds=seconds, drafted_tokens=drafted, accepted_tokens=accepted)
+    if drafted:
+        out["draft_acceptance"] = accepted / drafted
     return out

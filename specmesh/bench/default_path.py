@@ -6,9 +6,11 @@ gives the same text over three runs through gRPC and HTTP, the third beside a lo
     specmesh bench default --json docs/benchmarks/default_path.json
 
 Prompt sets: `chat` (LongBench-Write questions as user messages), `code` (HumanEval prompts to
-complete) and `edit` (HumanEval code to rewrite with a rename: the answer copies its context, the
-set where n-gram drafts apply). What the default chose shows in the stats: drafted tokens from the
-n-gram drafter or the draft model, or none.
+complete), and three whose answers copy their context, where n-gram drafts apply: `edit`
+(HumanEval code to rewrite with a rename), `quote` (a document's paragraphs to quote) and
+`rewrite` (a text to give back with one word changed). What the default chose shows in the stats:
+drafted tokens (n-gram rides in the verifier's plain steps, or the draft model's), or none. With
+llama-server given, the copying sets also run llama.cpp's own prompt lookup (`llama-lookup`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from specmesh.bench.anchors import llama_server, run_llama_server
-from specmesh.bench.measure import PROMPT_SETS, prompt_set, run_gateway
+from specmesh.bench.anchors import find_llama_lookup, llama_server, run_llama_lookup, run_llama_server
+from specmesh.bench.measure import COPYING_SETS, PROMPT_SETS, prompt_set, run_gateway
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.methods import Method
 from specmesh.rpc.proto import load
@@ -111,8 +113,10 @@ def bench_default(
     sessions: tuple[int, ...] = (1, 2, 4, 8),
     llama_server_binary: str | None = None,
     target: str = "default-target",
+    lookup_draft_max: int = 4,
 ) -> dict:
-    """llama_server_binary: also llama-server plain on `target`'s GGUF file, the same texts."""
+    """llama_server_binary: also llama-server plain on `target`'s GGUF file, the same texts, and
+    llama-lookup beside it (when it was built) on the copying sets."""
     from specmesh.runtime.tokenizers import gguf_file, load_tokenizer
 
     tokenizer, _ = load_tokenizer(gguf_file(target) or target)
@@ -126,6 +130,15 @@ def bench_default(
             for temperature in temperatures:
                 measured = compare(address, texts, temperature, max_new, 1, llama_url)
                 row = dict(set=name, temperature=temperature, sessions=1, **measured)
+                lookup = find_llama_lookup(Path(llama_server_binary)) if llama_server_binary else None
+                if lookup is not None and name in COPYING_SETS:
+                    m = run_llama_lookup(
+                        lookup, gguf_file(target), texts, temperature, max_new, lookup_draft_max
+                    )
+                    row["llama_lookup"] = dict(m, tokens_per_second=m["tokens"] / m["seconds"])
+                    row["default_over_llama_lookup"] = (
+                        row["default"]["tokens_per_second"] / row["llama_lookup"]["tokens_per_second"]
+                    )
                 rows.append(row)
                 _print(row)
     # concurrent chat streams: the same max(sessions) texts at each concurrency, against
@@ -156,11 +169,13 @@ def bench_default(
 def _print(row: dict) -> None:
     d, n = row["default"], row["none"]
     head = f"{row['set']:<5} T={row['temperature']:<3} sessions={row['sessions']}"
-    plain = row.get("llama_server")
+    plain, lookup = row.get("llama_server"), row.get("llama_lookup")
     vs = f"  llama-server {plain['tokens_per_second']:6.2f} tok/s" if plain else ""
+    vs += f"  llama-lookup {lookup['tokens_per_second']:6.2f} tok/s" if lookup else ""
     print(
         f"{head}{vs}  none {n['tokens_per_second']:6.2f} tok/s  default {d['tokens_per_second']:6.2f} tok/s  "
-        f"x{row['default_over_none']:.2f}  (default: {d['accepted_tokens']} accepted tokens, "
+        f"x{row['default_over_none']:.2f}  (default: {d['drafted_tokens']} drafted, "
+        f"{d['accepted_tokens']} accepted, "
         f"block efficiency {d['block_efficiency'] or 0:.2f})",
         flush=True,
     )

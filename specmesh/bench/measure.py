@@ -65,19 +65,82 @@ def chat_questions(n: int) -> list[str]:
     return [json.loads(line)["prompt"] for line in lines[:n]]
 
 
-PROMPT_SETS = ("code", "chat", "edit")
+# Passages of English prose for `quote` and `rewrite`: the module docstrings of the standard
+# library of the Python that runs the benchmark (PSF licence), so they need no download.
+QUOTE_MODULES = (
+    "socketserver",
+    "statistics",
+    "argparse",
+    "csv",
+    "json",
+    "http.cookies",
+    "urllib.parse",
+    "inspect",
+)
+REWRITE_MODULES = ("copy", "heapq", "timeit", "uuid", "sched", "struct", "doctest", "subprocess")
+
+
+def passage(module: str, limit: int = 1600) -> str:
+    """A module's docstring, its whole paragraphs up to `limit` characters (at least one)."""
+    import importlib
+    import inspect
+
+    paragraphs = (inspect.getdoc(importlib.import_module(module)) or "").split("\n\n")
+    kept = [paragraphs[0]]
+    for p in paragraphs[1:]:
+        if sum(len(k) + 2 for k in kept) + len(p) > limit:
+            break
+        kept.append(p)
+    return "\n\n".join(kept)
+
+
+def quote_prompts(n: int) -> list[str]:
+    """Retrieval answers that quote their context: a document, and an instruction to quote its
+    first two paragraphs word for word."""
+    return [
+        f"Here is a document.\n\n<document>\n{passage(m)}\n</document>\n\n"
+        "Quote the document's first two paragraphs exactly as written, word for word."
+        for m in QUOTE_MODULES[:n]
+    ]
+
+
+def rewrite_prompts(n: int) -> list[str]:
+    """ "Rewrite this text with one change": the most frequent word of five letters or more
+    replaced by its capitalised form, the whole text given back."""
+    import collections
+    import re
+
+    out = []
+    for m in REWRITE_MODULES[:n]:
+        text = passage(m)
+        words = collections.Counter(w for w in re.findall(r"[a-z]{5,}", text))
+        word = min(words, key=lambda w: (-words[w], w))
+        out.append(
+            f'Rewrite the following text with one change only: replace the word "{word}" with '
+            f'"{word.upper()}" everywhere. Output the complete rewritten text and nothing else.\n\n{text}'
+        )
+    return out
+
+
+PROMPT_SETS = ("code", "chat", "edit", "quote", "rewrite")
+COPYING_SETS = ("edit", "quote", "rewrite")  # answers that copy their context: where n-gram rides apply
 
 
 def prompt_set(name: str, n: int, tokenizer) -> list[str]:
     """n texts of a set as every engine gets them (one text each engine tokenizes alike): code
-    (HumanEval to complete) as it is; chat (questions) and edit (code to rewrite: the answer copies
-    its context, where n-gram drafts apply) as user messages in the model's chat template."""
+    (HumanEval to complete) as it is; chat (questions), edit (code to rewrite), quote (a document
+    to quote) and rewrite (a text to give back with one change) as user messages in the model's
+    chat template. The last three copy their context: where n-gram rides apply."""
     if name == "code":
         return humaneval_prompts(n)
     if name == "chat":
         return render_chat(chat_questions(n), tokenizer)
     if name == "edit":
         return render_chat(code_edit_prompts(n), tokenizer)
+    if name == "quote":
+        return render_chat(quote_prompts(n), tokenizer)
+    if name == "rewrite":
+        return render_chat(rewrite_prompts(n), tokenizer)
     raise ValueError(f"unknown prompt set {name!r}; use one of {', '.join(PROMPT_SETS)}")
 
 

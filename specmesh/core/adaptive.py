@@ -30,8 +30,17 @@ every time, whatever the load, and a round's shape decides which random numbers 
 policy then reads no clock: d is the drafter's start-up cost of one level, v the verifier's
 start-up curve (never rescaled), o a fixed cost per call (two calls for a speculative round, one
 for a plain one), s = 1; only the session's own acceptance counts move it, and nothing is carried
-over from earlier sessions. `choose_family` picks a session's tree family (none, n-gram, the draft
-model's chains) by the same rate, from the same fixed costs and a prior acceptance per family.
+over from earlier sessions.
+
+The default path (`FamilyPolicy`) decides every round instead: plain steps, each carrying the
+n-gram lookup's proposal of up to L tokens when there is one (a "ride": verified in the step's own
+forward, no drafter call), or a round of the draft model's chain. The n-gram side's rate per step is
+
+    rate(L) = (m·E(L) + 1 - m) / (m·v(1 + L) + (1 - m)·v(1) + o / S)
+
+with m the share of positions the lookup has a proposal for, α_j its acceptance per depth (both
+from `NgramEstimate`, a function of the session's tokens) and S the plain steps per call; L = 0 is
+plain decoding. The chain's side is its own AdaptivePolicy; the faster (by the tolerance) wins.
 """
 
 from __future__ import annotations
@@ -39,11 +48,12 @@ from __future__ import annotations
 import copy
 import itertools
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, field, replace
 
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.methods import Method
+from specmesh.core.ngram import NgramEstimate
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.stats import GenerationStats
 
@@ -112,6 +122,15 @@ class ForwardCost:
         self.scale = ratio if self.scale is None else self.scale * self.decay + (1 - self.decay) * ratio
 
 
+@dataclass(frozen=True)
+class RoundPlan:
+    """One round of a session: what it drafts and how it is verified."""
+
+    spec: TreeSpec  # Method.NONE: nothing drafted
+    lookup_depth: int = 0  # plain rounds: n-gram proposals of up to this many tokens ride in each step
+    plain_run: bool = False  # plain rounds: several steps in one Verify call (--plain-steps)
+
+
 @dataclass
 class AdaptivePolicy:
     """Per-session depth controller; `next_spec()` before a round, `observe()` after it."""
@@ -147,6 +166,7 @@ class AdaptivePolicy:
         self.off_rounds = 0  # since the last probe
         self.probe_interval = self.probe_every
         self.last_depth: int | None = None
+        self.probing = False  # the last choose_depth() was a probe, not the predicted best
         # depths this family may take: the requested one (the replicas accepted it), and those
         # within max_depth and max_nodes
         fits = {
@@ -165,12 +185,20 @@ class AdaptivePolicy:
 
     def predicted_rate(self, depth: int) -> float:
         """Tokens per second a round of this depth is expected to give."""
+        seconds = self.round_seconds(depth)
+        return expected_tokens(self.alphas(), depth) / seconds if seconds > 0 else float("inf")
+
+    def round_seconds(self, depth: int) -> float:
+        """What a round of this depth is expected to take."""
         spec = family_spec(self.base, depth)
         draft = depth * (self.draft_level or 0.0)
         rows = self.sessions * (1 + spec.max_nodes)  # each session's new token and its nodes
         other = (2 if depth else 1) * self.call_overhead if self.reproducible else (self.other or 0.0)
-        seconds = other + draft + self.verify(rows)
-        return expected_tokens(self.alphas(), depth) / seconds if seconds > 0 else float("inf")
+        return other + draft + self.verify(rows)
+
+    def ceiling_rate(self) -> float:
+        """The best rate any depth could give were every draft accepted (a chain's E(L) = L + 1)."""
+        return max((d + 1) / max(self.round_seconds(d), 1e-12) for d in self.depths if d)
 
     @property
     def reproducible(self) -> bool:
@@ -181,6 +209,7 @@ class AdaptivePolicy:
 
     def choose_depth(self) -> int:
         """The next round's depth. Not pure: counts off rounds, to probe now and then."""
+        self.probing = False
         if self.draft_level is None:  # nothing measured yet (or only the prefill round)
             return self.base.depth
         rates = {d: self.predicted_rate(d) for d in self.depths}
@@ -192,6 +221,7 @@ class AdaptivePolicy:
             if self.off_rounds >= self.probe_interval:
                 self.off_rounds = 0
                 self.probe_interval = min(2 * self.probe_interval, self.max_probe_every)
+                self.probing = True
                 return min(self.probe_depth, max(self.depths))
         else:
             self.probe_interval = self.probe_every  # speculation pays again
@@ -199,6 +229,9 @@ class AdaptivePolicy:
 
     def next_spec(self) -> TreeSpec:
         return family_spec(self.base, self.choose_depth())
+
+    def plan(self, tokens: Sequence[int]) -> RoundPlan:  # a depth policy reads no tokens
+        return RoundPlan(self.next_spec())
 
     def _mean(self, old: float | None, new: float) -> float:
         return new if old is None else old * self.decay + (1 - self.decay) * new
@@ -227,40 +260,6 @@ class AdaptivePolicy:
             self.tried[j] += 1.0
             if j < accepted:
                 self.reached[j] += 1.0
-
-
-def choose_family(
-    candidates: Mapping[TreeSpec, float],
-    forward_cost: Mapping[int, float],
-    draft_cost: Mapping[Method, float],
-    call_overhead: float,
-    plain_steps: int = 1,
-) -> TreeSpec:
-    """The family (and first depth) of a session in reproducible mode: for each candidate family
-    (its TreeSpec -> the acceptance assumed before any round), its best predicted rate over its
-    depths, from fixed start-up costs (draft_cost: seconds per level, by method); plain decoding
-    unless a family is predicted faster by more than the policy's tolerance. Plain decoding pays
-    one call per `plain_steps` tokens (the verifier decodes that many per call). Deterministic."""
-    policies = [
-        AdaptivePolicy(
-            base,
-            forward_cost,
-            prior_alpha=alpha,
-            draft_cost=draft_cost[base.method],
-            call_overhead=call_overhead,
-        )
-        for base, alpha in candidates.items()
-    ]
-    best = TreeSpec(Method.NONE)
-    if not policies:
-        return best
-    plain = policies[0]  # plain decoding costs the same whatever the family
-    best_rate = 1.0 / (plain.verify(1) + call_overhead / plain_steps)
-    for policy in policies:
-        rate = policy.best_rate()
-        if rate > (1 + policy.tolerance) * best_rate:
-            best, best_rate = family_spec(policy.base, max(policy.depths, key=policy.predicted_rate)), rate
-    return best
 
 
 class PolicyMemory:
@@ -294,3 +293,65 @@ class PolicyMemory:
             return
         with self._lock:
             self._states[self._key(policy.base, params)] = copy.deepcopy(policy)
+
+
+MAX_LOOKUP = 6  # the deepest n-gram ride: its rows cost every step that has a proposal
+
+
+def lookup_rate(estimate: NgramEstimate, depth: int, verify: ForwardCost, call_share: float) -> float:
+    """Tokens per second of plain steps whose lookup proposals of up to `depth` tokens ride in the
+    step's forward (module doc); call_share: the call's fixed cost over its steps."""
+    m = estimate.matched if depth else 0.0
+    tokens = m * expected_tokens(estimate.alphas(), depth) + 1.0 - m
+    seconds = m * verify(1 + depth) + (1.0 - m) * verify(1) + call_share
+    return tokens / seconds if seconds > 0 else float("inf")
+
+
+class FamilyPolicy:
+    """The default path's choice of every round (reproducible: start-up costs and the session's
+    tokens and rounds only): plain steps with n-gram rides of the best depth (0: none), or a round of
+    the draft model's chain when its AdaptivePolicy wants one (its best depth, or a probe) and it is
+    predicted faster by more than the tolerance. Switches both ways within a session."""
+
+    def __init__(
+        self,
+        forward_cost: Mapping[int, float],
+        call_overhead: float,
+        plain_steps: int,
+        prompt_length: int,
+        chain: AdaptivePolicy | None = None,
+        max_lookup: int = MAX_LOOKUP,
+        tolerance: float = 0.03,
+    ) -> None:
+        self.verify = ForwardCost(forward_cost, decay=0.0)  # never rescaled: reproducible
+        self.call_share = call_overhead / max(1, plain_steps)
+        self.estimate = NgramEstimate(start=prompt_length)
+        self.chain, self.max_lookup, self.tolerance = chain, max_lookup, tolerance
+        if chain is not None and chain.ceiling_rate() <= (1 + tolerance) / (self.verify(1) + self.call_share):
+            self.chain = None  # even accepting every draft it would lose to plain steps: never probed
+
+    def best_lookup(self) -> tuple[int, float]:
+        """The ride depth with the best predicted rate (the shallowest within the tolerance)."""
+        depths = range(self.max_lookup + 1)
+        rates = [lookup_rate(self.estimate, d, self.verify, self.call_share) for d in depths]
+        top = max(rates)
+        depth = next(d for d, r in enumerate(rates) if r >= (1 - self.tolerance) * top)
+        return (depth, rates[depth]) if rates[depth] > (1 + self.tolerance) * rates[0] else (0, rates[0])
+
+    def plan(self, tokens: Sequence[int]) -> RoundPlan:
+        """The next round after the session's `tokens` (prompt included)."""
+        self.estimate.sync(tokens)
+        depth, rate = self.best_lookup()
+        if self.chain is not None:
+            chain_depth = self.chain.choose_depth()  # 0: plain wins by its model (probes included)
+            chain_rate = self.chain.predicted_rate(chain_depth) if chain_depth else 0.0
+            if chain_depth and (self.chain.probing or chain_rate > (1 + self.tolerance) * rate):
+                return RoundPlan(family_spec(self.chain.base, chain_depth))
+        return RoundPlan(TreeSpec(Method.NONE), lookup_depth=depth, plain_run=True)
+
+    def observe(self, spec: TreeSpec, stats: GenerationStats, load: Load | None = None) -> None:
+        if self.chain is not None and spec.method.drafts:
+            self.chain.observe(spec, stats, load)
+
+
+RoundPolicy = AdaptivePolicy | FamilyPolicy  # plan(tokens) before a round, observe() after it

@@ -18,11 +18,18 @@ round is a plain step).
 `prompt_hit_rate` is the share of the prompt's own positions the lookup would have guessed: what
 the gateway's default choice takes as the acceptance of n-gram drafts before any round ran (a
 deterministic input, so a seeded request gives the same text every time).
+
+`NgramIndex` is `propose` kept up to date token by token (a proposal is a few dictionary lookups,
+not a scan), and `NgramEstimate` is the default path's per-round evidence: at every position of
+the answer, what the lookup would have proposed, checked against the tokens that came. Both are
+functions of the tokens alone, so a choice made from them keeps seeded output reproducible, and a
+session resumed elsewhere rebuilds them from its tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from specmesh.core.extras import missing
 from specmesh.core.tree import DraftTree, SamplingMode
@@ -102,3 +109,125 @@ def chain_tree(proposal: Sequence[int], vocab_size: int) -> DraftTree | None:
 def draft_ngram(tokens: Sequence[int], depth: int, vocab_size: int) -> DraftTree | None:
     """The n-gram drafter's tree after the committed `tokens`: at most `depth` nodes, or None."""
     return chain_tree(propose(tokens, depth), vocab_size)
+
+
+class NgramIndex:
+    """`propose` over the whole sequence (no window), kept up to date: per n, each n-gram's latest
+    end (the position of the token that followed it). extend() is O(max_ngram) per token and a
+    proposal O(max_ngram) lookups, so a verifier can look up at every step of every session."""
+
+    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens: list[int] = []
+        self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        seq, ends = self.tokens, self._ends
+        for t in tokens:
+            i = len(seq)  # t's position: every n-gram ending just before it is followed by t
+            for n in range(self.min_ngram, min(self.max_ngram, i) + 1):
+                ends[n][tuple(seq[i - n : i])] = i
+            seq.append(int(t))
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Index exactly `tokens`: extended when they continue what is indexed, else rebuilt (a
+        session rolled back or replaced)."""
+        n = len(self.tokens)
+        if len(tokens) < n or list(tokens[:n]) != self.tokens:
+            self.tokens, self._ends = [], [{} for _ in range(self.max_ngram + 1)]
+            n = 0
+        self.extend(tokens[n:])
+
+    def propose(self, depth: int, after: Sequence[int] = ()) -> list[int]:
+        """Up to `depth` tokens that followed the latest earlier occurrence of the longest suffix of
+        the indexed tokens + `after` (not indexed: a step's tokens not yet committed); [] if none.
+        Worked example (max_ngram 3): indexed [5, 6, 7, 9, 5, 6], after [7]: the suffix [5, 6, 7]
+        ends at 3 (followed by 9) -> [9, 5, 6, ...] from the indexed tokens and `after`."""
+        seq = self.tokens if not after else [*self.tokens, *after]
+        end, indexed = len(seq), len(self.tokens)
+        for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
+            suffix = seq[end - n :]
+            # occurrences followed by an `after` token are not indexed, and are the latest: first
+            e = next((e for e in range(end - 1, max(indexed, n) - 1, -1) if seq[e - n : e] == suffix), None)
+            if e is None:
+                e = self._ends[n].get(tuple(suffix))
+            if e is not None:
+                return seq[e : e + depth]
+        return []
+
+
+@dataclass
+class NgramEstimate:
+    """What n-gram drafting would have achieved on the tokens from `start` on (the answer, not the
+    prompt: a prompt's self-repetition does not predict an answer that copies it): at each
+    position, the lookup's proposal of `depth` tokens, checked against the tokens that followed.
+    Counts decay per position, so the estimate follows the text (a chat answer that starts quoting
+    its prompt). A function of the tokens alone.
+
+    matched: decayed positions with a proposal / positions; alphas()[j]: P(proposal token j+1 is
+    right | the ones before it were), over positions with a proposal."""
+
+    start: int
+    depth: int = 8
+    decay: float = 0.97  # ~30 positions
+    prior_alpha: float = 0.5
+    prior_weight: float = 2.0
+    index: NgramIndex = field(default_factory=NgramIndex)
+    positions: float = 0.0
+    proposals: float = 0.0
+    reached: list[float] = field(init=False)
+    tried: list[float] = field(init=False)
+    _open: list[tuple[int, list[int]]] = field(default_factory=list)  # (position, proposal) still matching
+
+    def __post_init__(self) -> None:
+        self.reached, self.tried = [0.0] * self.depth, [0.0] * self.depth
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Take in `tokens` (the session's, from the first); rebuilt when they do not continue."""
+        seen = len(self.index.tokens)
+        if len(tokens) < seen or list(tokens[:seen]) != self.index.tokens:
+            fresh = NgramEstimate(self.start, self.depth, self.decay, self.prior_alpha, self.prior_weight)
+            self.__dict__.update(fresh.__dict__)
+            seen = 0
+        for t in tokens[seen:]:
+            self._add(int(t))
+
+    def _add(self, token: int) -> None:
+        i = len(self.index.tokens)  # token's position
+        still = []
+        for p, proposal in self._open:  # proposals made before i, matching up to i
+            j = i - p
+            self.tried[j] += 1.0
+            if proposal[j] == token:
+                self.reached[j] += 1.0
+                if j + 1 < len(proposal):
+                    still.append((p, proposal))
+        self._open = still
+        if i >= self.start:
+            self.reached = [r * self.decay for r in self.reached]
+            self.tried = [t * self.decay for t in self.tried]
+            self.positions = self.positions * self.decay + 1.0
+            proposal = self.index.propose(self.depth)
+            if proposal:
+                self.proposals = self.proposals * self.decay + 1.0
+                self.tried[0] += 1.0
+                if proposal[0] == token:
+                    self.reached[0] += 1.0
+                    if len(proposal) > 1:
+                        self._open.append((i, proposal))
+            else:
+                self.proposals *= self.decay
+        self.index.extend([token])
+
+    @property
+    def matched(self) -> float:
+        """The share of positions with a proposal (the prior's before any)."""
+        return (self.proposals + self.prior_weight * self.prior_alpha) / (self.positions + self.prior_weight)
+
+    def alphas(self) -> list[float]:
+        """α_j per depth; a depth not yet observed leans on the one above (as AdaptivePolicy)."""
+        out, prior = [], self.prior_alpha
+        for reached, tried in zip(self.reached, self.tried, strict=True):
+            prior = (reached + self.prior_weight * prior) / (tried + self.prior_weight)
+            out.append(prior)
+        return out

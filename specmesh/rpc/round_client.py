@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from specmesh.core.adaptive import AdaptivePolicy, Load
+from specmesh.core.adaptive import AdaptivePolicy, Load, RoundPlan, RoundPolicy
 from specmesh.core.ahead import PipelinePolicy, PreDraft
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.grammar import Grammar
@@ -127,7 +127,7 @@ class RoundClient:
         params: SamplingParams,
         spec: TreeSpec,
         *,
-        policy: AdaptivePolicy | None = None,
+        policy: RoundPolicy | None = None,
         key: str = "",
         pipeline: PipelinePolicy | None = None,
         stop_token_ids: Sequence[int] = (),
@@ -161,8 +161,8 @@ class RoundClient:
         event loop right where the verification's answer is read, so that the caller can queue
         the next round at once. Cancel with `cancel`.
 
-        plain_steps: where the round drafts nothing (method none, no adaptive policy), the verifier
-        may decode up to that many tokens in this one call.
+        plain_steps: where the round drafts nothing (method none, or the default's plain rounds:
+        RoundPlan.plain_run), the verifier may take up to that many steps in this one call.
 
         Pipelined (specmesh.core.ahead): the tree may come from the pre-draft the previous round
         sent beside its verification, if it assumed exactly these tokens; this round may send the
@@ -236,7 +236,8 @@ class _Round:
         self.resyncs = 0
         now = asyncio.get_running_loop().time()
         self.deadline = None if placement.timeout is None else now + placement.timeout
-        self.spec = client.policy.next_spec() if client.policy else client.spec
+        plan = client.policy.plan(tokens) if client.policy else RoundPlan(client.spec, plain_run=True)
+        self.spec, self.plan = plan.spec, plan
         self.want = False  # a pre-draft beside this round's verification
         self.hit: bool | None = None
         self.serial_draft: float | None = None
@@ -308,7 +309,9 @@ class _Round:
 
     def _verify(self, tree: Any) -> None:
         client, placement, session, tokens = self.client, self.placement, self.client.session, self.tokens
-        steps = self.plain_steps if self.drafted is None and client.policy is None else 1
+        plain = self.drafted is None
+        steps = self.plain_steps if plain and self.plan.plain_run else 1
+        lookup = self.plan.lookup_depth if plain else 0
         verifier = placement.verifier
         # its next round drafts (unless pre-drafted already): the drafter's loop expects it
         then = placement.drafter if self.spec.method.drafts and client._ahead is None else None
@@ -316,8 +319,9 @@ class _Round:
 
         def submit(position: int, timing: Timing, done: Callable) -> Any:
             return verifier.verify(
-                session, position, tokens[position:], tree, steps, timing=timing, then=then, done=done
-            )
+                session, position, tokens[position:], tree, steps, timing=timing, then=then, done=done,
+                lookup_depth=lookup,
+            )  # fmt: skip
 
         nodes = self.drafted.tree_nodes if self.drafted is not None else 0
         self._call(Role.VERIFIER, verifier, submit, nodes, steps, self._verified, name="verify")
@@ -334,16 +338,19 @@ class _Round:
         verdict, plain = verified.verdict, verified.plain_tokens
         # it committed the accepted path (a plain call: the tokens before the last) itself
         self.held[Role.VERIFIER] += len(plain) + len(verdict.accepted_tokens)
-        nodes = drafted.tree_nodes if drafted is not None else 0
+        # a plain call's n-gram rides count as its drafts; its steps are its tokens less those
+        ride_nodes, ride_accepted = verified.rides if drafted is None else (0, 0)
+        nodes = drafted.tree_nodes if drafted is not None else ride_nodes
+        steps = 1 if drafted is not None else len(plain) + len(verdict.accepted_tokens) + 1 - ride_accepted
         stats = GenerationStats.for_round(
             drafted_tokens=nodes,
-            accepted_tokens=len(verdict.accepted_tokens),
+            accepted_tokens=len(verdict.accepted_tokens) if drafted is not None else ride_accepted,
             tree_depth=drafted.tree_depth if drafted is not None else 0,
             draft_calls=drafted.forwards if drafted is not None else 0,
             draft_seconds=drafted.seconds if drafted is not None else 0.0,
             verify_seconds=verified.forward_seconds,
             total_seconds=time.perf_counter() - self.start,
-            plain_steps=len(plain) + 1,
+            plain_steps=steps,
         )
         if client.policy:
             # batch_tokens 0: a replica that does not say; the policy then counts this session alone

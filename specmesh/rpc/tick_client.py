@@ -172,6 +172,7 @@ class Verified:
     accepted_nodes: list[int]
     bonus: bool
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    rides: tuple[int, int] = (0, 0)  # plain steps' n-gram rides: nodes checked, accepted
     batch_size: int = 0
     batch_tokens: int = 0
     forward_seconds: float = 0.0
@@ -212,6 +213,7 @@ class _Work:
     flags: int = 0
     tree: TreeRef | None = None  # a verification
     plain_steps: int = 1
+    lookup_depth: int = 0  # plain steps: the deepest n-gram ride (VerifyRequest.lookup_depth)
     handle: int = 0
     timing: Timing | None = None
     due: float = 0.0  # when its patience runs out next
@@ -296,13 +298,15 @@ class TickLoop:
     def verify(
         self, session: Opened, position: int, new_tokens: Sequence[int], tree: TreeRef | None,
         plain_steps: int = 1, timing: Timing | None = None, then: TickLoop | None = None,
-        done: Done | None = None,
+        done: Done | None = None, lookup_depth: int = 0,
     ) -> Any:  # fmt: skip
         """A verification -> a future of Verified (or, with `done`, as `draft`); tree None: plain
-        decoding of up to `plain_steps` tokens. then: as `draft`'s (its drafter's, next round)."""
+        decoding of up to `plain_steps` steps, n-gram proposals of up to `lookup_depth` tokens
+        riding in them. then: as `draft`'s (its drafter's, next round)."""
         work = _Work(
-            session, position, list(new_tokens), done or _no_answer, tree=tree, plain_steps=plain_steps
-        )
+            session, position, list(new_tokens), done or _no_answer, tree=tree, plain_steps=plain_steps,
+            lookup_depth=lookup_depth,
+        )  # fmt: skip
         work.timing, work.then = timing, then
         return self._put(work, done is None)
 
@@ -569,6 +573,8 @@ class TickLoop:
         return pb2.VerifyTick(
             id=tick_id, open=opens, **fields, trees=trees_to_proto(_relay([w.tree for w in work])),
             plain_steps=packed([min(w.plain_steps, 255) for w in work], "u1"), cancel=cancel, release=release,
+            lookup_depth=packed([w.lookup_depth for w in work], "u1") if any(w.lookup_depth for w in work)
+            else b"",
         )  # fmt: skip
 
     # ---- results -------------------------------------------------------------------------------
@@ -713,6 +719,9 @@ def _verified(message: Any, n: int) -> list[Verified]:
     bonus = column(message.bonus, "u1", "bonus", n).tolist() if n else []
     counts = column(message.logprob_counts, "<i4", "logprob_counts", n).tolist() if n else []
     logprobs = wire.logprobs_from_proto(message.logprobs)
+    rides = (
+        column(message.rides, "<i4", "rides", 2 * n).reshape(n, 2).tolist() if message.rides else [(0, 0)] * n
+    )
     stats = dict(
         batch_size=message.batch_size, batch_tokens=message.batch_tokens,
         forward_seconds=message.forward_seconds, queue_seconds=message.queue_seconds,
@@ -720,7 +729,15 @@ def _verified(message: Any, n: int) -> list[Verified]:
     out, at = [], 0
     for i in range(n):
         out.append(
-            Verified(tokens[i], plain[i], nodes[i], bool(bonus[i]), logprobs[at : at + counts[i]], **stats)
+            Verified(
+                tokens[i],
+                plain[i],
+                nodes[i],
+                bool(bonus[i]),
+                logprobs[at : at + counts[i]],
+                tuple(rides[i]),
+                **stats,
+            )
         )
         at += counts[i]
     return out

@@ -225,6 +225,7 @@ class VerifyAnswer:
     accepted_nodes: list[int]
     bonus: bool
     logprobs: list = field(default_factory=list)  # TokenLogprob, when asked
+    rides: tuple[int, int] = (0, 0)  # plain steps' n-gram rides: nodes checked, accepted
 
 
 def status_fields(outcomes: Sequence[Any]) -> dict:
@@ -264,6 +265,9 @@ def verify_result(tick_id: int, outcomes: Sequence[VerifyAnswer | ItemFailure], 
         accepted_nodes=ragged_to_proto(Ragged.from_lists([o.accepted_nodes if o else [] for o in ok])),
         bonus=packed([bool(o and o.bonus) for o in ok], "u1"),
         logprob_counts=packed([len(o.logprobs) if o else 0 for o in ok], "<i4"),
+        rides=packed([o.rides if o else (0, 0) for o in ok], "<i4")
+        if any(o and any(o.rides) for o in ok)
+        else b"",
         logprobs=[
             pb2.EmittedLogprob(
                 token=t.token,

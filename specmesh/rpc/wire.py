@@ -325,6 +325,7 @@ class VerifyInput(RoundInput):
     plain_steps: int = 1  # no tree: tokens to decode in this call (VerifyRequest.plain_steps)
     stop_token_ids: frozenset[int] = frozenset()  # no tree: decoding stops after one of these
     top_logprobs: int | None = None  # the emitted tokens' log-probabilities, with this many alternatives
+    lookup_depth: int = 0  # no tree: n-gram proposals of at most this many tokens ride in the steps
 
 
 def session_id_from_proto(value: str, field: str = "session_id") -> str:
@@ -388,8 +389,9 @@ def parse_verify_request(req: pb2.VerifyRequest, vocab_size: int, limits: Limits
     if top is not None and top > MAX_TOP_LOGPROBS:
         raise WireError("top_logprobs", f"must be at most {MAX_TOP_LOGPROBS}, got {top}")
     v = VerifyInput(
-        **fields, tree=tree, plain_steps=max(req.plain_steps, 1), stop_token_ids=stops, top_logprobs=top
-    )
+        **fields, tree=tree, plain_steps=max(req.plain_steps, 1), stop_token_ids=stops, top_logprobs=top,
+        lookup_depth=req.lookup_depth,
+    )  # fmt: skip
     check_verify_input(v, limits)
     return v
 
@@ -414,6 +416,11 @@ def check_verify_input(v: VerifyInput, limits: Limits, field: str = "tree") -> N
         raise WireError("plain_steps", "is for plain decoding only; a request with a tree decodes one round")
     if v.plain_steps > MAX_PLAIN_STEPS:
         raise WireError("plain_steps", f"must be at most {MAX_PLAIN_STEPS}, got {v.plain_steps}")
+    if v.lookup_depth and tree is not None:
+        raise WireError("lookup_depth", "is for plain decoding only; a request with a tree has its draft")
+    if v.lookup_depth and v.grammar is not None:
+        raise WireError("lookup_depth", "cannot be used with a grammar (its masks follow the draft's paths)")
+    _check_limit("lookup_depth", v.lookup_depth, limits.max_depth, "--max-depth", what="tokens")
 
 
 def _round_message(
@@ -450,6 +457,7 @@ def verify_request(
     stop_token_ids: Sequence[int] = (),
     top_logprobs: int | None = None,
     grammar: Grammar | None = None,
+    lookup_depth: int = 0,
 ) -> pb2.VerifyRequest | pb2.VerifyRequestRelay:
     """tree None (or empty): a plain autoregressive step, or `plain_steps` of them in one call
     (stopping after a stop token); bytes: a tree relayed as the drafter encoded it (a
@@ -459,6 +467,8 @@ def verify_request(
         fields.update(plain_steps=plain_steps, stop_token_ids=list(stop_token_ids))
     if top_logprobs is not None:
         fields.update(top_logprobs=top_logprobs)
+    if lookup_depth:
+        fields.update(lookup_depth=lookup_depth)
     if isinstance(tree, bytes):
         return pb2.VerifyRequestRelay(**fields, tree=tree)
     return pb2.VerifyRequest(**fields, tree=tree)
@@ -471,7 +481,8 @@ def verdict_to_proto(
     **stats: float,
 ) -> pb2.VerifyResponse:
     """plain_tokens: tokens decoded by earlier plain steps of the call; logprobs: of the plain and
-    the emitted tokens, in order; stats: batch_size, batch_tokens, forward_seconds, queue_seconds."""
+    the emitted tokens, in order; stats: batch_size, batch_tokens, forward_seconds, queue_seconds,
+    ride_nodes and ride_accepted."""
     return pb2.VerifyResponse(
         accepted_token_ids=verdict.accepted_tokens,
         accepted_nodes=verdict.accepted_nodes,

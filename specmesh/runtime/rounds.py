@@ -20,6 +20,9 @@ the same way, because a kept node's KV is the KV of that token at that position.
 Verifier. `verify_steps` decides every session's round (core.rounds.verify_rounds) and compacts
 each session's KV to its accepted path right away, so a session's state never holds half a round;
 plain sessions (no tree) may go on for more steps in the same call (`VerifyJob.plain_steps`).
+A plain step may carry an n-gram proposal (`VerifyJob.ride`: a "ride", checked in the step's own
+forward by the same rejection sampling as an n-gram drafter's chain) and then emits the accepted
+tokens and one more. Each step's random draws are keyed by its root's position, as any round's.
 """
 
 from __future__ import annotations
@@ -202,6 +205,11 @@ class VerifyJob:
     top_logprobs: int | None = None
     allowed: Allowed | None = None  # grammar: paths below the runner's committed tokens -> rows
     cancelled: bool = False  # set from outside: no further plain step
+    # plain steps: (committed tokens before `after`, after = the step's fed tokens, depth) -> the
+    # lookup's chain of at most depth nodes, or None; called on the thread that builds the step
+    ride: Callable[[int, list[int], int], DraftTree | None] | None = None
+    lookup_depth: int = 0  # the deepest ride
+    room: int | None = None  # tokens the call may emit before the model's context is full
 
 
 @dataclass
@@ -211,6 +219,13 @@ class VerifyOutcome:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # every step's, in token order
     error: BaseException | None = None
     steps: int = 0  # forwards it took part in
+    emitted: int = 0  # tokens its verdicts emitted (plain_tokens and the last verdict's)
+    checked: list[tuple[int, int]] = field(default_factory=list)  # per step: (tree nodes, accepted)
+
+    @property
+    def rides(self) -> tuple[int, int]:
+        """A plain run's n-gram rides: (nodes checked, accepted) over its steps."""
+        return sum(n for n, _ in self.checked), sum(a for _, a in self.checked)
 
 
 def verify_steps(jobs: Sequence[VerifyJob], commit: Callable[[str, list[int]], None]) -> Ticked:
@@ -219,7 +234,7 @@ def verify_steps(jobs: Sequence[VerifyJob], commit: Callable[[str, list[int]], N
     for the jobs that asked for them, each fed the token the step before decoded."""
     outcomes = [VerifyOutcome() for _ in jobs]
     feed = {b: list(j.new_tokens) for b, j in enumerate(jobs)}
-    trees: dict[int, DraftTree | None] = {b: j.tree for b, j in enumerate(jobs)}
+    trees = {b: j.tree if j.tree is not None else _ride(j, feed[b], 0) for b, j in enumerate(jobs)}
     live = list(range(len(jobs)))
     while live:
         steps = []
@@ -240,7 +255,7 @@ def verify_steps(jobs: Sequence[VerifyJob], commit: Callable[[str, list[int]], N
             verdicts = verify_rounds(
                 [trees[b] for b, _ in ok], logits, [jobs[b].params for b, _ in ok],
                 [jobs[b].seed for b, _ in ok],
-                [jobs[b].committed_length + outcomes[b].steps - 1 for b, _ in ok],
+                [jobs[b].committed_length + outcomes[b].emitted for b, _ in ok],  # each root's position
                 [jobs[b].top_logprobs for b, _ in ok],
             )  # fmt: skip
             for (b, _), verdict in zip(ok, verdicts, strict=True):
@@ -251,20 +266,42 @@ def verify_steps(jobs: Sequence[VerifyJob], commit: Callable[[str, list[int]], N
                     continue
                 out = outcomes[b]
                 if out.verdict is not None:
-                    out.plain_tokens.append(out.verdict.next_token)
+                    out.plain_tokens += out.verdict.emitted_tokens
                 out.verdict = verdict
+                out.emitted += len(verdict.emitted_tokens)
+                tree = trees[b]
+                out.checked.append((tree.num_nodes if tree is not None else 0, len(verdict.accepted_nodes)))
                 out.logprobs += verdict.logprobs
         live = [b for b in live if _continues(jobs[b], outcomes[b])]
         for b in live:
-            feed[b], trees[b] = [outcomes[b].verdict.next_token], None  # type: ignore[union-attr]
+            feed[b] = [outcomes[b].verdict.next_token]  # type: ignore[union-attr]
+            trees[b] = _ride(jobs[b], feed[b], outcomes[b].emitted)
     return outcomes
 
 
+def _ride(job: VerifyJob, feed: list[int], emitted: int) -> DraftTree | None:
+    """A plain step's n-gram chain (None: a plain step): at most lookup_depth nodes, none past the
+    call's room. Not with a grammar: its masks follow a tree's paths the lookup knows nothing of."""
+    if job.ride is None or job.tree is not None or job.allowed is not None or job.cancelled:
+        return None
+    depth = job.lookup_depth
+    if job.room is not None:
+        depth = min(depth, job.room - emitted - 1)
+    if depth < 1:
+        return None
+    before = job.committed_length + emitted - len(feed)  # committed tokens before this step's feed
+    return job.ride(before, feed, depth)
+
+
 def _continues(job: VerifyJob, out: VerifyOutcome) -> bool:
-    """Whether a plain job takes another step in this call."""
+    """Whether a plain job takes another step in this call: its steps are not all taken, it emitted
+    no stop token, and there is room."""
     if out.error is not None or out.verdict is None or job.cancelled or job.tree is not None:
         return False
-    return out.steps < job.plain_steps and out.verdict.next_token not in job.stop_token_ids
+    if job.room is not None and out.emitted >= job.room:
+        return False
+    stopped = any(t in job.stop_token_ids for t in out.verdict.emitted_tokens)
+    return out.steps < job.plain_steps and not stopped
 
 
 def _grammar_rows(job: VerifyJob, tree: DraftTree | None, logits: torch.Tensor) -> torch.Tensor:
