@@ -204,9 +204,6 @@ class AdaptivePolicy:
     def reproducible(self) -> bool:
         return self.draft_cost is not None
 
-    def best_rate(self) -> float:
-        return max(self.predicted_rate(d) for d in self.depths)
-
     def choose_depth(self) -> int:
         """The next round's depth. Not pure: counts off rounds, to probe now and then."""
         self.probing = False
