@@ -16,8 +16,8 @@ T = 0 it accepts exactly the target's argmax. A tree is a chain; no match drafts
 round is a plain step).
 
 `prompt_hit_rate` is the share of the prompt's own positions the lookup would have guessed: what
-the gateway's default choice takes as the acceptance of n-gram drafts before any round ran (a
-deterministic input, so a seeded request gives the same text every time).
+an adaptive `ngram` request takes as its acceptance before any round ran (a deterministic input,
+so a seeded request gives the same text every time).
 
 `NgramIndex` is `propose` kept up to date token by token (a proposal is a few dictionary lookups,
 not a scan), and `NgramEstimate` is the default path's per-round evidence: at every position of
@@ -132,11 +132,14 @@ class NgramIndex:
     def sync(self, tokens: Sequence[int]) -> None:
         """Index exactly `tokens`: extended when they continue what is indexed, else rebuilt (a
         session rolled back or replaced)."""
-        n = len(self.tokens)
-        if len(tokens) < n or list(tokens[:n]) != self.tokens:
+        if not self.continued_by(tokens):
             self.tokens, self._ends = [], [{} for _ in range(self.max_ngram + 1)]
-            n = 0
-        self.extend(tokens[n:])
+        self.extend(tokens[len(self.tokens) :])
+
+    def continued_by(self, tokens: Sequence[int]) -> bool:
+        """Whether `tokens` start with every indexed token."""
+        n = len(self.tokens)
+        return len(tokens) >= n and list(tokens[:n]) == self.tokens
 
     def propose(self, depth: int, after: Sequence[int] = ()) -> list[int]:
         """Up to `depth` tokens that followed the latest earlier occurrence of the longest suffix of
@@ -184,12 +187,10 @@ class NgramEstimate:
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Take in `tokens` (the session's, from the first); rebuilt when they do not continue."""
-        seen = len(self.index.tokens)
-        if len(tokens) < seen or list(tokens[:seen]) != self.index.tokens:
+        if not self.index.continued_by(tokens):
             fresh = NgramEstimate(self.start, self.depth, self.decay, self.prior_alpha, self.prior_weight)
             self.__dict__.update(fresh.__dict__)
-            seen = 0
-        for t in tokens[seen:]:
+        for t in tokens[len(self.index.tokens) :]:
             self._add(int(t))
 
     def _add(self, token: int) -> None:
