@@ -424,7 +424,10 @@ class SessionRun:
             else None
         )
         done = functools.partial(self._round_done, tokens, began, span)
-        self.client.start(tokens, placement, self._plain_steps(tokens), done, span=span)
+        left = self.plan.max_new_tokens - (len(tokens) - len(self.plan.prompt_ids))
+        self.client.start(
+            tokens, placement, self._plain_steps(tokens), done, span=span, max_tokens=max(1, left)
+        )
 
     def _round_done(self, tokens: list[int], began: float, span: Any, outcome: Any) -> None:
         """A round's verdict (or failure), on the event loop where its verification was read."""
@@ -640,7 +643,7 @@ class SessionRun:
     def _plain_steps(self, tokens: list[int]) -> int:
         """Tokens a plain round after `tokens` may decode in one Verify call: one for the first round
         (the prompt's: its token is the time to first token), then --plain-steps, within
-        max_new_tokens (steps: n-gram rides may emit more; the round is cut at max_new_tokens).
+        max_new_tokens (steps: n-gram rides may emit more; the call is bounded by max_tokens).
         Rounds that draft, or an adaptive policy's, decode one round anyway."""
         generated = len(tokens) - len(self.plan.prompt_ids)
         if generated == 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 from collections import Counter
@@ -17,6 +18,7 @@ from specmesh.core.adaptive import (
     PolicyMemory,
     expected_tokens,
     family_spec,
+    lookup_rate,
 )
 from specmesh.core.drafting import TreeSpec, build_tree
 from specmesh.core.methods import Method
@@ -321,6 +323,25 @@ def test_rides_go_deeper_where_rows_are_cheap() -> None:
     answer = [*_tokens(30, 2), *passage[:100]]
     depths = [_family(forward, None, prompt).plan([*prompt, *answer]).lookup_depth for forward in (CPU, FLAT)]
     assert 1 <= depths[0] < depths[1]
+
+
+def test_rides_take_only_the_matches_worth_their_rows() -> None:
+    """An answer that mixes chat-like text (a small vocabulary: every position matches a short
+    suffix, and the guess is nearly always wrong) with stretches copied from the prompt (3-token
+    matches, right): on the CPU curve only long matches ride, and that beats riding every match."""
+    rng = random.Random(7)
+    passage = _tokens(400, 8)
+    prompt = [*_tokens(40, 9), *passage]
+    answer: list[int] = []
+    for i in range(0, 160, 16):
+        answer += [rng.randrange(100, 120) for _ in range(16)] + passage[i : i + 16]
+    policy = _family(CPU, None, prompt)
+    plan = policy.plan([*prompt, *answer])
+    assert plan.lookup_depth >= 1 and plan.lookup_min_ngram >= 2
+    rate = functools.partial(lookup_rate, policy.estimate, verify=policy.verify, call_share=policy.call_share)
+    assert rate(min_ngram=plan.lookup_min_ngram, depth=plan.lookup_depth) > rate(
+        min_ngram=1, depth=plan.lookup_depth
+    )
 
 
 def test_the_family_choice_is_a_function_of_the_tokens() -> None:

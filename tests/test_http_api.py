@@ -173,8 +173,10 @@ REPEATING = " ".join(["w3 w9 w14 w2 w27 w5"] * 8)  # text an n-gram drafter can 
 @pytest.mark.parametrize("prompt", [WORDS, REPEATING], ids=["fresh", "repeating"])
 def test_a_seed_gives_the_same_text_every_time_whatever_the_load(client, stub, stack, prompt: str) -> None:
     """No speculation field, T = 0.8, a seed: three runs through gRPC and HTTP give one text, the
-    third with eight other streams running beside it (the verifier batches them together). On text
-    that repeats, n-gram drafts ride in the verifier's plain steps (no drafter call) in every run."""
+    third with eight other streams running beside it (the verifier batches them together), and the
+    same rounds each time. On text that repeats, every position has an n-gram match to weigh (the
+    tiny model's sampled answer does not copy it, so its estimate keeps rides off: the greedy copy
+    in test_gateway is where they ride); never a drafter call."""
     params = {"temperature": 0.8, "seed": 5}
     texts, stats = [], []
     for run in range(3):
@@ -200,8 +202,7 @@ def test_a_seed_gives_the_same_text_every_time_whatever_the_load(client, stub, s
             t.join()
     assert len(set(texts)) == 1, texts
     assert len(set(stats)) == 1, stats  # the same rounds: each round's choice is the tokens'
-    if prompt == REPEATING:
-        assert stats[0][1] > 0 and response.stats.draft_calls == 0
+    assert response.stats.draft_calls == 0
 
 
 def test_speculation_settings_and_stats_travel_in_extra_fields(client, stub) -> None:

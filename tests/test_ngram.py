@@ -135,6 +135,16 @@ def test_the_index_proposes_what_propose_does(seed: int) -> None:
     assert index.propose(3) == propose(tokens[:50], 3)
 
 
+def test_the_lookup_says_how_long_its_match_is() -> None:
+    """(n, proposal); min_ngram: shorter matches propose nothing."""
+    index = NgramIndex()
+    index.sync([5, 6, 7, 9, 5, 6])
+    assert index.lookup(3, [7]) == (3, [9, 5, 6])
+    index.sync([5, 9, 1, 2, 5])
+    assert index.lookup(2) == (1, [9, 1])
+    assert index.lookup(2, min_ngram=2) == (0, [])
+
+
 def _passage(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, 5000, (n,), generator=g).tolist()
@@ -148,13 +158,16 @@ def test_the_estimate_sees_an_answer_copy_its_prompt_and_stop() -> None:
     prompt = [*_passage(50, 1), *passage, *_passage(20, 2)]
     fresh = _passage(120, 3)
     estimate = NgramEstimate(start=len(prompt))
+
+    def matched() -> float:
+        return sum(estimate.share(n) for n in (1, 2, 3))
+
     estimate.sync([*prompt, *fresh])
-    assert estimate.matched < 0.2
+    assert matched() < 0.2
     estimate.sync([*prompt, *fresh, *passage[:150]])
-    copying = estimate.alphas()
-    assert estimate.matched > 0.8 and min(copying[:4]) > 0.8
+    assert estimate.share(3) > 0.8 and min(estimate.alphas(3)[:4]) > 0.8  # 3-token matches
     estimate.sync([*prompt, *fresh, *passage[:150], *_passage(150, 4)])
-    assert estimate.matched < 0.2
+    assert matched() < 0.2
 
 
 def test_the_estimate_is_a_function_of_the_tokens() -> None:
@@ -168,7 +181,8 @@ def test_the_estimate_is_a_function_of_the_tokens() -> None:
     stepwise.sync([*tokens[:150], 1, 2, 3])  # a branch later rolled back
     for i in range(140, len(tokens) + 1):
         stepwise.sync(tokens[:i])
-    assert (stepwise.matched, stepwise.alphas()) == (whole.matched, whole.alphas())
+    summary = [[(e.share(n), e.alphas(n)) for n in (1, 2, 3)] for e in (stepwise, whole)]
+    assert summary[0] == summary[1]
 
 
 # --- rides: n-gram proposals inside a verifier's plain steps ---------------------------------------

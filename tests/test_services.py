@@ -399,18 +399,24 @@ def test_plain_steps_in_one_call_equal_one_call_per_token_and_stop_at_a_stop_tok
 
 def test_n_gram_rides_in_plain_steps_give_the_plain_tokens(stack) -> None:
     """VerifyRequest.lookup_depth: a prompt that holds its own greedy continuation once, then its
-    start again; calls of 4 steps whose n-gram proposals (up to 3 tokens) ride in the steps give
-    the greedy tokens of one-token plain calls, and the replies count the rides."""
+    start again; calls of 4 steps whose n-gram proposals (up to 3 tokens; any match, or 3-token
+    matches only) ride in the steps give the greedy tokens of one-token plain calls, and the replies
+    count the rides. max_tokens bounds what a call emits, rides included."""
 
-    async def decode(session_id: str, prompt: list[int], steps: int, lookup: int, total: int) -> tuple:
+    async def decode(
+        session_id: str, prompt: list[int], steps: int, lookup: int, total: int, min_ngram: int = 0,
+        max_tokens: int = 0,
+    ) -> tuple:  # fmt: skip
         tokens, position, new, rides = [], 0, list(prompt), [0, 0]
         async with Stubs(stack) as stubs:
             while len(tokens) < total:
                 request = wire.verify_request(
-                    session_id, position, new, GREEDY, None, steps, lookup_depth=lookup
-                )
+                    session_id, position, new, GREEDY, None, steps, lookup_depth=lookup,
+                    lookup_min_ngram=min_ngram, max_tokens=max_tokens,
+                )  # fmt: skip
                 reply = await stubs.verifier.Verify(request)
                 emitted = [*reply.plain_token_ids, *reply.accepted_token_ids, reply.next_token]
+                assert not max_tokens or len(emitted) <= max_tokens
                 tokens += emitted
                 rides = [rides[0] + reply.ride_nodes, rides[1] + reply.ride_accepted]
                 position, new = position + len(new) + len(emitted) - 1, [reply.next_token]
@@ -423,6 +429,10 @@ def test_n_gram_rides_in_plain_steps_give_the_plain_tokens(stack) -> None:
     ridden, rides = asyncio.run(decode("rides-2", prompt, 4, 3, 24))
     assert ridden == plain and none == [0, 0]
     assert rides[0] > 0 and 0 <= rides[1] <= rides[0]
+    long_only, long_rides = asyncio.run(decode("rides-3", prompt, 4, 3, 24, min_ngram=3))
+    bounded, bounded_rides = asyncio.run(decode("rides-4", prompt, 4, 3, 24, max_tokens=3))
+    assert long_only == bounded == plain
+    assert 0 < long_rides[0] <= rides[0] and bounded_rides[0] > 0
 
 
 def test_release_forgets_the_session_and_the_next_round_resyncs(stack, reference) -> None:
@@ -825,6 +835,17 @@ BAD_INPUT: dict[str, tuple[str, Callable, str]] = {
         lambda r: (r.ClearField("tree"), setattr(r, "lookup_depth", MAX_DEPTH + 1)),
         "lookup_depth: ",
     ),
+    "lookup-min-ngram-without-lookup": (
+        "Verify",
+        lambda r: (r.ClearField("tree"), setattr(r, "lookup_min_ngram", 2)),
+        "lookup_min_ngram: ",
+    ),
+    "lookup-min-ngram-limit": (
+        "Verify",
+        lambda r: (r.ClearField("tree"), setattr(r, "lookup_depth", 2), setattr(r, "lookup_min_ngram", 4)),
+        "lookup_min_ngram: ",
+    ),
+    "max-tokens-with-a-tree": ("Verify", put("max_tokens", 3), "max_tokens: "),
 }
 
 

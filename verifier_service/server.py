@@ -106,9 +106,14 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         problems = trees.check(n, self.vocab_size)
         rows = trees.dense_rows() if len(trees.row_probs) else None
         steps = column(message.plain_steps, "u1", "plain_steps", n) if n else np.zeros(0, np.uint8)
-        lookups = np.zeros(n, np.uint8)  # absent: no rides
-        if message.lookup_depth:
-            lookups = column(message.lookup_depth, "u1", "lookup_depth", n)
+        lookups, min_ngrams, max_tokens = (  # absent: zeros (no rides, no bound)
+            column(data, dtype, name, n) if data else np.zeros(n, dtype)
+            for data, dtype, name in (
+                (message.lookup_depth, "u1", "lookup_depth"),
+                (message.lookup_min_ngram, "u1", "lookup_min_ngram"),
+                (message.max_tokens, "<u4", "max_tokens"),
+            )
+        )
         answers: list = [None] * n
         verifies, where = [], []
         positions, handles = items.positions.tolist(), items.handles.tolist()
@@ -130,6 +135,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
                     session_id=o.session_id, position=positions[i], new_tokens=new, params=o.params,
                     grammar=o.grammar, tree=tree, plain_steps=plain, stop_token_ids=o.stop_token_ids,
                     top_logprobs=o.top_logprobs, lookup_depth=int(lookups[i]),
+                    lookup_min_ngram=int(min_ngrams[i]), max_tokens=int(max_tokens[i]),
                 )  # fmt: skip
                 wire.check_verify_input(v, self.limits)
                 verifies.append((v, owner_hash(o.key)))
@@ -225,22 +231,26 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
                 return masks.allowed((self.runner.committed_tokens(sid) or [])[start:], paths)
 
         max_context = self.runner.max_context
+        room = [] if max_context is None else [max_context - v.committed_length + 1]
+        room += [v.max_tokens] if v.max_tokens else []
         return VerifyJob(
             v.session_id, list(v.new_tokens), v.tree, v.params, v.params.seed or 0, v.committed_length,
             plain_steps=plain_room(v.plain_steps, v.committed_length, max_context),
             stop_token_ids=v.stop_token_ids, top_logprobs=v.top_logprobs, allowed=allowed,
-            ride=functools.partial(self._ride, v.session_id) if v.lookup_depth else None,
-            lookup_depth=v.lookup_depth,
-            room=None if max_context is None else max_context - v.committed_length + 1,
+            ride=functools.partial(self._ride, v.session_id, v.lookup_min_ngram) if v.lookup_depth else None,
+            lookup_depth=v.lookup_depth, room=min(room, default=None),
         )  # fmt: skip
 
-    def _ride(self, session_id: str, before: int, after: list[int], depth: int) -> DraftTree | None:
+    def _ride(
+        self, session_id: str, min_ngram: int, before: int, after: list[int], depth: int
+    ) -> DraftTree | None:
         """The lookup's chain after the session's first `before` committed tokens and `after` (a
-        step's fed tokens). The session's index follows its committed tokens (rebuilt when they
-        were rolled back); only this session's own request reads them, so any thread may call it."""
+        step's fed tokens), from a match of at least `min_ngram` tokens. The session's index
+        follows its committed tokens (rebuilt when they were rolled back); only this session's own
+        request reads them, so any thread may call it."""
         index = self._lookups.setdefault(session_id, NgramIndex())
         index.sync((self.runner.committed_tokens(session_id) or [])[:before])
-        return chain_tree(index.propose(depth, after), self.vocab_size)
+        return chain_tree(index.propose(depth, after, min_ngram), self.vocab_size)
 
     def forget_local(self, session_id: str) -> None:
         super().forget_local(session_id)

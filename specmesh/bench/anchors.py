@@ -92,7 +92,8 @@ def llama_server(
 
 def run_llama_server(url: str, texts: list[str], temperature: float, max_new: int, sessions: int = 1) -> dict:
     """Each text once (seed 1000 + i), `sessions` requests at a time; -> tokens, seconds (the
-    wall of the whole run), draft statistics when it speculated."""
+    wall of the whole run), decode_tokens and decode_seconds (tokens after each answer's first,
+    over its generation time, as llama-server times them), draft statistics when it speculated."""
     answers: list[dict] = [{}] * len(texts)
 
     def one(i: int) -> None:
@@ -119,9 +120,13 @@ def run_llama_server(url: str, texts: list[str], temperature: float, max_new: in
         list(pool.map(one, range(len(texts))))
     seconds = time.perf_counter() - start
     tokens = sum(int(a["tokens_predicted"]) for a in answers)
+    decode_tokens = sum(int(a["timings"]["predicted_n"]) - 1 for a in answers)
+    decode_seconds = sum(float(a["timings"]["predicted_ms"]) / 1000 for a in answers)
     drafted = sum(int(a.get("timings", {}).get("draft_n", 0)) for a in answers)
     accepted = sum(int(a.get("timings", {}).get("draft_n_accepted", 0)) for a in answers)
-    out: dict = dict(tokens=tokens, seconds=seconds)
+    out: dict = dict(
+        tokens=tokens, seconds=seconds, decode_tokens=decode_tokens, decode_seconds=decode_seconds
+    )
     if drafted:
         out.update(drafted_tokens=drafted, accepted_tokens=accepted, draft_acceptance=accepted / drafted)
     return out
@@ -139,12 +144,13 @@ def run_llama_lookup(
     binary: Path, target: Path, texts: list[str], temperature: float, max_new: int, draft_max: int = 4
 ) -> dict:
     """Each text once with llama.cpp's prompt-lookup decoding (`--spec-draft-n-max draft_max`, seed
-    1000 + i); -> tokens, seconds (encode + decode, as it reports them), drafted and accepted."""
+    1000 + i); -> tokens, seconds (encode + decode, as it reports them), decode_tokens and
+    decode_seconds (tokens after the first over the decode time), drafted and accepted."""
     import re
 
     threads = str(os.cpu_count() or 1)
-    tokens = drafted = accepted = 0
-    seconds = 0.0
+    tokens = drafted = accepted = decode_tokens = 0
+    seconds = decode_seconds = 0.0
     for i, text in enumerate(texts):
         argv = [str(binary), "-m", str(target), "-p", text, "-n", str(max_new), "-t", threads, "-c", "4096"]
         argv += ["--temp", str(temperature), "--top-k", "0", "--top-p", "1.0", "--min-p", "0.0"]
@@ -161,9 +167,14 @@ def run_llama_lookup(
             raise RuntimeError(f"llama-lookup printed no timings: {log[-2000:]}")
         tokens += int(decoded.group(1))
         seconds += float(encoded.group(1)) + float(decoded.group(2))
+        decode_tokens += int(decoded.group(1)) - 1
+        decode_seconds += float(decoded.group(2))
         drafted += int(n_drafted.group(1)) if n_drafted else 0
         accepted += int(n_accept.group(1)) if n_accept else 0
-    out: dict = dict(tokens=tokens, seconds=seconds, drafted_tokens=drafted, accepted_tokens=accepted)
+    out: dict = dict(
+        tokens=tokens, seconds=seconds, decode_tokens=decode_tokens, decode_seconds=decode_seconds,
+        drafted_tokens=drafted, accepted_tokens=accepted,
+    )  # fmt: skip
     if drafted:
         out["draft_acceptance"] = accepted / drafted
     return out

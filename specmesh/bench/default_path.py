@@ -46,19 +46,36 @@ def compare(
     at least `sessions` slots: `llama_sessions`)."""
     row: dict = {}
     if llama_url and sessions <= llama_sessions:
-        measured = run_llama_server(llama_url, texts, temperature, max_new, sessions)
-        row["llama_server"] = dict(measured, tokens_per_second=measured["tokens"] / measured["seconds"])
+        row["llama_server"] = with_rates(run_llama_server(llama_url, texts, temperature, max_new, sessions))
     for name, spec in (("none", NONE), ("default", None)):
         measured = asyncio.run(run_gateway(address, texts, spec, False, temperature, max_new, sessions))
-        row[name] = {k: measured[k] for k in ("tokens", "seconds", "accepted_tokens", "block_efficiency")}
-        row[name]["drafted_tokens"] = measured.get("drafted_tokens")
-        row[name]["tokens_per_second"] = measured["tokens"] / measured["seconds"]
-    row["default_over_none"] = row["default"]["tokens_per_second"] / row["none"]["tokens_per_second"]
+        keys = ("tokens", "seconds", "decode_tokens", "decode_seconds", "accepted_tokens", "block_efficiency")
+        row[name] = with_rates(
+            {k: measured[k] for k in keys} | {"drafted_tokens": measured.get("drafted_tokens")}
+        )
+    row.update(ratios(row["default"], row["none"], "none"))
     if "llama_server" in row:
-        plain = row["llama_server"]["tokens_per_second"]
-        row["default_over_llama_server"] = row["default"]["tokens_per_second"] / plain
-        row["none_over_llama_server"] = row["none"]["tokens_per_second"] / plain
+        row.update(ratios(row["default"], row["llama_server"], "llama_server"))
+        row.update(ratios(row["none"], row["llama_server"], "llama_server", "none"))
     return row
+
+
+def with_rates(measured: dict) -> dict:
+    """tokens_per_second: the whole requests' (prefill included); decode_tokens_per_second: the
+    decode phase's, after each answer's first token (what speculation changes)."""
+    out = dict(measured, tokens_per_second=measured["tokens"] / measured["seconds"])
+    if measured.get("decode_seconds"):
+        out["decode_tokens_per_second"] = measured["decode_tokens"] / measured["decode_seconds"]
+    return out
+
+
+def ratios(engine: dict, base: dict, base_name: str, engine_name: str = "default") -> dict:
+    """engine over base, whole requests (`default_over_none`) and decode phase (`decode_...`)."""
+    out = {f"{engine_name}_over_{base_name}": engine["tokens_per_second"] / base["tokens_per_second"]}
+    if "decode_tokens_per_second" in engine and "decode_tokens_per_second" in base:
+        decode = engine["decode_tokens_per_second"] / base["decode_tokens_per_second"]
+        out[f"decode_{engine_name}_over_{base_name}"] = decode
+    return out
 
 
 def seed_runs(address: str, url: str, text: str, load_text: str, max_new: int, load_streams: int) -> dict:
@@ -135,10 +152,8 @@ def bench_default(
                     m = run_llama_lookup(
                         lookup, gguf_file(target), texts, temperature, max_new, lookup_draft_max
                     )
-                    row["llama_lookup"] = dict(m, tokens_per_second=m["tokens"] / m["seconds"])
-                    row["default_over_llama_lookup"] = (
-                        row["default"]["tokens_per_second"] / row["llama_lookup"]["tokens_per_second"]
-                    )
+                    row["llama_lookup"] = with_rates(m)
+                    row.update(ratios(row["default"], row["llama_lookup"], "llama_lookup"))
                 rows.append(row)
                 _print(row)
     # concurrent chat streams: the same max(sessions) texts at each concurrency, against
@@ -167,15 +182,30 @@ def bench_default(
 
 
 def _print(row: dict) -> None:
-    d, n = row["default"], row["none"]
-    head = f"{row['set']:<5} T={row['temperature']:<3} sessions={row['sessions']}"
-    plain, lookup = row.get("llama_server"), row.get("llama_lookup")
-    vs = f"  llama-server {plain['tokens_per_second']:6.2f} tok/s" if plain else ""
-    vs += f"  llama-lookup {lookup['tokens_per_second']:6.2f} tok/s" if lookup else ""
+    """A row's rates, whole requests then (in brackets) the decode phase."""
+    d = row["default"]
+
+    def rate(engine: dict) -> str:
+        decode = engine.get("decode_tokens_per_second")
+        return (
+            f"{engine['tokens_per_second']:6.2f} ({decode:6.2f})"
+            if decode
+            else f"{engine['tokens_per_second']:6.2f}"
+        )
+
+    head = f"{row['set']:<7} T={row['temperature']:<3} sessions={row['sessions']}"
+    rates = "".join(
+        f"  {name} {rate(row[name])}"
+        for name in ("llama_server", "llama_lookup", "none", "default")
+        if name in row
+    )
+    vs = "".join(
+        f"  x{row[k]:.2f} ({row.get('decode_' + k, float('nan')):.2f}) {k.removeprefix('default_over_')}"
+        for k in ("default_over_none", "default_over_llama_server", "default_over_llama_lookup")
+        if k in row
+    )
     print(
-        f"{head}{vs}  none {n['tokens_per_second']:6.2f} tok/s  default {d['tokens_per_second']:6.2f} tok/s  "
-        f"x{row['default_over_none']:.2f}  (default: {d['drafted_tokens']} drafted, "
-        f"{d['accepted_tokens']} accepted, "
-        f"block efficiency {d['block_efficiency'] or 0:.2f})",
+        f"{head} tok/s{rates}\n    default{vs}  ({d['drafted_tokens']} drafted, "
+        f"{d['accepted_tokens']} accepted, block efficiency {d['block_efficiency'] or 0:.2f})",
         flush=True,
     )

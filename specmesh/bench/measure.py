@@ -260,6 +260,10 @@ async def run_gateway(
             if prev is not None:
                 per_token += [(at - prev) * 1000 / n] * n
             prev = at
+    # the decode phase: tokens after a stream's first chunk over the time from it to the last
+    # (its prompt's prefill, the same work for every engine, left out)
+    decode_tokens = sum(sum(n for _, n in r["arrivals"][1:]) for r in results)
+    decode_seconds = sum(r["arrivals"][-1][0] - r["arrivals"][0][0] for r in results if r["arrivals"])
     stats = [r["stats"] for r in results]  # the final chunks' specmesh.v1.GenerationStats
     rounds = sum(s.target_calls for s in stats)
     ids = dict(token_ids=[r["ids"] for r in results]) if keep_ids else {}
@@ -270,6 +274,8 @@ async def run_gateway(
         dsi_max_in_flight=max((s.dsi_max_in_flight for s in stats), default=0),
         dsi_shapes=sorted({(s.dsi_lookahead, s.dsi_parallel, s.dsi_ahead) for s in stats if s.dsi_lookahead}),
         seconds=wall,
+        decode_tokens=decode_tokens,
+        decode_seconds=decode_seconds,
         block_efficiency=sum(s.block_efficiency * s.target_calls for s in stats) / rounds if rounds else None,
         target_calls=rounds,
         rounds_per_stream=[s.target_calls for s in stats],

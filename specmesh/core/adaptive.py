@@ -34,13 +34,16 @@ over from earlier sessions.
 
 The default path (`FamilyPolicy`) decides every round instead: plain steps, each carrying the
 n-gram lookup's proposal of up to L tokens when there is one (a "ride": verified in the step's own
-forward, no drafter call), or a round of the draft model's chain. The n-gram side's rate per step is
+forward, no drafter call) when the suffix it matched has at least k tokens, or a round of the draft
+model's chain. The n-gram side's rate per step is
 
-    rate(L) = (m·E(L) + 1 - m) / (m·v(1 + L) + (1 - m)·v(1) + o / S)
+    rate(k, L) = (Σ_{n≥k} m_n·E_n(L) + 1 - M) / (M·v(1 + L) + (1 - M)·v(1) + o / S),  M = Σ_{n≥k} m_n
 
-with m the share of positions the lookup has a proposal for, α_j its acceptance per depth (both
-from `NgramEstimate`, a function of the session's tokens) and S the plain steps per call; L = 0 is
-plain decoding. The chain's side is its own AdaptivePolicy; the faster (by the tolerance) wins.
+with m_n the share of positions whose longest match has n tokens, E_n from its acceptance per depth
+(both from `NgramEstimate`, a function of the session's tokens) and S the plain steps per call; L = 0
+is plain decoding. A longer match is a better guess, so k sorts the proposals worth a step's extra
+rows from those that are not (on a CPU, chat's 1-token matches are not). The chain's side is its
+own AdaptivePolicy; the faster (by the tolerance) wins.
 """
 
 from __future__ import annotations
@@ -128,6 +131,7 @@ class RoundPlan:
 
     spec: TreeSpec  # Method.NONE: nothing drafted
     lookup_depth: int = 0  # plain rounds: n-gram proposals of up to this many tokens ride in each step
+    lookup_min_ngram: int = 0  # ... when they match a suffix of at least this many tokens (0: any)
     plain_run: bool = False  # plain rounds: several steps in one Verify call (--plain-steps)
 
 
@@ -196,9 +200,10 @@ class AdaptivePolicy:
         other = (2 if depth else 1) * self.call_overhead if self.reproducible else (self.other or 0.0)
         return other + draft + self.verify(rows)
 
-    def ceiling_rate(self) -> float:
-        """The best rate any depth could give were every draft accepted (a chain's E(L) = L + 1)."""
-        return max((d + 1) / max(self.round_seconds(d), 1e-12) for d in self.depths if d)
+    def best_rate(self) -> float:
+        """The best rate a drafting depth is predicted to give now (before any round: at the prior
+        acceptance)."""
+        return max(self.predicted_rate(d) for d in self.depths if d)
 
     @property
     def reproducible(self) -> bool:
@@ -295,11 +300,16 @@ class PolicyMemory:
 MAX_LOOKUP = 6  # the deepest n-gram ride: its rows cost every step that has a proposal
 
 
-def lookup_rate(estimate: NgramEstimate, depth: int, verify: ForwardCost, call_share: float) -> float:
-    """Tokens per second of plain steps whose lookup proposals of up to `depth` tokens ride in the
-    step's forward (module doc); call_share: the call's fixed cost over its steps."""
-    m = estimate.matched if depth else 0.0
-    tokens = m * expected_tokens(estimate.alphas(), depth) + 1.0 - m
+def lookup_rate(
+    estimate: NgramEstimate, min_ngram: int, depth: int, verify: ForwardCost, call_share: float
+) -> float:
+    """Tokens per second of plain steps whose lookup proposals of up to `depth` tokens, matching at
+    least `min_ngram` tokens, ride in the step's forward (module doc); call_share: the call's fixed
+    cost over its steps."""
+    classes = range(max(1, min_ngram), estimate.index.max_ngram + 1) if depth else range(0)
+    shares = {n: estimate.share(n) for n in classes}
+    m = sum(shares.values())
+    tokens = sum(share * expected_tokens(estimate.alphas(n), depth) for n, share in shares.items()) + 1.0 - m
     seconds = m * verify(1 + depth) + (1.0 - m) * verify(1) + call_share
     return tokens / seconds if seconds > 0 else float("inf")
 
@@ -324,27 +334,37 @@ class FamilyPolicy:
         self.call_share = call_overhead / max(1, plain_steps)
         self.estimate = NgramEstimate(start=prompt_length)
         self.chain, self.max_lookup, self.tolerance = chain, max_lookup, tolerance
-        if chain is not None and chain.ceiling_rate() <= (1 + tolerance) / (self.verify(1) + self.call_share):
-            self.chain = None  # even accepting every draft it would lose to plain steps: never probed
+        if chain is not None and chain.best_rate() <= (1 + tolerance) / (self.verify(1) + self.call_share):
+            # at the acceptance it assumes before any round it would lose to plain steps: never
+            # probed. A bound at 100 % acceptance let this CPU probe it (a draft level costs more
+            # served than its start-up forward, and a probe first catches the drafter up)
+            self.chain = None
 
-    def best_lookup(self) -> tuple[int, float]:
-        """The ride depth with the best predicted rate (the shallowest within the tolerance)."""
-        depths = range(self.max_lookup + 1)
-        rates = [lookup_rate(self.estimate, d, self.verify, self.call_share) for d in depths]
-        top = max(rates)
-        depth = next(d for d, r in enumerate(rates) if r >= (1 - self.tolerance) * top)
-        return (depth, rates[depth]) if rates[depth] > (1 + self.tolerance) * rates[0] else (0, rates[0])
+    def best_lookup(self) -> tuple[int, int, float]:
+        """(min_ngram, depth, rate): the rides with the best predicted rate (the shallowest, then
+        the longest matches, within the tolerance); depth 0: plain steps."""
+        plain = lookup_rate(self.estimate, 0, 0, self.verify, self.call_share)
+        choices = [
+            (k, d, lookup_rate(self.estimate, k, d, self.verify, self.call_share))
+            for d in range(1, self.max_lookup + 1)
+            for k in range(self.estimate.index.max_ngram, 0, -1)
+        ]
+        top = max((r for _, _, r in choices), default=plain)
+        best = next(((k, d, r) for k, d, r in choices if r >= (1 - self.tolerance) * top), None)
+        return best if best is not None and best[2] > (1 + self.tolerance) * plain else (0, 0, plain)
 
     def plan(self, tokens: Sequence[int]) -> RoundPlan:
         """The next round after the session's `tokens` (prompt included)."""
         self.estimate.sync(tokens)
-        depth, rate = self.best_lookup()
+        min_ngram, depth, rate = self.best_lookup()
         if self.chain is not None:
             chain_depth = self.chain.choose_depth()  # 0: plain wins by its model (probes included)
             chain_rate = self.chain.predicted_rate(chain_depth) if chain_depth else 0.0
             if chain_depth and (self.chain.probing or chain_rate > (1 + self.tolerance) * rate):
                 return RoundPlan(family_spec(self.chain.base, chain_depth))
-        return RoundPlan(TreeSpec(Method.NONE), lookup_depth=depth, plain_run=True)
+        return RoundPlan(
+            TreeSpec(Method.NONE), lookup_depth=depth, lookup_min_ngram=min_ngram, plain_run=True
+        )
 
     def observe(self, spec: TreeSpec, stats: GenerationStats, load: Load | None = None) -> None:
         if self.chain is not None and spec.method.drafts:

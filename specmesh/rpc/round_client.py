@@ -155,6 +155,7 @@ class RoundClient:
         done: Callable[[RoundResult | BaseException], None],
         *,
         span: Any = None,
+        max_tokens: int = 0,
     ) -> None:
         """Draft and verify after the committed `tokens`; commits nothing on the caller's side.
         done(outcome): the RoundResult, or the error (ReplicaFailure: a replica's), called on the
@@ -162,7 +163,8 @@ class RoundClient:
         the next round at once. Cancel with `cancel`.
 
         plain_steps: where the round drafts nothing (method none, or the default's plain rounds:
-        RoundPlan.plain_run), the verifier may take up to that many steps in this one call.
+        RoundPlan.plain_run), the verifier may take up to that many steps in this one call, and
+        emit at most max_tokens tokens (0: no bound; n-gram rides emit several per step).
 
         Pipelined (specmesh.core.ahead): the tree may come from the pre-draft the previous round
         sent beside its verification, if it assumed exactly these tokens; this round may send the
@@ -170,7 +172,7 @@ class RoundClient:
         tick's time, the batched forwards' time), total_seconds the round's wall time. span: the
         round's tracing span; its draft and verification are spans under it (each the session's
         item of a tick: a tick serves many requests, so no request's trace holds the tick)."""
-        self._current = _Round(self, tokens, placement, plain_steps, done, span)
+        self._current = _Round(self, tokens, placement, plain_steps, done, span, max_tokens)
         self._current.begin()
 
     async def round(self, tokens: Sequence[int], placement: Placement, plain_steps: int = 1) -> RoundResult:
@@ -226,9 +228,10 @@ class _Round:
         plain_steps: int,
         done: Callable[[Any], None],
         span: Any = None,
+        max_tokens: int = 0,
     ) -> None:
         self.client, self.tokens, self.placement, self.done, self.span = client, tokens, placement, done, span
-        self.plain_steps = plain_steps
+        self.plain_steps, self.max_tokens = plain_steps, max_tokens
         self.start = time.perf_counter()
         self.committed = len(tokens)
         self.held = {role: placement.held.get(role, 0) for role in ROLES}
@@ -312,6 +315,8 @@ class _Round:
         plain = self.drafted is None
         steps = self.plain_steps if plain and self.plan.plain_run else 1
         lookup = self.plan.lookup_depth if plain else 0
+        rides = dict(lookup_depth=lookup, lookup_min_ngram=self.plan.lookup_min_ngram if lookup else 0)
+        max_tokens = self.max_tokens if plain else 0
         verifier = placement.verifier
         # its next round drafts (unless pre-drafted already): the drafter's loop expects it
         then = placement.drafter if self.spec.method.drafts and client._ahead is None else None
@@ -320,7 +325,7 @@ class _Round:
         def submit(position: int, timing: Timing, done: Callable) -> Any:
             return verifier.verify(
                 session, position, tokens[position:], tree, steps, timing=timing, then=then, done=done,
-                lookup_depth=lookup,
+                max_tokens=max_tokens, **rides,
             )  # fmt: skip
 
         nodes = self.drafted.tree_nodes if self.drafted is not None else 0

@@ -214,6 +214,8 @@ class _Work:
     tree: TreeRef | None = None  # a verification
     plain_steps: int = 1
     lookup_depth: int = 0  # plain steps: the deepest n-gram ride (VerifyRequest.lookup_depth)
+    lookup_min_ngram: int = 0  # ... of matches at least this long (VerifyRequest.lookup_min_ngram)
+    max_tokens: int = 0  # plain steps: tokens the call may emit at most (VerifyRequest.max_tokens)
     handle: int = 0
     timing: Timing | None = None
     due: float = 0.0  # when its patience runs out next
@@ -298,14 +300,15 @@ class TickLoop:
     def verify(
         self, session: Opened, position: int, new_tokens: Sequence[int], tree: TreeRef | None,
         plain_steps: int = 1, timing: Timing | None = None, then: TickLoop | None = None,
-        done: Done | None = None, lookup_depth: int = 0,
+        done: Done | None = None, lookup_depth: int = 0, lookup_min_ngram: int = 0, max_tokens: int = 0,
     ) -> Any:  # fmt: skip
         """A verification -> a future of Verified (or, with `done`, as `draft`); tree None: plain
-        decoding of up to `plain_steps` steps, n-gram proposals of up to `lookup_depth` tokens
-        riding in them. then: as `draft`'s (its drafter's, next round)."""
+        decoding of up to `plain_steps` steps and `max_tokens` tokens (0: no bound), n-gram
+        proposals of up to `lookup_depth` tokens that match at least `lookup_min_ngram` riding in
+        them. then: as `draft`'s (its drafter's, next round)."""
         work = _Work(
             session, position, list(new_tokens), done or _no_answer, tree=tree, plain_steps=plain_steps,
-            lookup_depth=lookup_depth,
+            lookup_depth=lookup_depth, lookup_min_ngram=lookup_min_ngram, max_tokens=max_tokens,
         )  # fmt: skip
         work.timing, work.then = timing, then
         return self._put(work, done is None)
@@ -573,8 +576,9 @@ class TickLoop:
         return pb2.VerifyTick(
             id=tick_id, open=opens, **fields, trees=trees_to_proto(_relay([w.tree for w in work])),
             plain_steps=packed([min(w.plain_steps, 255) for w in work], "u1"), cancel=cancel, release=release,
-            lookup_depth=packed([w.lookup_depth for w in work], "u1") if any(w.lookup_depth for w in work)
-            else b"",
+            lookup_depth=_optional([w.lookup_depth for w in work], "u1"),
+            lookup_min_ngram=_optional([w.lookup_min_ngram for w in work], "u1"),
+            max_tokens=_optional([w.max_tokens for w in work], "<u4"),
         )  # fmt: skip
 
     # ---- results -------------------------------------------------------------------------------
@@ -741,3 +745,8 @@ def _verified(message: Any, n: int) -> list[Verified]:
         )
         at += counts[i]
     return out
+
+
+def _optional(values: list[int], dtype: str) -> bytes:
+    """A column whose absence means zeros: left out when every value is 0."""
+    return packed(values, dtype) if any(values) else b""

@@ -24,6 +24,7 @@ from specmesh.core.drafting import TreeSpec
 from specmesh.core.extras import missing
 from specmesh.core.grammar import Grammar
 from specmesh.core.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from specmesh.core.ngram import MAX_NGRAM
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.tree import DraftTree, SamplingMode
 from specmesh.core.verification import Verdict
@@ -326,6 +327,8 @@ class VerifyInput(RoundInput):
     stop_token_ids: frozenset[int] = frozenset()  # no tree: decoding stops after one of these
     top_logprobs: int | None = None  # the emitted tokens' log-probabilities, with this many alternatives
     lookup_depth: int = 0  # no tree: n-gram proposals of at most this many tokens ride in the steps
+    lookup_min_ngram: int = 0  # ... those matching a suffix of at least this many tokens (0: any)
+    max_tokens: int = 0  # no tree: tokens the call may emit at most, rides included (0: no bound)
 
 
 def session_id_from_proto(value: str, field: str = "session_id") -> str:
@@ -390,7 +393,7 @@ def parse_verify_request(req: pb2.VerifyRequest, vocab_size: int, limits: Limits
         raise WireError("top_logprobs", f"must be at most {MAX_TOP_LOGPROBS}, got {top}")
     v = VerifyInput(
         **fields, tree=tree, plain_steps=max(req.plain_steps, 1), stop_token_ids=stops, top_logprobs=top,
-        lookup_depth=req.lookup_depth,
+        lookup_depth=req.lookup_depth, lookup_min_ngram=req.lookup_min_ngram, max_tokens=req.max_tokens,
     )  # fmt: skip
     check_verify_input(v, limits)
     return v
@@ -421,6 +424,12 @@ def check_verify_input(v: VerifyInput, limits: Limits, field: str = "tree") -> N
     if v.lookup_depth and v.grammar is not None:
         raise WireError("lookup_depth", "cannot be used with a grammar (its masks follow the draft's paths)")
     _check_limit("lookup_depth", v.lookup_depth, limits.max_depth, "--max-depth", what="tokens")
+    if v.lookup_min_ngram and not v.lookup_depth:
+        raise WireError("lookup_min_ngram", "is for n-gram rides only: set lookup_depth too")
+    if v.lookup_min_ngram > MAX_NGRAM:
+        raise WireError("lookup_min_ngram", f"must be at most {MAX_NGRAM} (the lookup's longest n-gram)")
+    if v.max_tokens and tree is not None:
+        raise WireError("max_tokens", "is for plain decoding only; a request with a tree decodes one round")
 
 
 def _round_message(
@@ -458,6 +467,8 @@ def verify_request(
     top_logprobs: int | None = None,
     grammar: Grammar | None = None,
     lookup_depth: int = 0,
+    lookup_min_ngram: int = 0,
+    max_tokens: int = 0,
 ) -> pb2.VerifyRequest | pb2.VerifyRequestRelay:
     """tree None (or empty): a plain autoregressive step, or `plain_steps` of them in one call
     (stopping after a stop token); bytes: a tree relayed as the drafter encoded it (a
@@ -468,7 +479,9 @@ def verify_request(
     if top_logprobs is not None:
         fields.update(top_logprobs=top_logprobs)
     if lookup_depth:
-        fields.update(lookup_depth=lookup_depth)
+        fields.update(lookup_depth=lookup_depth, lookup_min_ngram=lookup_min_ngram)
+    if max_tokens:
+        fields.update(max_tokens=max_tokens)
     if isinstance(tree, bytes):
         return pb2.VerifyRequestRelay(**fields, tree=tree)
     return pb2.VerifyRequest(**fields, tree=tree)

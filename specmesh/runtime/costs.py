@@ -18,20 +18,21 @@ PROBE_SESSION = "__forward-cost-probe__"
 
 
 def measure_forward_cost(
-    runner: ModelBackend, rows: tuple[int, ...] = PROBE_ROWS, context: int = 32, repeats: int = 2
+    runner: ModelBackend, rows: tuple[int, ...] = PROBE_ROWS, context: int = 32, repeats: int = 5
 ) -> dict[int, float]:
-    """-> {rows: seconds of one forward}, the best of `repeats`. Each forward is what a round's
+    """-> {rows: seconds of one forward}, the best of `repeats` (5: services measure while others
+    start beside them on the same cores; with 2, the 1.5B's one-row forward read 100 ms on 2 cores
+    instead of 75-85, and a draft model's rounds looked worth probing). Each forward is what a round's
     verification looks like: one new committed token and a chain of rows - 1 tree nodes, after
     a `context`-token prefix. The probe session is released afterwards."""
     vocab = runner.vocab_size
     tokens = [(7 * i + 1) % vocab for i in range(context + max(rows) + repeats * len(rows))]
-    cost: dict[int, float] = {}
+    cost = dict.fromkeys(rows, float("inf"))
     try:
         runner.forward([Step(PROBE_SESSION, new_tokens=tokens[:context])])
         used = context
-        for n in rows:
-            best = float("inf")
-            for _ in range(repeats):
+        for _ in range(repeats):  # row counts in turn: a burst of other work spoils one try of each
+            for n in rows:
                 step = Step(
                     PROBE_SESSION,
                     new_tokens=[tokens[used]],
@@ -40,10 +41,9 @@ def measure_forward_cost(
                 )
                 start = time.perf_counter()
                 runner.forward([step])
-                best = min(best, time.perf_counter() - start)
+                cost[n] = min(cost[n], time.perf_counter() - start)
                 runner.commit(PROBE_SESSION, [])
                 used += 1
-            cost[n] = best
     finally:
         runner.release(PROBE_SESSION)
     return cost

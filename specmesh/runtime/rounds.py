@@ -209,7 +209,7 @@ class VerifyJob:
     # lookup's chain of at most depth nodes, or None; called on the thread that builds the step
     ride: Callable[[int, list[int], int], DraftTree | None] | None = None
     lookup_depth: int = 0  # the deepest ride
-    room: int | None = None  # tokens the call may emit before the model's context is full
+    room: int | None = None  # tokens the call may emit: the model's context, the request's max_tokens
 
 
 @dataclass
