@@ -258,8 +258,9 @@ def test_adaptive_greedy_through_the_gateway_equals_the_targets_greedy_decode(
     request.speculation.adaptive = True
     response = stub.Generate(request, timeout=60)
     assert list(response.token_ids) == target_greedy[:24]
-    # tiny models cost alike, so the policy mostly decodes plainly; its probe rounds still draft
-    assert response.stats.draft_calls > 0 and response.stats.rounds > response.stats.draft_calls
+    # it drafted (its first rounds, or probes); how often follows the tiny models' measured
+    # start-up costs, sub-millisecond forwards whose ratio varies from one start to the next
+    assert response.stats.draft_calls > 0
 
 
 def test_a_request_without_speculation_gets_the_gateways_reproducible_choice(stub, target_greedy) -> None:
