@@ -424,9 +424,8 @@ class SessionRun:
             else None
         )
         done = functools.partial(self._round_done, tokens, began, span)
-        left = self.plan.max_new_tokens - (len(tokens) - len(self.plan.prompt_ids))
         self.client.start(
-            tokens, placement, self._plain_steps(tokens), done, span=span, max_tokens=max(1, left)
+            tokens, placement, self._plain_steps(tokens), done, span=span, max_tokens=self._left(tokens)
         )
 
     def _round_done(self, tokens: list[int], began: float, span: Any, outcome: Any) -> None:
@@ -645,10 +644,13 @@ class SessionRun:
         (the prompt's: its token is the time to first token), then --plain-steps, within
         max_new_tokens (steps: n-gram rides may emit more; the call is bounded by max_tokens).
         Rounds that draft, or an adaptive policy's, decode one round anyway."""
-        generated = len(tokens) - len(self.plan.prompt_ids)
-        if generated == 0:
+        if len(tokens) == len(self.plan.prompt_ids):
             return 1
-        return max(1, min(self.env.plain_steps, self.plan.max_new_tokens - generated))
+        return min(self.env.plain_steps, self._left(tokens))
+
+    def _left(self, tokens: list[int]) -> int:
+        """Tokens of max_new_tokens still to come after `tokens` (at least 1: a round emits one)."""
+        return max(1, self.plan.max_new_tokens - (len(tokens) - len(self.plan.prompt_ids)))
 
     async def _release_later(self, role: Role, address: str, stub: Any) -> None:
         """Release on a replica that could not be reached at the end: once it is healthy again

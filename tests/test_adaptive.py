@@ -338,7 +338,9 @@ def test_rides_take_only_the_matches_worth_their_rows() -> None:
     policy = _family(CPU, None, prompt)
     plan = policy.plan([*prompt, *answer])
     assert plan.lookup_depth >= 1 and plan.lookup_min_ngram >= 2
-    rate = functools.partial(lookup_rate, policy.estimate, verify=policy.verify, call_share=policy.call_share)
+    rate = functools.partial(
+        lookup_rate, policy.estimate.classes(), verify=policy.verify, call_share=policy.call_share
+    )
     assert rate(min_ngram=plan.lookup_min_ngram, depth=plan.lookup_depth) > rate(
         min_ngram=1, depth=plan.lookup_depth
     )

@@ -301,15 +301,16 @@ MAX_LOOKUP = 6  # the deepest n-gram ride: its rows cost every step that has a p
 
 
 def lookup_rate(
-    estimate: NgramEstimate, min_ngram: int, depth: int, verify: ForwardCost, call_share: float
-) -> float:
+    classes: Mapping[int, tuple[float, list[float]]], min_ngram: int, depth: int, verify: ForwardCost,
+    call_share: float,
+) -> float:  # fmt: skip
     """Tokens per second of plain steps whose lookup proposals of up to `depth` tokens, matching at
-    least `min_ngram` tokens, ride in the step's forward (module doc); call_share: the call's fixed
-    cost over its steps."""
-    classes = range(max(1, min_ngram), estimate.index.max_ngram + 1) if depth else range(0)
-    shares = {n: estimate.share(n) for n in classes}
-    m = sum(shares.values())
-    tokens = sum(share * expected_tokens(estimate.alphas(n), depth) for n, share in shares.items()) + 1.0 - m
+    least `min_ngram` tokens, ride in the step's forward (module doc); classes: the estimate's
+    (share, alphas) per match length (`NgramEstimate.classes`); call_share: the call's fixed cost
+    over its steps."""
+    riding = [c for n, c in classes.items() if n >= max(1, min_ngram)] if depth else []
+    m = sum(share for share, _ in riding)
+    tokens = sum(share * expected_tokens(alphas, depth) for share, alphas in riding) + 1.0 - m
     seconds = m * verify(1 + depth) + (1.0 - m) * verify(1) + call_share
     return tokens / seconds if seconds > 0 else float("inf")
 
@@ -343,9 +344,10 @@ class FamilyPolicy:
     def best_lookup(self) -> tuple[int, int, float]:
         """(min_ngram, depth, rate): the rides with the best predicted rate (the shallowest, then
         the longest matches, within the tolerance); depth 0: plain steps."""
-        plain = lookup_rate(self.estimate, 0, 0, self.verify, self.call_share)
+        classes = self.estimate.classes()
+        plain = lookup_rate(classes, 0, 0, self.verify, self.call_share)
         choices = [
-            (k, d, lookup_rate(self.estimate, k, d, self.verify, self.call_share))
+            (k, d, lookup_rate(classes, k, d, self.verify, self.call_share))
             for d in range(1, self.max_lookup + 1)
             for k in range(self.estimate.index.max_ngram, 0, -1)
         ]

@@ -192,9 +192,8 @@ class NgramEstimate:
     proposals: list[float] = field(init=False)  # [n]: decayed positions whose match had n tokens
     reached: list[list[float]] = field(init=False)  # [n][j]
     tried: list[list[float]] = field(init=False)
-    _open: list[tuple[int, int, list[int]]] = field(
-        default_factory=list
-    )  # (position, n, proposal) still matching
+    # (position, n, proposal) still matching
+    _open: list[tuple[int, int, list[int]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         classes = self.index.max_ngram + 1
@@ -240,6 +239,10 @@ class NgramEstimate:
     def share(self, n: int) -> float:
         """The share of positions whose longest match has n tokens."""
         return self.proposals[n] / (self.positions + self.prior_weight)
+
+    def classes(self) -> dict[int, tuple[float, list[float]]]:
+        """Per match length n >= 1: (share(n), alphas(n)), computed once for a round's choice."""
+        return {n: (self.share(n), self.alphas(n)) for n in range(1, self.index.max_ngram + 1)}
 
     def alphas(self, n: int) -> list[float]:
         """α_j per depth for matches of n tokens; a depth not yet observed leans on the one above
