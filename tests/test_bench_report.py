@@ -481,3 +481,35 @@ def test_the_suite_plan_counts_every_row_it_measures(tmp_path, monkeypatch, caps
         assert re.search(rf"^{phase}: {n}/{n} rows in ", err, re.M)
     assert ("llama.cpp rows skipped" in err) != llama
     assert "tok/s" not in out  # no line per row
+
+
+def test_one_session_rows_run_every_engine_on_a_prompt_before_the_next_in_a_rotated_order():
+    from specmesh.bench.default_path import FIRST_SEED, interleaved
+
+    calls: list[tuple[str, list[str], int]] = []
+
+    def engine(name: str):
+        def run(texts: list[str], seed: int) -> dict:
+            calls.append((name, texts, seed))
+            calls_made = 2 if name == "b" else 1
+            return dict(
+                tokens=10,
+                seconds=1.0 + seed - FIRST_SEED,
+                target_calls=calls_made,
+                block_efficiency=seed - 999.0,
+            )
+
+        return run
+
+    out = interleaved({"a": engine("a"), "b": engine("b"), "c": engine("c")}, ["p0", "p1", "p2", "p3"])
+    order = [(name, texts[0], seed - FIRST_SEED) for name, texts, seed in calls]
+    assert order == [
+        ("a", "p0", 0), ("b", "p0", 0), ("c", "p0", 0),
+        ("b", "p1", 1), ("c", "p1", 1), ("a", "p1", 1),
+        ("c", "p2", 2), ("a", "p2", 2), ("b", "p2", 2),
+        ("a", "p3", 3), ("b", "p3", 3), ("c", "p3", 3),
+    ]  # fmt: skip
+    assert out["a"]["tokens"] == 40 and out["a"]["seconds"] == 1 + 2 + 3 + 4
+    # block efficiency 1, 2, 3, 4 over equal calls averages to 2.5 (not summed)
+    assert out["b"]["block_efficiency"] == pytest.approx(2.5)
+    assert "target_calls" not in out["b"] and "draft_acceptance" not in out["b"]

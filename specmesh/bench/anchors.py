@@ -90,8 +90,10 @@ def llama_server(
         log.close()
 
 
-def run_llama_server(url: str, texts: list[str], temperature: float, max_new: int, sessions: int = 1) -> dict:
-    """Each text once (seed 1000 + i), `sessions` requests at a time; -> tokens, seconds (the
+def run_llama_server(
+    url: str, texts: list[str], temperature: float, max_new: int, sessions: int = 1, first_seed: int = 1000
+) -> dict:
+    """Each text once (seed first_seed + i), `sessions` requests at a time; -> tokens, seconds (the
     wall of the whole run), decode_tokens and decode_seconds (tokens after each answer's first,
     over its generation time, as llama-server times them), draft statistics when it speculated."""
     answers: list[dict] = [{}] * len(texts)
@@ -102,7 +104,7 @@ def run_llama_server(url: str, texts: list[str], temperature: float, max_new: in
             "prompt": text,
             "n_predict": max_new,
             "temperature": temperature,
-            "seed": 1000 + i,
+            "seed": first_seed + i,
             "top_k": 0,
             "top_p": 1.0,
             "min_p": 0.0,
@@ -141,10 +143,11 @@ def find_llama_lookup(server: Path | None) -> Path | None:
 
 
 def run_llama_lookup(
-    binary: Path, target: Path, texts: list[str], temperature: float, max_new: int, draft_max: int = 4
-) -> dict:
+    binary: Path, target: Path, texts: list[str], temperature: float, max_new: int, draft_max: int = 4,
+    first_seed: int = 1000,
+) -> dict:  # fmt: skip
     """Each text once with llama.cpp's prompt-lookup decoding (`--spec-draft-n-max draft_max`, seed
-    1000 + i); -> tokens, seconds (encode + decode, as it reports them), decode_tokens and
+    first_seed + i); -> tokens, seconds (encode + decode, as it reports them), decode_tokens and
     decode_seconds (tokens after the first over the decode time), drafted and accepted."""
     import re
 
@@ -154,7 +157,8 @@ def run_llama_lookup(
     for i, text in enumerate(texts):
         argv = [str(binary), "-m", str(target), "-p", text, "-n", str(max_new), "-t", threads, "-c", "4096"]
         argv += ["--temp", str(temperature), "--top-k", "0", "--top-p", "1.0", "--min-p", "0.0"]
-        argv += ["--repeat-penalty", "1.0", "--seed", str(1000 + i), "--spec-draft-n-max", str(draft_max)]
+        argv += ["--repeat-penalty", "1.0", "--seed", str(first_seed + i)]
+        argv += ["--spec-draft-n-max", str(draft_max)]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
         log = done.stdout + done.stderr
         if done.returncode != 0:

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from specmesh.bench.anchors import find_llama_lookup, llama_server, run_llama_lookup, run_llama_server
@@ -32,6 +34,14 @@ from specmesh.rpc.proto import load
 NONE = TreeSpec(Method.NONE)
 
 
+FIRST_SEED = 1000  # prompt i's seed is FIRST_SEED + i, in every engine
+Engine = Callable[[list[str], int], dict]  # (texts, the first one's seed) -> what it measured
+_GATEWAY_KEYS = (
+    "tokens", "seconds", "decode_tokens", "decode_seconds", "accepted_tokens", "drafted_tokens",
+    "target_calls", "block_efficiency",
+)  # fmt: skip
+
+
 def compare(
     address: str,
     texts: list[str],
@@ -40,24 +50,85 @@ def compare(
     sessions: int,
     llama_url: str | None,
     llama_sessions: int = 1,
+    lookup: Engine | None = None,
 ) -> dict:
-    """method none, then the default, on the same prompts and seeds, `sessions` streams at a time;
-    aggregate tokens/s of each; with llama_url, llama-server plain on the same texts (when it runs
-    at least `sessions` slots: `llama_sessions`)."""
-    row: dict = {}
+    """method none and the default on the same prompts and seeds, `sessions` streams at a time;
+    with llama_url, llama-server plain on the same texts (when it runs at least `sessions` slots:
+    `llama_sessions`); with lookup, llama-lookup too. One session at a time runs the engines
+    prompt by prompt (`interleaved`); concurrent streams run each engine's batches in turn."""
+    engines: dict[str, Engine] = {}
     if llama_url and sessions <= llama_sessions:
-        row["llama_server"] = with_rates(run_llama_server(llama_url, texts, temperature, max_new, sessions))
-    for name, spec in (("none", NONE), ("default", None)):
-        measured = asyncio.run(run_gateway(address, texts, spec, False, temperature, max_new, sessions))
-        keys = ("tokens", "seconds", "decode_tokens", "decode_seconds", "accepted_tokens", "block_efficiency")
-        row[name] = with_rates(
-            {k: measured[k] for k in keys} | {"drafted_tokens": measured.get("drafted_tokens")}
+        engines["llama_server"] = lambda t, seed: run_llama_server(
+            llama_url, t, temperature, max_new, sessions, first_seed=seed
         )
+    if lookup is not None:
+        engines["llama_lookup"] = lookup
+    for name, spec in (("none", NONE), ("default", None)):
+        engines[name] = lambda t, seed, spec=spec: _gateway_run(
+            address, t, spec, temperature, max_new, sessions, seed
+        )
+    if sessions == 1:
+        measured = interleaved(engines, texts)
+    else:
+        measured = {name: summed([run(texts, FIRST_SEED)]) for name, run in engines.items()}
+    row = {name: with_rates(m) for name, m in measured.items()}
     row.update(ratios(row["default"], row["none"], "none"))
+    for base in ("llama_server", "llama_lookup"):
+        if base in row:
+            row.update(ratios(row["default"], row[base], base))
     if "llama_server" in row:
-        row.update(ratios(row["default"], row["llama_server"], "llama_server"))
         row.update(ratios(row["none"], row["llama_server"], "llama_server", "none"))
     return row
+
+
+def _gateway_run(
+    address: str, texts: list[str], spec: TreeSpec | None, temperature: float, max_new: int, sessions: int,
+    first_seed: int,
+) -> dict:  # fmt: skip
+    m = asyncio.run(
+        run_gateway(address, texts, spec, False, temperature, max_new, sessions, first_seed=first_seed)
+    )
+    return {k: m[k] for k in _GATEWAY_KEYS}
+
+
+def interleaved(engines: dict[str, Engine], texts: list[str]) -> dict[str, dict]:
+    """Every engine on prompt i (seed FIRST_SEED + i) before any on prompt i + 1, the order
+    rotated by one each prompt; -> per engine, its prompts' sums. A machine whose speed drifts
+    during a run (this 2-core one did by 10-20 % between minutes) then weighs on every engine
+    alike, where engine after engine gave one the fast minutes and another the slow ones."""
+    names = list(engines)
+    parts: dict[str, list[dict]] = {name: [] for name in names}
+    for i, text in enumerate(texts):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            parts[name].append(engines[name]([text], FIRST_SEED + i))
+    return {name: summed(p) for name, p in parts.items()}
+
+
+def summed(parts: list[dict]) -> dict:
+    """One engine's per-prompt measurements as one: counts and seconds add up; block efficiency
+    is weighted by target calls, an acceptance recomputed from the sums."""
+    out: dict = {}
+    for key in parts[0]:
+        values = [p.get(key) for p in parts]
+        if key != "block_efficiency" and all(isinstance(v, int | float) for v in values):
+            out[key] = sum(values)  # type: ignore[arg-type]
+    if "target_calls" in out:
+        calls = out.pop("target_calls")
+        efficiency = sum((p["block_efficiency"] or 0.0) * p["target_calls"] for p in parts)
+        out["block_efficiency"] = efficiency / calls if calls else None
+    if out.get("drafted_tokens"):
+        out["draft_acceptance"] = out["accepted_tokens"] / out["drafted_tokens"]
+    else:
+        out.pop("draft_acceptance", None)
+    return out
+
+
+def _lookup_run(
+    binary: Path, target: Path | None, temperature: float, max_new: int, draft_max: int, texts: list[str],
+    first_seed: int,
+) -> dict:  # fmt: skip
+    return run_llama_lookup(binary, target, texts, temperature, max_new, draft_max, first_seed=first_seed)
 
 
 def with_rates(measured: dict) -> dict:
@@ -138,6 +209,7 @@ def bench_default(
 
     tokenizer, _ = load_tokenizer(gguf_file(target) or target)
     rows = []
+    lookup_binary = find_llama_lookup(Path(llama_server_binary)) if llama_server_binary else None
     with contextlib.ExitStack() as stack:
         llama_url = None
         if llama_server_binary:
@@ -145,15 +217,13 @@ def bench_default(
         for name in sets:
             texts = prompt_set(name, prompts, tokenizer)
             for temperature in temperatures:
-                measured = compare(address, texts, temperature, max_new, 1, llama_url)
-                row = dict(set=name, temperature=temperature, sessions=1, **measured)
-                lookup = find_llama_lookup(Path(llama_server_binary)) if llama_server_binary else None
-                if lookup is not None and name in COPYING_SETS:
-                    m = run_llama_lookup(
-                        lookup, gguf_file(target), texts, temperature, max_new, lookup_draft_max
+                lookup: Engine | None = None
+                if lookup_binary is not None and name in COPYING_SETS:
+                    lookup = functools.partial(
+                        _lookup_run, lookup_binary, gguf_file(target), temperature, max_new, lookup_draft_max
                     )
-                    row["llama_lookup"] = with_rates(m)
-                    row.update(ratios(row["default"], row["llama_lookup"], "llama_lookup"))
+                measured = compare(address, texts, temperature, max_new, 1, llama_url, lookup=lookup)
+                row = dict(set=name, temperature=temperature, sessions=1, **measured)
                 rows.append(row)
                 _print(row)
     # concurrent chat streams: the same max(sessions) texts at each concurrency, against

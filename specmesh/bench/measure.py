@@ -227,8 +227,9 @@ def _prompt(pb2, text: str, chat: bool) -> dict:
 async def run_gateway(
     address: str, texts: list[str], spec: TreeSpec | None, adaptive: bool, temperature: float, max_new: int,
     concurrency: int, dsi_parallel: int | None = None, keep_ids: bool = False, chat: bool = False,
+    first_seed: int = 1000,
 ) -> dict:  # fmt: skip
-    """`concurrency` streams at once, each its own prompt (seed 1000 + i); sequential batches
+    """`concurrency` streams at once, each its own prompt (seed first_seed + i); sequential batches
     until every text is done. spec None: no speculation field (the gateway's default);
     dsi_parallel: DSI with spec's depth as the lookahead. Returns tokens, wall seconds, latencies
     and summed stats (keep_ids: and each stream's token ids, `token_ids`). chat: each text is a
@@ -242,7 +243,7 @@ async def run_gateway(
                 pb2.GenerateRequest(
                     **_prompt(pb2, text, chat),
                     max_new_tokens=max_new,
-                    sampling=pb2.Sampling(temperature=temperature, seed=1000 + first + i),
+                    sampling=pb2.Sampling(temperature=temperature, seed=first_seed + first + i),
                     speculation=(
                         speculation_message(pb2, spec, adaptive, dsi_parallel) if spec is not None else None
                     ),
