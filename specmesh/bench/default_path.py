@@ -94,7 +94,7 @@ def _gateway_run(
 def interleaved(engines: dict[str, Engine], texts: list[str]) -> dict[str, dict]:
     """Every engine on prompt i (seed FIRST_SEED + i) before any on prompt i + 1, the order
     rotated by one each prompt; -> per engine, its prompts' sums. A machine whose speed drifts
-    during a run (this 2-core one did by 10-20 % between minutes) then weighs on every engine
+    during a run (this 2-core one did by up to 25 % between minutes) then weighs on every engine
     alike, where engine after engine gave one the fast minutes and another the slow ones."""
     names = list(engines)
     parts: dict[str, list[dict]] = {name: [] for name in names}
