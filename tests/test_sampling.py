@@ -114,3 +114,20 @@ def test_a_temperature_at_eps_is_still_sampled() -> None:
     params = SamplingParams(1e-5)
     assert not params.greedy
     assert torch.isfinite(warp(torch.tensor([[1.0, 30.0, -4.0, 29.0]]), params)).all()
+
+
+def test_sample_rows_draws_what_the_float64_cdf_of_probs_gives() -> None:
+    """The tokens of a seed do not change with how the CDF is computed: sample_rows (a cumsum that
+    widens as it sums, no float64 copy) picks what the plain float64 CDF picks, on vocabulary-sized
+    rows, and T = 1 warps to softmax bit for bit (no division)."""
+    from specmesh.core.sampling import sample_rows
+
+    g = torch.Generator().manual_seed(3)
+    scales = torch.tensor([[1.0], [3.0], [8.0], [15.0], [30.0], [60.0]])  # flat to peaked rows
+    logits = torch.randn(6, 151_936, generator=g) * scales
+    probs = warp(logits, SamplingParams(1.0))
+    assert torch.equal(probs, torch.softmax(logits, -1))
+    u = torch.rand(6, 500, generator=g, dtype=torch.float64)
+    cdf = probs.double().cumsum(-1)
+    reference = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)
+    assert torch.equal(sample_rows(probs, u), reference)

@@ -177,6 +177,15 @@ def _chain_uniforms(draws: Sequence[Draws], lengths: list[int]) -> list[torch.Te
     return [torch.cat([d.uniform(n), d.uniform(1)]) for d, n in zip(draws, lengths, strict=True)]
 
 
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat, without the copy of a vocabulary-wide row when a tick has one session."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _stack(rows: list[torch.Tensor]) -> torch.Tensor:
+    return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
+
+
 def _verify_chains(
     trees: list[DraftTree | None],
     logits: list[torch.Tensor],
@@ -198,7 +207,7 @@ def _verify_chains(
     """
     lengths = [0 if t is None else t.num_nodes for t in trees]
     u = _chain_uniforms(draws, lengths)
-    rows = torch.cat(logits)  # [sum(n + 1), V]
+    rows = _cat(logits)  # [sum(n + 1), V]
     q = warp_rows(rows, [p for p, n in zip(params, lengths, strict=True) for _ in range(n + 1)])
     starts = [0]
     for n in lengths:
@@ -226,7 +235,7 @@ def _verify_chains(
             row = residual if float(residual.sum()) > 0.0 else row
         final.append(row)
         at_node += n
-    last = sample_rows(torch.stack(final), torch.stack([u[b][n : n + 1] for b, n in enumerate(lengths)]))
+    last = sample_rows(_stack(final), torch.stack([u[b][n : n + 1] for b, n in enumerate(lengths)]))
     last = last[:, 0].tolist()
     out = []
     for b, (tree, n) in enumerate(zip(trees, lengths, strict=True)):
