@@ -116,7 +116,7 @@ def verify_many(
         else:
             out[b] = _verify_rejection(tree, rows, p, draws[b])
     if greedy:  # one argmax for every greedy row of the tick
-        argmax = torch.cat([logits[b] for b in greedy]).argmax(-1).tolist()
+        argmax = _cat([logits[b] for b in greedy]).argmax(-1).tolist()
         at = 0
         for b in greedy:
             n = logits[b].shape[0]
