@@ -435,6 +435,52 @@ def test_n_gram_rides_in_plain_steps_give_the_plain_tokens(stack) -> None:
     assert 0 < long_rides[0] <= rides[0] and bounded_rides[0] > 0
 
 
+def ahead_steps(server: Server) -> tuple[float, float]:
+    """(taken, discarded): plain steps run ahead of their call (--run-ahead)."""
+    m = server.metrics()
+    name = "specmesh:verifier_ahead_steps_total"
+    return m.get((name, (("outcome", "taken"),)), 0.0), m.get((name, (("outcome", "discarded"),)), 0.0)
+
+
+def test_a_step_run_ahead_is_taken_by_the_call_that_goes_on_and_rolled_back_by_one_that_does_not(
+    stack,
+) -> None:
+    """--run-ahead (on by default): after a call of 4 plain steps the verifier decodes the next
+    step while the answer travels. The next call that goes on from there takes it (the tokens are
+    those of one-token calls, as the plain-steps test checks with it on); a call that rolls the
+    session back (DSI's kind) or changes its sampling gets what a fresh session gets from the same
+    tokens; a Release right after a call leaves no session behind."""
+    params, other = SamplingParams(0.8, top_k=20, seed=7), SamplingParams(0.8, top_k=20, seed=8)
+    n = len(PROMPT)
+
+    async def call(stubs: Stubs, sid: str, position: int, new: list[int], p: SamplingParams) -> list[int]:
+        reply = await stubs.verifier.Verify(wire.verify_request(sid, position, new, p, None, 4))
+        return [*reply.plain_token_ids, reply.next_token]
+
+    async def run() -> tuple:
+        async with Stubs(stack) as stubs:
+            first = await call(stubs, "ahead-a", 0, list(PROMPT), params)
+            taken = await call(stubs, "ahead-a", n + 3, first[3:], params)
+            rolled = await call(stubs, "ahead-a", n + 1, first[1:2], other)  # drops first[2:] and the ahead
+            fresh = await call(stubs, "ahead-b", 0, [*PROMPT, *first[:2]], other)
+            one = [await call(stubs, "ahead-c", 0, list(PROMPT), params)]
+            one.append(await call(stubs, "ahead-c", n + 3, one[0][3:], params))
+            for sid in ("ahead-a", "ahead-b", "ahead-c"):
+                await stubs.verifier.Release(pb2.ReleaseRequest(session_id=sid))
+        return first, taken, rolled, fresh, one
+
+    def sessions() -> float:
+        return stack.verifier.metrics()[("specmesh:num_sessions", ())]
+
+    held, before = sessions(), ahead_steps(stack.verifier)
+    first, taken, rolled, fresh, one = asyncio.run(run())
+    after = ahead_steps(stack.verifier)
+    assert one == [first, taken] and rolled == fresh
+    assert after[0] - before[0] >= 2  # ahead-a's and ahead-c's second calls took their steps
+    assert after[1] - before[1] >= 1  # the rolled-back call did not
+    wait_until(lambda: sessions() == held, 10)  # ahead-c's last step ran or was taken back: released
+
+
 def test_release_forgets_the_session_and_the_next_round_resyncs(stack, reference) -> None:
     request = Request(PROMPT, SPECS["rsd_c"], SamplingParams(1.0, seed=21), 14)
 

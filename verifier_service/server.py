@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import numpy as np
@@ -37,12 +37,22 @@ from specmesh.rpc.ticks import (
     verify_result,
 )
 from specmesh.runtime.models import LoadedModel
-from specmesh.runtime.rounds import Cancelled, VerifyJob, VerifyOutcome, plain_room, verify_steps
+from specmesh.runtime.rounds import (
+    Cancelled,
+    VerifyJob,
+    VerifyOutcome,
+    joined,
+    next_plain_job,
+    plain_room,
+    verify_steps,
+)
 from specmesh.services.metrics import ServiceMetrics
 from specmesh.services.model_service import (
     ModelService,
+    NotOwnerError,
     Resume,
     ServiceConfig,
+    SessionBusyError,
     Tick,
     TickStream,
     Withdrawn,
@@ -61,9 +71,23 @@ DEFAULTS = {
 @dataclass
 class _Item:
     index: int
-    verify: wire.VerifyInput
+    verify: wire.VerifyInput  # what the call has left once a step run ahead of it is taken
     resume: Resume
     job: VerifyJob
+    first: VerifyOutcome | None = None  # that step's
+
+
+@dataclass
+class _Ahead:
+    """A plain run's next step, run while the answer of its call travels (the overlap;
+    docs/decisions.md, "Run-ahead"): the call it expects next (its plain_steps and max_tokens
+    aside), its job, and the run (one for a tick's sessions) that takes it."""
+
+    expects: wire.VerifyInput
+    job: VerifyJob
+    tick: Tick
+    run: asyncio.Future  # -> the run's outcomes, one per job
+    index: int  # this job's among them
 
 
 class VerifierService(ModelService, pb2_grpc.VerifierServicer):
@@ -73,6 +97,12 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
     def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
         super().__init__(config, model, metrics)
         self._lookups: dict[str, NgramIndex] = {}  # sessions' n-gram indexes (plain steps' rides)
+        self._aheads: dict[str, _Ahead] = {}  # session -> the step run ahead of its next call
+        self._ahead_steps = metrics.counter(
+            "specmesh:verifier_ahead_steps",
+            "plain steps run ahead of their call (--run-ahead), by whether the next call took them",
+            "outcome",
+        )
         self._rounds = RoundMetrics(metrics)  # vLLM's spec-decode names, with the same meaning
         self._per_depth = metrics.counter(
             "specmesh:verifier_draft_tokens_per_depth",
@@ -88,7 +118,9 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
     ) -> pb2.VerifyResponse:
         v = wire.parse_verify_request(request, self.vocab_size, self.limits)
         owner = self._owner(v.session_id, context)
-        (out,), tick = await self.verify_items([(v, owner)], abandoned=context.cancelled)
+        (out,), tick = await self.verify_items(
+            [(v, owner)], abandoned=context.cancelled, ahead=self.config.run_ahead
+        )
         if isinstance(out, BaseException):
             raise out
         verdict = out.verdict
@@ -143,7 +175,9 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             except Exception as exc:
                 answers[i] = self.failure("Verify", "", exc)
 
-        outcomes, tick = await self.verify_items(verifies, on_start=stream.track(handles, where))
+        outcomes, tick = await self.verify_items(
+            verifies, on_start=stream.track(handles, where), ahead=self.config.run_ahead
+        )
         for k, out in enumerate(outcomes):
             i = where[k]
             stream.running.pop(handles[i], None)
@@ -168,17 +202,33 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         verifies: Sequence[tuple[wire.VerifyInput, bytes]],
         abandoned: Callable[[], bool] = lambda: False,
         on_start: Callable[[Sequence[tuple[int, VerifyJob]], Tick], None] | None = None,
+        ahead: bool = False,
     ) -> tuple[list[VerifyOutcome | BaseException], Tick]:
         """The verdicts of a tick's verifications ((input, its caller's key hash) each): per item
-        its VerifyOutcome or its exception; and the tick (its forwards' stats)."""
+        its VerifyOutcome or its exception; and the tick (its forwards' stats). ahead: the plain
+        runs among them (2+ steps asked) go on with their next step before this returns."""
         out: list = [None] * len(verifies)
         masks: list = [None] * len(verifies)
         if any(v.grammar is not None for v, _ in verifies):
             asked = (self.grammar_masks(v) for v, _ in verifies)
             masks = await asyncio.gather(*asked, return_exceptions=True)
+        taken = await asyncio.gather(*(self._take_ahead(v, owner) for v, owner in verifies))
         items: list[_Item] = []
         befores: dict[str, Callable[[], None]] = {}
-        for k, ((v, owner), mask) in enumerate(zip(verifies, masks, strict=True)):
+        goes_on: list[tuple[wire.VerifyInput, VerifyJob, VerifyOutcome]] = []  # (call, job, outcome)
+        ahead_seconds: dict[int, float] = {}  # run -> its forwards' seconds, counted once
+        for k, ((v, owner), mask, took) in enumerate(zip(verifies, masks, taken, strict=True)):
+            first = None
+            if took is not None:
+                prior, first = took
+                ahead_seconds[id(prior.tick)] = prior.tick.forward_seconds
+                rest = _remainder(v, prior.job, first)
+                if rest is None:  # the step was the whole call
+                    out[k] = first
+                    if ahead and v.plain_steps > 1 and not abandoned():
+                        goes_on.append((v, prior.job, first))
+                    continue
+                v = rest
             try:
                 if isinstance(mask, BaseException):
                     raise mask
@@ -189,9 +239,16 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             before = self.reset(v.session_id, resume, v.position)
             if before is not None:
                 befores[v.session_id] = before
-            items.append(_Item(k, v, resume, self._job(v, mask)))
+            items.append(_Item(k, v, resume, self._job(v, mask), first))
         tick = Tick(self.batcher, [item.job for item in items])
+        tick.forward_seconds += sum(ahead_seconds.values())
+        # the calls the step run ahead of them ended, then the others as they finish
+        rounds: list[tuple[DraftTree | None, VerifyOutcome]] = [
+            (None, o) for o in out if isinstance(o, VerifyOutcome)
+        ]
         if not items:
+            self._record(rounds)
+            self._run_ahead(goes_on)
             return out, tick
         if on_start is not None:
             on_start([(item.index, item.job) for item in items], tick)
@@ -206,7 +263,6 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             for item in items:
                 self.end(item.verify.session_id, item.resume, True, True)
             raise
-        rounds: list[tuple[DraftTree | None, VerifyOutcome]] = []
         for item, outcome in zip(items, outcomes, strict=True):
             sid = item.verify.session_id
             gone = abandoned() or tick.abandoned or item.job.cancelled  # its caller dropped it
@@ -215,11 +271,79 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
                 self.end(sid, item.resume, not nothing_ran, gone)
                 out[item.index] = outcome.error
                 continue
-            rounds.append((item.verify.tree, outcome))
+            whole = joined(item.first, outcome) if item.first is not None else outcome
+            rounds.append((item.verify.tree, whole))
             self.end(sid, item.resume, False, gone)
-            out[item.index] = outcome
+            out[item.index] = whole
+            if ahead and verifies[item.index][0].plain_steps > 1 and not gone:
+                goes_on.append((item.verify, item.job, outcome))
+        self._run_ahead(goes_on)
         self._record(rounds)
         return out, tick
+
+    # ---- run-ahead: a plain run's next step while its answer travels ---------------------------
+
+    def _run_ahead(self, calls: Sequence[tuple[wire.VerifyInput, VerifyJob, VerifyOutcome]]) -> None:
+        """Queue the next step of every call whose plain run goes on, one run for all of them,
+        before their answers are sent: the model decodes while the answers travel and the caller
+        decides its next round."""
+        aheads = []
+        for v, job, outcome in calls:
+            step = next_plain_job(job, outcome)
+            if step is None or not self.holds(v.session_id):  # ended, or released meanwhile
+                continue
+            try:  # held while it runs: a stray second call for the session gets ABORTED, as always
+                self.slots.acquire(v.session_id)
+            except SessionBusyError:
+                continue
+            expects = replace(v, position=step.committed_length - 1, new_tokens=list(step.new_tokens))
+            aheads.append((expects, step))
+        if not aheads:
+            return
+        jobs = [step for _, step in aheads]
+        tick = Tick(self.batcher, jobs)
+        before = {job.session_id: functools.partial(_still_wanted, job) for job in jobs}
+        ticked = verify_steps(jobs, self.runner.commit)
+        run = asyncio.ensure_future(self.run_tick(tick, lambda: self.drive(tick, ticked, before)))
+        run.add_done_callback(functools.partial(self._ahead_done, jobs))  # before any taker resumes
+        for i, (expects, job) in enumerate(aheads):
+            self._aheads[job.session_id] = _Ahead(expects, job, tick, run, i)
+
+    def _ahead_done(self, jobs: Sequence[VerifyJob], run: asyncio.Future) -> None:
+        """Free the run's sessions (a Release that came meanwhile happens now); its failure is
+        the next call's to handle (`_take_ahead`), not the loop's to log."""
+        if not run.cancelled():
+            run.exception()
+        for job in jobs:
+            self.slots.free(job.session_id)
+
+    async def _take_ahead(self, v: wire.VerifyInput, owner: bytes) -> tuple[_Ahead, VerifyOutcome] | None:
+        """The step run ahead of this call and its outcome, if the call goes on from it. Else
+        None: what it ran is past the call's position, which rolls it back as any speculation
+        (Resume.ROLLBACK). A call of another caller leaves it alone."""
+        prior = self._aheads.get(v.session_id)
+        if prior is None:
+            return None
+        try:
+            self.check_owner(v.session_id, owner)
+        except NotOwnerError:
+            return None
+        del self._aheads[v.session_id]
+        prior.tick.cancel(prior.job)  # not started yet: it never will
+        try:
+            first = (await asyncio.shield(prior.run))[prior.index]
+        except Withdrawn:
+            return None
+        except Exception:  # the run failed: what it left of the session is unknown
+            self.forget(v.session_id)
+            return None
+        if first.error is not None:
+            if not isinstance(first.error, Cancelled):
+                self.forget(v.session_id)
+            return None
+        used = _takes(prior.expects, v, first)
+        self._ahead_steps.labels("taken" if used else "discarded").inc()
+        return (prior, first) if used else None
 
     def _job(self, v: wire.VerifyInput, masks: TokenMask | None) -> VerifyJob:
         allowed = None
@@ -255,6 +379,9 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
     def forget_local(self, session_id: str) -> None:
         super().forget_local(session_id)
         self._lookups.pop(session_id, None)
+        prior = self._aheads.pop(session_id, None)
+        if prior is not None:
+            prior.tick.cancel(prior.job)
 
     def _record(self, rounds: list[tuple[DraftTree | None, VerifyOutcome]]) -> None:
         """A tick's verifications (and their plain steps)."""
@@ -269,6 +396,33 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
                 depths += range(1, nodes + 1)
         self._rounds.observe_many(counts)
         count_labels(self._per_depth, depths)
+
+
+def _takes(expects: wire.VerifyInput, v: wire.VerifyInput, first: VerifyOutcome) -> bool:
+    """Whether call v goes on from the step run ahead of it: the same session state and settings
+    as it assumed; v's step count does not matter, its max_tokens must leave room for the step."""
+    same = replace(v, plain_steps=1, max_tokens=0) == replace(expects, plain_steps=1, max_tokens=0)
+    return same and (not v.max_tokens or first.emitted <= v.max_tokens)
+
+
+def _remainder(v: wire.VerifyInput, job: VerifyJob, first: VerifyOutcome) -> wire.VerifyInput | None:
+    """What call v has left to do after the step run ahead of it (`job`, its outcome `first`):
+    the rest of its steps, fed first's last token; None when that step ended the call."""
+    steps = v.plain_steps - first.steps
+    if steps < 1 or next_plain_job(job, first) is None or (v.max_tokens and first.emitted >= v.max_tokens):
+        return None
+    assert first.verdict is not None
+    return replace(
+        v, position=v.position + first.emitted, new_tokens=[first.verdict.next_token], plain_steps=steps,
+        max_tokens=v.max_tokens - first.emitted if v.max_tokens else 0,
+    )  # fmt: skip
+
+
+def _still_wanted(job: VerifyJob) -> None:
+    """A run-ahead step's `before`, on the model thread: a step taken back (its call came early, or
+    the session was released) stays out of the forward."""
+    if job.cancelled:
+        raise Cancelled("taken back before its forward")
 
 
 def run(argv: list[str] | None = None) -> None:

@@ -146,14 +146,18 @@ class LlamaCppRunner(SessionTable[_Session]):
         threads: int = 0,
         max_cache_tokens: int | None = None,
         kv_type: str = "f16",
-        flash_attn: bool = False,
+        flash_attn: bool | None = None,
         repack: bool = True,
         deterministic: bool = False,
     ) -> None:
         """kv_type: the KV cache's element type, "f16" (llama.cpp's default, half the memory
-        traffic) or "f32" (bit-for-bit comparisons in tests). n_batch: rows one forward may take;
-        llama.cpp computes them n_ubatch at a time (llama-server's 512: a 1363-token prefill of the
-        1.5B target took 7.2 ms per token, 7.6 with 2048 in one piece, on 2 cores).
+        traffic) or "f32" (bit-for-bit comparisons in tests). flash_attn: None is on with an f16
+        cache, as llama-server's `auto` on a CPU (docs/decisions.md, "Flash attention": 1-3 %
+        faster here), and off with an f32 one, whose V the kernel would cast to f16: without it a
+        tree node's logits equal decoding its path to ~1e-7, whatever the cache layout. n_batch:
+        rows one forward may take; llama.cpp computes them n_ubatch at a time (llama-server's 512:
+        a 1363-token prefill of the 1.5B target took 7.2 ms per token, 7.6 with 2048 in one piece,
+        on 2 cores).
 
         deterministic: a row's logits do not depend on the rows it shares a forward with
         (`specmesh bench invariance`; docs/decisions.md, "Batch invariance"). Every kernel that
@@ -193,9 +197,8 @@ class LlamaCppRunner(SessionTable[_Session]):
         params.embeddings = False
         params.type_k, params.type_v = type_k, type_v
         params.no_perf = True
-        # Flash attention off: llama.cpp's CPU kernel rounds through f16, so a row's logits then
-        # depend (~1e-4) on where its cells sit in the cache, which compaction changes; without it
-        # a tree node's logits equal decoding its path to ~1e-7, whatever the cache layout.
+        if flash_attn is None:
+            flash_attn = type_v != types["f32"]
         off, on = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED, lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.flash_attn_type = on if flash_attn else off
         self._ctx = lib.llama_init_from_model(self._model, params)

@@ -28,7 +28,7 @@ tokens and one more. Each step's random draws are keyed by its root's position, 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -294,14 +294,50 @@ def _ride(job: VerifyJob, feed: list[int], emitted: int) -> DraftTree | None:
 
 
 def _continues(job: VerifyJob, out: VerifyOutcome) -> bool:
-    """Whether a plain job takes another step in this call: its steps are not all taken, it emitted
-    no stop token, and there is room."""
-    if out.error is not None or out.verdict is None or job.cancelled or job.tree is not None:
+    """Whether a plain job takes another step in this call: its steps are not all taken, and
+    `_goes_on` (whatever a cancelled job's run could do, it takes no further step)."""
+    return out.steps < job.plain_steps and not job.cancelled and _goes_on(job, out)
+
+
+def _goes_on(job: VerifyJob, out: VerifyOutcome) -> bool:
+    """Whether a plain run may decode past its last step: no error, no stop token, room left."""
+    if out.error is not None or out.verdict is None or job.tree is not None:
         return False
     if job.room is not None and out.emitted >= job.room:
         return False
-    stopped = any(t in job.stop_token_ids for t in out.verdict.emitted_tokens)
-    return out.steps < job.plain_steps and not stopped
+    return not any(t in job.stop_token_ids for t in out.verdict.emitted_tokens)
+
+
+def next_plain_job(job: VerifyJob, out: VerifyOutcome) -> VerifyJob | None:
+    """The first step of the call that goes on decoding where this plain call ended: fed its last
+    token, same settings, one step. A verifier runs it while the answer travels (the overlap);
+    its draws are keyed by the root's position as any step's, so it decodes exactly what that
+    call would. None where the run ended (a stop token, no room, an error) or took a grammar
+    (its masks follow state outside the job). Worked example: a call with committed_length 10
+    emits [a, b, c] (a ride accepted a, then b, then the bonus c); the runner holds 12 tokens
+    (c is not fed yet), so the next job feeds [c] at committed_length 13, its room 3 smaller."""
+    if job.allowed is not None or not _goes_on(job, out):
+        return None
+    assert out.verdict is not None
+    return replace(
+        job, new_tokens=[out.verdict.next_token], committed_length=job.committed_length + out.emitted,
+        plain_steps=1, room=None if job.room is None else job.room - out.emitted, cancelled=False,
+    )  # fmt: skip
+
+
+def joined(first: VerifyOutcome, then: VerifyOutcome) -> VerifyOutcome:
+    """One call's outcome from a step run ahead of it (`first`, next_plain_job's) and the steps it
+    then took itself, fed first's last token."""
+    if then.error is not None or first.verdict is None:
+        return then
+    return VerifyOutcome(
+        verdict=then.verdict,
+        plain_tokens=[*first.plain_tokens, *first.verdict.emitted_tokens, *then.plain_tokens],
+        logprobs=first.logprobs + then.logprobs,
+        steps=first.steps + then.steps,
+        emitted=first.emitted + then.emitted,
+        checked=first.checked + then.checked,
+    )
 
 
 def _grammar_rows(job: VerifyJob, tree: DraftTree | None, logits: torch.Tensor) -> torch.Tensor:

@@ -122,6 +122,7 @@ class ServiceConfig(ServerConfig):
     forward_latency_ms: float
     forward_ms_per_row: float
     session_idle_seconds: float
+    run_ahead: bool
 
     @property
     def forward_floor(self) -> ForwardFloor:
@@ -154,6 +155,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "max_branching": (int, "largest per-level branching factor (mcsd, rsd_c)"),
     "max_beam_width": (int, "largest beam width (rsd_s, mtad)"),
     "max_cache_tokens": (int, "KV positions over all sessions before LRU eviction (0 = no limit)"),
+    "run_ahead": (
+        bool,
+        "verifier: a plain run's next step runs while its call's answer travels, and the next "
+        'call that goes on from it takes it (docs/decisions.md, "Run-ahead")',
+    ),
     "session_idle_seconds": (
         float,
         "a session no request touched for this long is released (its gateway died and no other "
@@ -194,6 +200,7 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "deterministic": False,
     "forward_latency_ms": 0.0,
     "forward_ms_per_row": 0.0,
+    "run_ahead": True,
     "session_idle_seconds": 900.0,  # longer than the gateway's --session-ttl: its keys go first
 }
 
@@ -604,6 +611,11 @@ class ModelService(RpcService):
     def _is_closed(self, session_id: str, owner: bytes) -> bool:
         closed = self._closed.get(session_id)
         return closed is not None and closed[0] == owner and closed[1] >= time.monotonic()
+
+    def holds(self, session_id: str) -> bool:
+        """Whether the replica holds the session (not released). Loop thread, while the session
+        has no work in flight."""
+        return session_id not in self._releasing and self.runner.committed_length(session_id) is not None
 
     def _check_position(self, session_id: str, position: int) -> Resume:
         # Reading the runner from the loop is safe: this session has no work in flight.
