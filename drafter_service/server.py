@@ -174,7 +174,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         outcomes = await self.draft_items(drafts, on_start=stream.track(handles, where))
         for k, out in enumerate(outcomes):
             i = where[k]
-            stream.running.pop(handles[i], None)
+            stream.answered(handles[i])
             if isinstance(out, BaseException):
                 answers[i] = self.failure("Draft", drafts[k][0].session_id, out)
             elif out == SUPERSEDED:

@@ -446,39 +446,47 @@ def test_a_step_run_ahead_is_taken_by_the_call_that_goes_on_and_rolled_back_by_o
     stack,
 ) -> None:
     """--run-ahead (on by default): after a call of 4 plain steps the verifier decodes the next
-    step while the answer travels. The next call that goes on from there takes it (the tokens are
-    those of one-token calls, as the plain-steps test checks with it on); a call that rolls the
-    session back (DSI's kind) or changes its sampling gets what a fresh session gets from the same
-    tokens; a Release right after a call leaves no session behind."""
+    step while the answer travels. A call that goes on from there takes it: 4 steps, or 1 (the
+    step is the whole call); either way the tokens are those of one-token calls, which run none.
+    A call that rolls the session back (DSI's kind) with other sampling gets what a fresh session
+    gets from the same tokens; a Release right after a call leaves no session behind."""
     params, other = SamplingParams(0.8, top_k=20, seed=7), SamplingParams(0.8, top_k=20, seed=8)
     n = len(PROMPT)
 
-    async def call(stubs: Stubs, sid: str, position: int, new: list[int], p: SamplingParams) -> list[int]:
-        reply = await stubs.verifier.Verify(wire.verify_request(sid, position, new, p, None, 4))
+    async def call(
+        stubs: Stubs, sid: str, position: int, new: list[int], p: SamplingParams, steps: int = 4
+    ) -> list[int]:
+        reply = await stubs.verifier.Verify(wire.verify_request(sid, position, new, p, None, steps))
         return [*reply.plain_token_ids, reply.next_token]
 
     async def run() -> tuple:
         async with Stubs(stack) as stubs:
+            ref, position, new = [], 0, list(PROMPT)
+            while len(ref) < 9:  # one token per call: no step runs ahead of these
+                ref += await call(stubs, "ahead-ref", position, new, params, 1)
+                position, new = position + len(new), ref[-1:]
             first = await call(stubs, "ahead-a", 0, list(PROMPT), params)
             taken = await call(stubs, "ahead-a", n + 3, first[3:], params)
             rolled = await call(stubs, "ahead-a", n + 1, first[1:2], other)  # drops first[2:] and the ahead
             fresh = await call(stubs, "ahead-b", 0, [*PROMPT, *first[:2]], other)
-            one = [await call(stubs, "ahead-c", 0, list(PROMPT), params)]
-            one.append(await call(stubs, "ahead-c", n + 3, one[0][3:], params))
-            for sid in ("ahead-a", "ahead-b", "ahead-c"):
+            one = await call(stubs, "ahead-c", 0, list(PROMPT), params)
+            one += await call(stubs, "ahead-c", n + 3, one[3:], params, 1)  # the step alone
+            one += await call(stubs, "ahead-c", n + 4, one[4:], params)
+            for sid in ("ahead-ref", "ahead-a", "ahead-b", "ahead-c"):
                 await stubs.verifier.Release(pb2.ReleaseRequest(session_id=sid))
-        return first, taken, rolled, fresh, one
+        return ref, first, taken, rolled, fresh, one
 
     def sessions() -> float:
         return stack.verifier.metrics()[("specmesh:num_sessions", ())]
 
     held, before = sessions(), ahead_steps(stack.verifier)
-    first, taken, rolled, fresh, one = asyncio.run(run())
+    ref, first, taken, rolled, fresh, one = asyncio.run(run())
     after = ahead_steps(stack.verifier)
-    assert one == [first, taken] and rolled == fresh
+    assert len(first) == len(taken) == 4 and [*first, *taken] == ref[:8]
+    assert one == ref[:9] and rolled == fresh
     assert after[0] - before[0] >= 2  # ahead-a's and ahead-c's second calls took their steps
     assert after[1] - before[1] >= 1  # the rolled-back call did not
-    wait_until(lambda: sessions() == held, 10)  # ahead-c's last step ran or was taken back: released
+    wait_until(lambda: sessions() == held, 10)  # the last steps ran or were taken back: released
 
 
 def test_release_forgets_the_session_and_the_next_round_resyncs(stack, reference) -> None:

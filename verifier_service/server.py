@@ -180,7 +180,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         )
         for k, out in enumerate(outcomes):
             i = where[k]
-            stream.running.pop(handles[i], None)
+            stream.answered(handles[i])
             if isinstance(out, BaseException):
                 answers[i] = self.failure("Verify", verifies[k][0].session_id, out)
                 continue
@@ -217,16 +217,19 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         befores: dict[str, Callable[[], None]] = {}
         goes_on: list[tuple[wire.VerifyInput, VerifyJob, VerifyOutcome]] = []  # (call, job, outcome)
         ahead_seconds: dict[int, float] = {}  # run -> its forwards' seconds, counted once
+        whole: list[tuple[int, wire.VerifyInput, Resume]] = []  # calls the step run ahead of them ended
         for k, ((v, owner), mask, took) in enumerate(zip(verifies, masks, taken, strict=True)):
             first = None
             if took is not None:
                 prior, first = took
                 ahead_seconds[id(prior.tick)] = prior.tick.forward_seconds
-                rest = _remainder(v, prior.job, first)
-                if rest is None:  # the step was the whole call
-                    out[k] = first
-                    if ahead and v.plain_steps > 1 and not abandoned():
-                        goes_on.append((v, prior.job, first))
+                rest, done = _after(v, first, prior.job)
+                if done:  # the call is checked and holds its session as any call, with no step to take
+                    try:
+                        whole.append((k, v, self.begin(replace(rest, new_tokens=[]), owner)))
+                        out[k] = first
+                    except Exception as exc:
+                        out[k] = exc
                     continue
                 v = rest
             try:
@@ -242,10 +245,12 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             items.append(_Item(k, v, resume, self._job(v, mask), first))
         tick = Tick(self.batcher, [item.job for item in items])
         tick.forward_seconds += sum(ahead_seconds.values())
-        # the calls the step run ahead of them ended, then the others as they finish
-        rounds: list[tuple[DraftTree | None, VerifyOutcome]] = [
-            (None, o) for o in out if isinstance(o, VerifyOutcome)
-        ]
+        rounds: list[tuple[DraftTree | None, VerifyOutcome]] = []
+        for k, v, resume in whole:
+            self.end(v.session_id, resume, False, abandoned())
+            rounds.append((None, out[k]))
+            if ahead and v.plain_steps > 1 and not abandoned():
+                goes_on.append((v, self._job(v, None), out[k]))  # the job that would have run it
         if not items:
             self._record(rounds)
             self._run_ahead(goes_on)
@@ -292,6 +297,8 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             step = next_plain_job(job, outcome)
             if step is None or not self.holds(v.session_id):  # ended, or released meanwhile
                 continue
+            if self.runner.committed_length(v.session_id) != step.committed_length - 1:
+                continue  # the session is not where this call left it (a second call for it)
             try:  # held while it runs: a stray second call for the session gets ABORTED, as always
                 self.slots.acquire(v.session_id)
             except SessionBusyError:
@@ -379,9 +386,19 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
     def forget_local(self, session_id: str) -> None:
         super().forget_local(session_id)
         self._lookups.pop(session_id, None)
+        self.drop_own_work(session_id)
+
+    def drop_own_work(self, session_id: str) -> None:
         prior = self._aheads.pop(session_id, None)
         if prior is not None:
             prior.tick.cancel(prior.job)
+
+    async def close(self) -> None:
+        runs = {id(prior.run): prior.run for prior in self._aheads.values()}
+        for session_id in list(self._aheads):
+            self.drop_own_work(session_id)
+        await asyncio.gather(*runs.values(), return_exceptions=True)
+        await super().close()
 
     def _record(self, rounds: list[tuple[DraftTree | None, VerifyOutcome]]) -> None:
         """A tick's verifications (and their plain steps)."""
@@ -405,17 +422,19 @@ def _takes(expects: wire.VerifyInput, v: wire.VerifyInput, first: VerifyOutcome)
     return same and (not v.max_tokens or first.emitted <= v.max_tokens)
 
 
-def _remainder(v: wire.VerifyInput, job: VerifyJob, first: VerifyOutcome) -> wire.VerifyInput | None:
-    """What call v has left to do after the step run ahead of it (`job`, its outcome `first`):
-    the rest of its steps, fed first's last token; None when that step ended the call."""
-    steps = v.plain_steps - first.steps
-    if steps < 1 or next_plain_job(job, first) is None or (v.max_tokens and first.emitted >= v.max_tokens):
-        return None
+def _after(v: wire.VerifyInput, first: VerifyOutcome, job: VerifyJob) -> tuple[wire.VerifyInput, bool]:
+    """Call v as it stands after the step run ahead of it (`job`, its outcome `first`): fed first's
+    last token where the runner now is, with the rest of its steps and max_tokens; and whether
+    that step ended the call (its steps, its max_tokens, or the run: a stop token, no room)."""
     assert first.verdict is not None
-    return replace(
-        v, position=v.position + first.emitted, new_tokens=[first.verdict.next_token], plain_steps=steps,
-        max_tokens=v.max_tokens - first.emitted if v.max_tokens else 0,
+    steps = v.plain_steps - first.steps
+    left = v.max_tokens - first.emitted if v.max_tokens else None
+    done = steps < 1 or left == 0 or next_plain_job(job, first) is None
+    rest = replace(
+        v, position=v.position + first.emitted, new_tokens=[first.verdict.next_token],
+        plain_steps=max(steps, 1), max_tokens=left or 0,
     )  # fmt: skip
+    return rest, done
 
 
 def _still_wanted(job: VerifyJob) -> None:

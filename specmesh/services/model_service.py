@@ -306,6 +306,8 @@ class TickStream:
     def __init__(self) -> None:
         self.sessions: dict[int, Opened | wire.WireError] = {}
         self.running: dict[int, tuple[Tick, Any]] = {}  # handle -> (its tick, its job)
+        self.waiting: set[int] = set()  # handles whose items are in flight but have no job yet
+        self.cancelled: set[int] = set()  # those of them cancelled meanwhile: stopped at their start
 
     def open(self, handle: int, opened: Opened) -> None:
         self.sessions[handle] = opened
@@ -330,18 +332,33 @@ class TickStream:
         self, handles: Sequence[int], where: Sequence[int]
     ) -> Callable[[Sequence[tuple[int, Any]], Tick], None]:
         """The `on_start` of a tick's items: item k's job runs for handle handles[where[k]], so
-        that a `cancel` of that handle stops it."""
+        that a `cancel` of that handle stops it, also one that came before the job started (while
+        the item waited for a grammar, or for the step run ahead of it)."""
+        self.waiting.update(handles[k] for k in where)
 
         def running(jobs: Sequence[tuple[int, Any]], tick: Tick) -> None:
             for k, job in jobs:
-                self.running[handles[where[k]]] = (tick, job)
+                handle = handles[where[k]]
+                self.waiting.discard(handle)
+                self.running[handle] = (tick, job)
+                if handle in self.cancelled:
+                    self.cancelled.discard(handle)
+                    tick.cancel(job)
 
         return running
+
+    def answered(self, handle: int) -> None:
+        """The handle's item is answered: a later `cancel` is not for it."""
+        self.running.pop(handle, None)
+        self.waiting.discard(handle)
+        self.cancelled.discard(handle)
 
     def cancel(self, handle: int) -> None:
         running = self.running.get(handle)
         if running is not None:
             running[0].cancel(running[1])
+        elif handle in self.waiting:
+            self.cancelled.add(handle)
 
 
 @dataclass
@@ -404,6 +421,10 @@ class ModelService(RpcService):
             self._sweeper.cancel()
         await asyncio.to_thread(self.model_thread.shutdown)
 
+    def drop_own_work(self, session_id: str) -> None:
+        """Stop the work the service began on its own for the session, not for a request (the
+        verifier's run-ahead), before its next forward: the session is being released (extend)."""
+
     async def _sweep_idle(self, idle: float) -> None:
         """Release sessions no request touched for `idle` seconds: a gateway that died releases
         nothing, and a session nobody resumed would hold its KV until evicted (or for ever)."""
@@ -414,6 +435,7 @@ class ModelService(RpcService):
                 if now - used > idle:
                     log.info("releasing an idle session", extra={"session": session_id, "idle_s": now - used})
                     self.metrics.idle_releases.inc()
+                    self.drop_own_work(session_id)
                     self.slots.release(session_id)
 
     def status(self, method: str, session: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
@@ -591,6 +613,7 @@ class ModelService(RpcService):
         if keyed:
             self._close(session_id, owner)
         held = session_id not in self._releasing and self.runner.committed_length(session_id) is not None
+        self.drop_own_work(session_id)
         self.slots.release(session_id)
         return held
 
