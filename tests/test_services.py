@@ -459,17 +459,34 @@ def test_a_step_run_ahead_is_taken_by_the_call_that_goes_on_and_rolled_back_by_o
         reply = await stubs.verifier.Verify(wire.verify_request(sid, position, new, p, None, steps))
         return [*reply.plain_token_ids, reply.next_token]
 
+    def forwards() -> float:
+        return stack.verifier.metrics()[("specmesh:forward_seconds_count", ())]
+
+    async def ran(since: float, count: int) -> None:
+        """Until `count` forwards since `since`: the step run ahead has had its forward (a call
+        that comes before it starts takes it back, and would count neither way)."""
+        deadline = time.monotonic() + 10
+        while forwards() < since + count:
+            assert time.monotonic() < deadline, "the step run ahead never ran"
+            await asyncio.sleep(0.01)
+
     async def run() -> tuple:
         async with Stubs(stack) as stubs:
             ref, position, new = [], 0, list(PROMPT)
             while len(ref) < 9:  # one token per call: no step runs ahead of these
                 ref += await call(stubs, "ahead-ref", position, new, params, 1)
                 position, new = position + len(new), ref[-1:]
+            since = forwards()
             first = await call(stubs, "ahead-a", 0, list(PROMPT), params)
+            await ran(since, 4 + 1)  # its 4 steps, then the step ahead
+            since = forwards()
             taken = await call(stubs, "ahead-a", n + 3, first[3:], params)
+            await ran(since, 3 + 1)  # 3 steps of its own
             rolled = await call(stubs, "ahead-a", n + 1, first[1:2], other)  # drops first[2:] and the ahead
             fresh = await call(stubs, "ahead-b", 0, [*PROMPT, *first[:2]], other)
+            since = forwards()
             one = await call(stubs, "ahead-c", 0, list(PROMPT), params)
+            await ran(since, 4 + 1)
             one += await call(stubs, "ahead-c", n + 3, one[3:], params, 1)  # the step alone
             one += await call(stubs, "ahead-c", n + 4, one[4:], params)
             for sid in ("ahead-ref", "ahead-a", "ahead-b", "ahead-c"):
