@@ -212,12 +212,19 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         if any(v.grammar is not None for v, _ in verifies):
             asked = (self.grammar_masks(v) for v, _ in verifies)
             masks = await asyncio.gather(*asked, return_exceptions=True)
-        taken = await asyncio.gather(*(self._take_ahead(v, owner) for v, owner in verifies))
+        taken: list = [None] * len(verifies)  # only sessions with a step ahead wait for it
+        waits = [
+            (k, self._take_ahead(v, owner))
+            for k, (v, owner) in enumerate(verifies)
+            if v.session_id in self._aheads
+        ]
+        for (k, _), took in zip(waits, await asyncio.gather(*(w for _, w in waits)), strict=True):
+            taken[k] = took
         items: list[_Item] = []
         befores: dict[str, Callable[[], None]] = {}
         goes_on: list[tuple[wire.VerifyInput, VerifyJob, VerifyOutcome]] = []  # (call, job, outcome)
         ahead_seconds: dict[int, float] = {}  # run -> its forwards' seconds, counted once
-        whole: list[tuple[int, wire.VerifyInput, Resume]] = []  # calls the step run ahead of them ended
+        completed: list[tuple[int, wire.VerifyInput, Resume]] = []  # calls the step ahead of them ended
         for k, ((v, owner), mask, took) in enumerate(zip(verifies, masks, taken, strict=True)):
             first = None
             if took is not None:
@@ -226,7 +233,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
                 rest, done = _after(v, first, prior.job)
                 if done:  # the call is checked and holds its session as any call, with no step to take
                     try:
-                        whole.append((k, v, self.begin(replace(rest, new_tokens=[]), owner)))
+                        completed.append((k, v, self.begin(replace(rest, new_tokens=[]), owner)))
                         out[k] = first
                     except Exception as exc:
                         out[k] = exc
@@ -246,7 +253,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         tick = Tick(self.batcher, [item.job for item in items])
         tick.forward_seconds += sum(ahead_seconds.values())
         rounds: list[tuple[DraftTree | None, VerifyOutcome]] = []
-        for k, v, resume in whole:
+        for k, v, resume in completed:
             self.end(v.session_id, resume, False, abandoned())
             rounds.append((None, out[k]))
             if ahead and v.plain_steps > 1 and not abandoned():

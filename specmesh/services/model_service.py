@@ -612,7 +612,7 @@ class ModelService(RpcService):
             return False
         if keyed:
             self._close(session_id, owner)
-        held = session_id not in self._releasing and self.runner.committed_length(session_id) is not None
+        held = self.holds(session_id)
         self.drop_own_work(session_id)
         self.slots.release(session_id)
         return held
