@@ -258,6 +258,17 @@ def _bench_default(args: argparse.Namespace) -> int:
     return _write_json(args.json, results)
 
 
+def _bench_rides(args: argparse.Namespace) -> int:
+    from specmesh.bench.measure import PROMPT_SETS
+    from specmesh.bench.rides import bench_rides
+
+    results = bench_rides(
+        args.address, tuple(args.sets or PROMPT_SETS), args.prompts, args.max_new_tokens,
+        tuple(args.temperatures), args.target, args.plain_steps,
+    )  # fmt: skip
+    return _write_json(args.json, results)
+
+
 DEMO_PROMPT = 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
 
 
@@ -973,6 +984,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_output_flags(default)
     default.set_defaults(func=_bench_default)
+
+    rides = bench.add_parser(
+        "rides", help="n-gram ride policies replayed on the stack's answers against measured forward costs"
+    )
+    _add_gateway_flags(rides)
+    rides.add_argument(
+        "--sets", nargs="+", help="prompt sets (default: every set, specmesh.bench.measure.PROMPT_SETS)"
+    )
+    rides.add_argument(
+        "--target", default="default-target", help="the stack's target (tokenizer, forward costs)"
+    )
+    _add_workload_flags(rides, 64, prompts=4, what="prompts per set")
+    _add_temperatures_flag(rides)
+    rides.add_argument(
+        "--plain-steps", type=int, default=4, help="steps per call, as the gateway's --plain-steps"
+    )
+    _add_output_flags(rides)
+    rides.set_defaults(func=_bench_rides)
 
     http = bench.add_parser(
         "http", help="N concurrent streams for a while through the OpenAI HTTP API and through gRPC"

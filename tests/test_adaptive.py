@@ -308,9 +308,9 @@ def test_the_default_family_follows_the_costs_and_the_tokens(forward, draft, fre
     plans.append(policy.plan([*prompt, *answer]))
     assert plans[1].spec.method is Method.NONE and plans[1].plain_run and plans[1].lookup_depth >= 1
     for plan in (plans[0], plans[2]):
-        # a step without a proposal costs nothing more: where rows are nearly free, shallow rides
-        # stay on for the rare match
-        assert plan.spec.method is fresh and plan.lookup_depth < plans[1].lookup_depth
+        # a step without a proposal costs nothing more: where rows are nearly free, rides stay on
+        # for the rare match (as deep as any: a row costs nothing); where they cost, none
+        assert plan.spec.method is fresh and plan.lookup_depth <= plans[1].lookup_depth
         assert plan.lookup_depth == 0 or forward is FLAT
     assert (policy.chain is None) == (fresh is Method.NONE)
 
@@ -325,24 +325,34 @@ def test_rides_go_deeper_where_rows_are_cheap() -> None:
     assert 1 <= depths[0] < depths[1]
 
 
-def test_rides_take_only_the_matches_worth_their_rows() -> None:
-    """An answer that mixes chat-like text (a small vocabulary: every position matches a short
-    suffix, and the guess is nearly always wrong) with stretches copied from the prompt (3-token
-    matches, right): on the CPU curve only long matches ride, and that beats riding every match."""
-    rng = random.Random(7)
+@pytest.mark.parametrize(
+    ("vocabulary", "fresh", "copied", "weakest", "beaten"),
+    [
+        # chat-like text (every position matches a short suffix, the guess nearly always wrong)
+        # between copied stretches: only longer matches ride, which beats riding every match
+        (20, 16, 16, 2, 1),
+        # fresh text from a tiny vocabulary (its 3-token suffixes recur, wrong) between long
+        # copies: the match measured past the n-gram tells a copy that has run from them
+        (4, 12, 20, 4, 3),
+    ],
+)
+def test_rides_take_only_the_matches_worth_their_rows(vocabulary, fresh, copied, weakest, beaten) -> None:
+    """On the CPU curve the plan rides matches of at least `weakest` tokens, and that beats
+    riding those of `beaten` tokens and more."""
+    rng = random.Random(vocabulary)
     passage = _tokens(400, 8)
     prompt = [*_tokens(40, 9), *passage]
     answer: list[int] = []
-    for i in range(0, 160, 16):
-        answer += [rng.randrange(100, 120) for _ in range(16)] + passage[i : i + 16]
+    for i in range(0, 10 * copied, copied):
+        answer += [rng.randrange(100, 100 + vocabulary) for _ in range(fresh)] + passage[i : i + copied]
     policy = _family(CPU, None, prompt)
     plan = policy.plan([*prompt, *answer])
-    assert plan.lookup_depth >= 1 and plan.lookup_min_ngram >= 2
+    assert plan.lookup_depth >= 1 and plan.lookup_min_ngram >= weakest
     rate = functools.partial(
         lookup_rate, policy.estimate.classes(), verify=policy.verify, call_share=policy.call_share
     )
     assert rate(min_ngram=plan.lookup_min_ngram, depth=plan.lookup_depth) > rate(
-        min_ngram=1, depth=plan.lookup_depth
+        min_ngram=beaten, depth=plan.lookup_depth
     )
 
 

@@ -9,7 +9,15 @@ from collections import Counter
 import pytest
 import torch
 
-from specmesh.core.ngram import NgramEstimate, NgramIndex, chain_tree, draft_ngram, prompt_hit_rate, propose
+from specmesh.core.ngram import (
+    MAX_MATCH,
+    NgramEstimate,
+    NgramIndex,
+    chain_tree,
+    draft_ngram,
+    prompt_hit_rate,
+    propose,
+)
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.tree import SamplingMode
 from specmesh.core.verification import verify_tree
@@ -136,13 +144,22 @@ def test_the_index_proposes_what_propose_does(seed: int) -> None:
 
 
 def test_the_lookup_says_how_long_its_match_is() -> None:
-    """(n, proposal); min_ngram: shorter matches propose nothing."""
+    """(m, proposal): m counts the tokens before the proposal's source that agree with the end of
+    the sequence, past the n-gram and up to MAX_MATCH; min_ngram: shorter matches propose nothing."""
     index = NgramIndex()
     index.sync([5, 6, 7, 9, 5, 6])
     assert index.lookup(3, [7]) == (3, [9, 5, 6])
+    index.sync([1, 5, 6, 7, 9, 1, 5, 6])
+    assert index.lookup(3, [7]) == (4, [9, 1, 5])  # the 1 before [5, 6, 7] agrees too
     index.sync([5, 9, 1, 2, 5])
     assert index.lookup(2) == (1, [9, 1])
-    assert index.lookup(2, min_ngram=2) == (0, [])
+    assert index.lookup(2, min_ngram=2) == (1, [])
+    passage = _passage(40, 11)
+    index.sync([*passage, 7, *passage[:30]])
+    assert index.lookup(2) == (MAX_MATCH, passage[30:32])  # a copy that has run 30 tokens: capped
+    assert index.lookup(2, min_ngram=MAX_MATCH) == (MAX_MATCH, passage[30:32])
+    index.sync([*passage, 7, 8, *passage[3:12]])
+    assert index.lookup(2) == (9, passage[12:14])  # the copy started at passage[3]
 
 
 def _passage(n: int, seed: int) -> list[int]:
@@ -160,12 +177,13 @@ def test_the_estimate_sees_an_answer_copy_its_prompt_and_stop() -> None:
     estimate = NgramEstimate(start=len(prompt))
 
     def matched() -> float:
-        return sum(estimate.share(n) for n in (1, 2, 3))
+        return sum(share for share, _ in estimate.classes().values())
 
     estimate.sync([*prompt, *fresh])
     assert matched() < 0.2
     estimate.sync([*prompt, *fresh, *passage[:150]])
-    assert estimate.share(3) > 0.8 and min(estimate.alphas(3)[:4]) > 0.8  # 3-token matches
+    share, alphas = estimate.classes()[MAX_MATCH]  # a copy that has run: long matches, right
+    assert share > 0.7 and min(alphas[:4]) > 0.8
     estimate.sync([*prompt, *fresh, *passage[:150], *_passage(150, 4)])
     assert matched() < 0.2
 
@@ -181,8 +199,7 @@ def test_the_estimate_is_a_function_of_the_tokens() -> None:
     stepwise.sync([*tokens[:150], 1, 2, 3])  # a branch later rolled back
     for i in range(140, len(tokens) + 1):
         stepwise.sync(tokens[:i])
-    summary = [[(e.share(n), e.alphas(n)) for n in (1, 2, 3)] for e in (stepwise, whole)]
-    assert summary[0] == summary[1]
+    assert stepwise.classes() == whole.classes()
 
 
 # --- rides: n-gram proposals inside a verifier's plain steps ---------------------------------------

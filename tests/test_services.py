@@ -913,7 +913,7 @@ BAD_INPUT: dict[str, tuple[str, Callable, str]] = {
     ),
     "lookup-min-ngram-limit": (
         "Verify",
-        lambda r: (r.ClearField("tree"), setattr(r, "lookup_depth", 2), setattr(r, "lookup_min_ngram", 4)),
+        lambda r: (r.ClearField("tree"), setattr(r, "lookup_depth", 2), setattr(r, "lookup_min_ngram", 17)),
         "lookup_min_ngram: ",
     ),
     "max-tokens-with-a-tree": ("Verify", put("max_tokens", 3), "max_tokens: "),

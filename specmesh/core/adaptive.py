@@ -34,16 +34,18 @@ over from earlier sessions.
 
 The default path (`FamilyPolicy`) decides every round instead: plain steps, each carrying the
 n-gram lookup's proposal of up to L tokens when there is one (a "ride": verified in the step's own
-forward, no drafter call) when the suffix it matched has at least k tokens, or a round of the draft
+forward, no drafter call) when its match has at least k tokens, or a round of the draft
 model's chain. The n-gram side's rate per step is
 
     rate(k, L) = (Σ_{n≥k} m_n·E_n(L) + 1 - M) / (M·v(1 + L) + (1 - M)·v(1) + o / S),  M = Σ_{n≥k} m_n
 
-with m_n the share of positions whose longest match has n tokens, E_n from its acceptance per depth
-(both from `NgramEstimate`, a function of the session's tokens) and S the plain steps per call; L = 0
-is plain decoding. A longer match is a better guess, so k sorts the proposals worth a step's extra
-rows from those that are not (on a CPU, chat's 1-token matches are not). The chain's side is its
-own AdaptivePolicy; the faster (by the tolerance) wins.
+with m_n the share of positions whose match falls in class n (its length, measured back from the
+n-gram up to 16 tokens, in classes 1, 2, 3, 4-5, ..., 16), E_n from its acceptance per depth (both
+from `NgramEstimate`, a function of the session's tokens) and S the plain steps per call; L = 0 is
+plain decoding. A longer match is a better guess, so k sorts the proposals worth a step's extra
+rows from those that are not (on a CPU, chat's 1-token matches are not, and in a copying answer
+an edit's fresh 3-token matches often are not while a copy that has run for 8 tokens is). The
+chain's side is its own AdaptivePolicy; the faster (by the tolerance) wins.
 """
 
 from __future__ import annotations
@@ -342,18 +344,24 @@ class FamilyPolicy:
             self.chain = None
 
     def best_lookup(self) -> tuple[int, int, float]:
-        """(min_ngram, depth, rate): the rides with the best predicted rate (the shallowest, then
-        the longest matches, within the tolerance); depth 0: plain steps."""
+        """(min_ngram, depth, rate): the rides with the best predicted rate (on a tie the shallower,
+        then the longer matches), if it beats plain steps by the tolerance; else (0, 0, plain).
+        min_ngram is the lower bound of the weakest match class that rides. (The shallowest
+        choice within the tolerance of the best, as before, gave up 1-8 % on the copying sets'
+        answers replayed against this CPU's forward costs: docs/decisions.md.)"""
         classes = self.estimate.classes()
         plain = lookup_rate(classes, 0, 0, self.verify, self.call_share)
-        choices = [
-            (k, d, lookup_rate(classes, k, d, self.verify, self.call_share))
-            for d in range(1, self.max_lookup + 1)
-            for k in range(self.estimate.index.max_ngram, 0, -1)
-        ]
-        top = max((r for _, _, r in choices), default=plain)
-        best = next(((k, d, r) for k, d, r in choices if r >= (1 - self.tolerance) * top), None)
-        return best if best is not None and best[2] > (1 + self.tolerance) * plain else (0, 0, plain)
+        best = (0, 0, plain)
+        for d in range(1, self.max_lookup + 1):
+            # classes from the longest matches down: each adds its share's tokens and rows
+            m = tokens = 0.0
+            for k in sorted(classes, reverse=True):
+                share, alphas = classes[k]
+                m, tokens = m + share, tokens + share * expected_tokens(alphas, d)
+                seconds = m * self.verify(1 + d) + (1.0 - m) * self.verify(1) + self.call_share
+                if (tokens + 1.0 - m) / seconds > best[2]:
+                    best = (k, d, (tokens + 1.0 - m) / seconds)
+        return best if best[2] > (1 + self.tolerance) * plain else (0, 0, plain)
 
     def plan(self, tokens: Sequence[int]) -> RoundPlan:
         """The next round after the session's `tokens` (prompt included)."""

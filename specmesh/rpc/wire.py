@@ -24,7 +24,7 @@ from specmesh.core.drafting import TreeSpec
 from specmesh.core.extras import missing
 from specmesh.core.grammar import Grammar
 from specmesh.core.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
-from specmesh.core.ngram import MAX_NGRAM
+from specmesh.core.ngram import MAX_MATCH
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.tree import DraftTree, SamplingMode
 from specmesh.core.verification import Verdict
@@ -426,8 +426,8 @@ def check_verify_input(v: VerifyInput, limits: Limits, field: str = "tree") -> N
     _check_limit("lookup_depth", v.lookup_depth, limits.max_depth, "--max-depth", what="tokens")
     if v.lookup_min_ngram and not v.lookup_depth:
         raise WireError("lookup_min_ngram", "is for n-gram rides only: set lookup_depth too")
-    if v.lookup_min_ngram > MAX_NGRAM:
-        raise WireError("lookup_min_ngram", f"must be at most {MAX_NGRAM} (the lookup's longest n-gram)")
+    if v.lookup_min_ngram > MAX_MATCH:
+        raise WireError("lookup_min_ngram", f"must be at most {MAX_MATCH} (the longest match it measures)")
     if v.max_tokens and tree is not None:
         raise WireError("max_tokens", "is for plain decoding only; a request with a tree decodes one round")
 
