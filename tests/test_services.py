@@ -448,15 +448,22 @@ def test_a_step_run_ahead_is_taken_by_the_call_that_goes_on_and_rolled_back_by_o
     """--run-ahead (on by default): after a call of 4 plain steps the verifier decodes the next
     step while the answer travels. A call that goes on from there takes it: 4 steps, or 1 (the
     step is the whole call); either way the tokens are those of one-token calls, which run none.
-    A call that rolls the session back (DSI's kind) with other sampling gets what a fresh session
-    gets from the same tokens; a Release right after a call leaves no session behind."""
+    Greedy, a call that changes its n-gram rides takes it too (the same argmax tokens); sampled,
+    it does not. A call that rolls the session back (DSI's kind) with other sampling gets what a
+    fresh session gets from the same tokens; a Release right after a call leaves no session
+    behind."""
     params, other = SamplingParams(0.8, top_k=20, seed=7), SamplingParams(0.8, top_k=20, seed=8)
+    greedy = SamplingParams(0.0, seed=7)
     n = len(PROMPT)
 
     async def call(
-        stubs: Stubs, sid: str, position: int, new: list[int], p: SamplingParams, steps: int = 4
-    ) -> list[int]:
-        reply = await stubs.verifier.Verify(wire.verify_request(sid, position, new, p, None, steps))
+        stubs: Stubs, sid: str, position: int, new: list[int], p: SamplingParams, steps: int = 4,
+        rides: tuple[int, int] = (0, 0),
+    ) -> list[int]:  # fmt: skip
+        request = wire.verify_request(
+            sid, position, new, p, None, steps, lookup_depth=rides[0], lookup_min_ngram=rides[1]
+        )
+        reply = await stubs.verifier.Verify(request)
         return [*reply.plain_token_ids, reply.next_token]
 
     def forwards() -> float:
@@ -489,7 +496,22 @@ def test_a_step_run_ahead_is_taken_by_the_call_that_goes_on_and_rolled_back_by_o
             await ran(since, 4 + 1)
             one += await call(stubs, "ahead-c", n + 3, one[3:], params, 1)  # the step alone
             one += await call(stubs, "ahead-c", n + 4, one[4:], params)
-            for sid in ("ahead-ref", "ahead-a", "ahead-b", "ahead-c"):
+            greedy_ref, position, new = [], 0, list(PROMPT)
+            while len(greedy_ref) < 12:
+                greedy_ref += await call(stubs, "ahead-gref", position, new, greedy, 1)
+                position, new = position + len(new), greedy_ref[-1:]
+            counts = ahead_steps(stack.verifier)
+            for sid, p in (("ahead-g", greedy), ("ahead-s", params)):
+                since = forwards()
+                got = await call(stubs, sid, 0, list(PROMPT), p, rides=(3, 1))
+                await ran(since, 4 + 1)
+                got += await call(stubs, sid, n + len(got) - 1, got[-1:], p)  # no rides now
+                if p is greedy:
+                    assert got == greedy_ref[: len(got)]
+                    assert ahead_steps(stack.verifier)[0] == counts[0] + 1  # taken
+                else:
+                    assert ahead_steps(stack.verifier)[1] == counts[1] + 1  # discarded
+            for sid in ("ahead-ref", "ahead-a", "ahead-b", "ahead-c", "ahead-gref", "ahead-g", "ahead-s"):
                 await stubs.verifier.Release(pb2.ReleaseRequest(session_id=sid))
         return ref, first, taken, rolled, fresh, one
 

@@ -327,7 +327,7 @@ class VerifyInput(RoundInput):
     stop_token_ids: frozenset[int] = frozenset()  # no tree: decoding stops after one of these
     top_logprobs: int | None = None  # the emitted tokens' log-probabilities, with this many alternatives
     lookup_depth: int = 0  # no tree: n-gram proposals of at most this many tokens ride in the steps
-    lookup_min_ngram: int = 0  # ... those matching a suffix of at least this many tokens (0: any)
+    lookup_min_ngram: int = 0  # ... those whose match has at least this many tokens (0: any)
     max_tokens: int = 0  # no tree: tokens the call may emit at most, rides included (0: no bound)
 
 
