@@ -40,7 +40,7 @@ model's chain. The n-gram side's rate per step is
     rate(k, L) = (Σ_{n≥k} m_n·E_n(L) + 1 - M) / (M·v(1 + L) + (1 - M)·v(1) + o / S),  M = Σ_{n≥k} m_n
 
 with m_n the share of positions whose match falls in class n (its length, measured back from the
-n-gram up to 16 tokens, in classes 1, 2, 3, 4-5, ..., 16), E_n from its acceptance per depth (both
+n-gram up to 10 tokens, in classes 1, 2, 3-4, 5-9 and 10), E_n from its acceptance per depth (both
 from `NgramEstimate`, a function of the session's tokens) and S the plain steps per call; L = 0 is
 plain decoding. A longer match is a better guess, so k sorts the proposals worth a step's extra
 rows from those that are not (on a CPU, chat's 1-token matches are not, and in a copying answer
