@@ -43,9 +43,9 @@ MAX_NGRAM = 3
 MIN_NGRAM = 1
 WINDOW = 4096  # tokens searched back from the end: a lookup stays cheap on long sessions
 # A proposal's match is measured back from its n-gram, up to MAX_MATCH tokens: an answer that has
-# been copying its source for 12 tokens goes on copying far more often than a fresh 3-token match
-# (issue 38: 97-100 % against 50-70 % on the copying sets' answers). The estimate counts matches
-# in these classes (lower bounds, tokens).
+# copied its source for 8 tokens or more goes on copying far more often than a fresh 3-token match
+# (issue 38, the copying sets' answers: 90-100 % against 47-64 % at the first token). The estimate
+# counts matches in these classes (lower bounds, tokens).
 MAX_MATCH = 10
 MATCH_CLASSES = (1, 2, 3, 5, 10)  # few classes: each gathers evidence fast enough to decay
 
@@ -189,10 +189,9 @@ class NgramEstimate:
     prompt: a prompt's self-repetition does not predict an answer that copies it): at each
     position, the lookup's proposal of `depth` tokens, checked against the tokens that followed,
     counted apart by the class of its match length m (MATCH_CLASSES: a 1-token match in chat is
-    right ~15 % of the time, a 3-token match in an answer that copies its prompt 50-70 %, a match
-    of 8 or more tokens there 90-100 %). Counts decay per
-    position, so the estimate follows the text (a chat answer that starts quoting its prompt). A
-    function of the tokens alone.
+    right ~15 % of the time, a 3-token match in an answer that copies its prompt 47-64 %, a match
+    of 8 or more tokens there 90-100 %). Counts decay per position, so the estimate follows the
+    text (a chat answer that starts quoting its prompt). A function of the tokens alone.
 
     classes(): per class (its lower bound k), the share of decayed positions whose match falls in
     it (no prior: nothing rides before a match was seen) and alphas[j]: P(proposal token j+1 is
