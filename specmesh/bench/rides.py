@@ -27,12 +27,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from specmesh.bench.measure import PROMPT_SETS, prompt_set, run_gateway
-from specmesh.core.adaptive import FamilyPolicy
+from specmesh.core.adaptive import MAX_LOOKUP, FamilyPolicy
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.methods import Method
 from specmesh.core.ngram import NgramIndex
 
-MAX_RIDE = 6  # core.adaptive.MAX_LOOKUP: the deepest ride
 Curve = Mapping[int, float]  # rows -> seconds of one forward
 # (tokens so far, this step's match length, the proposal, the answer's tokens from here) -> depth
 Rider = Callable[[list[int], int, list[int], list[int]], int]
@@ -46,10 +45,10 @@ def replay(prompt: Sequence[int], answer: Sequence[int], ride: Rider, cost: Curv
     index.sync(tokens)
     seconds, forwards, i = 0.0, 0, 0
     while i < len(answer):
-        m, proposal = index.lookup(MAX_RIDE)
+        m, proposal = index.lookup(MAX_LOOKUP)
         rest = list(answer[i:])
         depth = min(ride(tokens, m, proposal, rest) if proposal else 0, len(rest) - 1, len(proposal))
-        accepted = next((j for j in range(depth) if proposal[j] != rest[j]), depth)
+        accepted = _agreeing(proposal[:depth], rest)
         seconds, forwards = seconds + cost[1 + depth], forwards + 1
         tokens += rest[: accepted + 1]
         index.extend(rest[: accepted + 1])
@@ -57,16 +56,24 @@ def replay(prompt: Sequence[int], answer: Sequence[int], ride: Rider, cost: Curv
     return seconds, forwards
 
 
+def _agreeing(proposal: Sequence[int], rest: Sequence[int]) -> int:
+    """How many of the proposal's first tokens the answer goes on with: what a ride of them accepts."""
+    return next((j for j, (x, y) in enumerate(zip(proposal, rest, strict=False)) if x != y), len(proposal))
+
+
 def oracle(cost: Curve) -> Rider:
     """Rides exactly the tokens that will be accepted, where (a + 1) tokens for cost[1 + a] beat
     one for cost[1]."""
 
     def ride(tokens: list[int], m: int, proposal: list[int], rest: list[int]) -> int:
-        a = next((j for j, (x, y) in enumerate(zip(proposal, rest, strict=False)) if x != y), len(proposal))
-        a = min(a, MAX_RIDE)
+        a = min(_agreeing(proposal, rest), MAX_LOOKUP)
         return a if a and (a + 1) / cost[1 + a] > 1 / cost[1] else 0
 
     return ride
+
+
+def _plain(tokens: list[int], m: int, proposal: list[int], rest: list[int]) -> int:
+    return 0
 
 
 def default_policy(belief: Curve, call_overhead: float, plain_steps: int, prompt_length: int) -> Rider:
@@ -95,7 +102,7 @@ def answers(address: str, texts: list[str], tokenizer, temperature: float, max_n
 
 
 def measure_curves(target: str) -> tuple[dict[int, float], dict[int, float]]:
-    """(belief, truth): the replica's start-up probe, and rows 1..MAX_RIDE + 1 after a 512-token
+    """(belief, truth): the replica's start-up probe, and rows 1..MAX_LOOKUP + 1 after a 512-token
     context (the copying sets' answers run at 600-1600 tokens), both from a runner of `target`."""
     from specmesh.runtime.costs import measure_forward_cost
     from specmesh.runtime.llama_cpp import LlamaCppRunner
@@ -104,7 +111,7 @@ def measure_curves(target: str) -> tuple[dict[int, float], dict[int, float]]:
     runner = LlamaCppRunner(str(gguf_file(target)), n_ctx=2048)
     try:
         belief = measure_forward_cost(runner)
-        truth = measure_forward_cost(runner, rows=tuple(range(1, MAX_RIDE + 2)), context=512)
+        truth = measure_forward_cost(runner, rows=tuple(range(1, MAX_LOOKUP + 2)), context=512)
     finally:
         runner.close()
     return belief, truth
@@ -131,11 +138,10 @@ def bench_rides(
         for engine in ("none", "default", "oracle"):
             seconds = forwards = tokens = 0
             for p in pairs:
-                rider = {
-                    "none": lambda *_: 0,
-                    "default": default_policy(belief, call_overhead, plain_steps, len(p["prompt"])),
-                    "oracle": oracle(truth),
-                }[engine]
+                if engine == "default":
+                    rider = default_policy(belief, call_overhead, plain_steps, len(p["prompt"]))
+                else:
+                    rider = oracle(truth) if engine == "oracle" else _plain
                 s, f = replay(p["prompt"], p["answer"], rider, truth)
                 calls = -(-f // plain_steps)
                 seconds, forwards, tokens = (

@@ -312,9 +312,14 @@ def lookup_rate(
     over its steps."""
     riding = [c for n, c in classes.items() if n >= max(1, min_ngram)] if depth else []
     m = sum(share for share, _ in riding)
-    tokens = sum(share * expected_tokens(alphas, depth) for share, alphas in riding) + 1.0 - m
+    ridden = sum(share * expected_tokens(alphas, depth) for share, alphas in riding)
+    return _ride_rate(m, ridden, depth, verify, call_share)
+
+
+def _ride_rate(m: float, ridden: float, depth: int, verify: ForwardCost, call_share: float) -> float:
+    """rate(k, L) of the module doc from M (the riding share) and Σ m_n·E_n(L) (`ridden`)."""
     seconds = m * verify(1 + depth) + (1.0 - m) * verify(1) + call_share
-    return tokens / seconds if seconds > 0 else float("inf")
+    return (ridden + 1.0 - m) / seconds if seconds > 0 else float("inf")
 
 
 class FamilyPolicy:
@@ -352,15 +357,16 @@ class FamilyPolicy:
         classes = self.estimate.classes()
         plain = lookup_rate(classes, 0, 0, self.verify, self.call_share)
         best = (0, 0, plain)
+        longest_first = sorted(classes, reverse=True)
         for d in range(1, self.max_lookup + 1):
-            # classes from the longest matches down: each adds its share's tokens and rows
-            m = tokens = 0.0
-            for k in sorted(classes, reverse=True):
+            # lookup_rate(k, d) for every k in one pass: each class adds its share's tokens and rows
+            m = ridden = 0.0
+            for k in longest_first:
                 share, alphas = classes[k]
-                m, tokens = m + share, tokens + share * expected_tokens(alphas, d)
-                seconds = m * self.verify(1 + d) + (1.0 - m) * self.verify(1) + self.call_share
-                if (tokens + 1.0 - m) / seconds > best[2]:
-                    best = (k, d, (tokens + 1.0 - m) / seconds)
+                m, ridden = m + share, ridden + share * expected_tokens(alphas, d)
+                rate = _ride_rate(m, ridden, d, self.verify, self.call_share)
+                if rate > best[2]:
+                    best = (k, d, rate)
         return best if best[2] > (1 + self.tolerance) * plain else (0, 0, plain)
 
     def plan(self, tokens: Sequence[int]) -> RoundPlan:
