@@ -318,7 +318,9 @@ CALL = (
 )
 TIME_CALL = r'<tool_call>\n\{"name":"get_time","arguments":\{"utc":(true|false)\}\}\n</tool_call>'
 HI = [{"role": "user", "content": "hi"}]  # the byte pair's context is 256 tokens
-AUTO = dict(model="tiny", messages=HI, max_tokens=160, temperature=0.9, tools=[WEATHER, TIME])
+# The two calls' text is 158-160 bytes by the draws (Paris or Oslo, true or false), then the
+# end-of-sequence token: 164 fits every draw, and the 91-token prompt with it fits the context.
+AUTO = dict(model="tiny", messages=HI, max_tokens=164, temperature=0.9, tools=[WEATHER, TIME])
 
 
 def auto_answer(client, regex: str, seed: int, stream: bool, **more) -> tuple[str | None, list, str]:
