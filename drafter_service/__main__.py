@@ -5,10 +5,12 @@ import signal
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 from specmesh.core.extras import require  # noqa: E402
+from specmesh.runtime.heap import keep_freed_memory  # noqa: E402
 from specmesh.runtime.threads import set_thread_wait  # noqa: E402
 
 require("torch", "python -m drafter_service")  # an install without the torch extra: say which to add
 set_thread_wait(spin=False)  # before torch and llama.cpp load libgomp (specmesh/runtime/threads.py)
+keep_freed_memory()  # vocabulary-wide rows every step: no page faults per step (specmesh/runtime/heap.py)
 
 from drafter_service.server import run  # noqa: E402
 

@@ -17,8 +17,9 @@ import torch
 import specmesh.core.verification as verification
 from specmesh.core.drafting import TreeSpec, build_tree
 from specmesh.core.grammar import constrain_draft, constrain_rows, mask_logits, tree_paths
+from specmesh.core.ngram import chain_tree
 from specmesh.core.sampling import Draws, SamplingParams, warp
-from specmesh.core.tree import SamplingMode
+from specmesh.core.tree import DraftTree, SamplingMode
 from specmesh.core.verification import verify_tree
 from tests.stats import chi_square_pvalue
 from tests.toy import ToyModel
@@ -114,9 +115,19 @@ def test_output_distribution_equals_target(method: str, params_name: str) -> Non
 
 # --- through ticks: many sessions verified in one call -------------------------------------------
 
-# Three groups of sessions share every tick (chains, plain steps, RSD-S trees), each with its own
-# sampling and its own counter-based draws, as a replica runs them.
-TICK_GROUPS = [("chain", "T1.0"), ("none", "T0.6-topk3"), ("rsd_s", "T1.0-topp0.8")]
+# Four groups of sessions share every tick (draft chains, plain steps, n-gram chains of proposed
+# tokens, RSD-S trees), each with its own sampling and its own counter-based draws, as a replica
+# runs them. Plain steps and proposed chains are drawn in one vectorized call, with two samplings.
+TICK_GROUPS = [("chain", "T1.0"), ("none", "T0.6-topk3"), ("ngram", "T1.0"), ("rsd_s", "T1.0-topp0.8")]
+
+
+def proposed(context: tuple[int, ...]) -> DraftTree | None:
+    """An n-gram drafter's kind of chain: a function of the tokens (here the target's own greedy
+    continuation, two tokens), not a sample."""
+    tokens: list[int] = []
+    for _ in range(2):
+        tokens.append(int(TARGET.row((*context, *tokens)).argmax()))
+    return chain_tree(tokens, VOCAB)
 
 
 def ticked_pvalues(sessions: int = 48, samples: int = SAMPLES // 2) -> list[float]:
@@ -136,11 +147,10 @@ def ticked_pvalues(sessions: int = 48, samples: int = SAMPLES // 2) -> list[floa
         for group, key, out in running:
             method, p = TICK_GROUPS[group]
             context, params_ = tuple(out), PARAMS[p]
-            tree = (
-                None
-                if method == "none"
-                else build_tree(LOSSLESS_SPECS[method], DRAFT.next_logits(context), params_, g)
-            )
+            if method in ("none", "ngram"):
+                tree = None if method == "none" else proposed(context)
+            else:
+                tree = build_tree(LOSSLESS_SPECS[method], DRAFT.next_logits(context), params_, g)
             paths = [context] + (
                 [] if tree is None else [(*context, *tree.path(i)) for i in range(tree.num_nodes)]
             )

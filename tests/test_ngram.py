@@ -1,5 +1,6 @@
-"""N-gram (prompt-lookup) drafts: the lookup, the one-hot chain, and losslessness through the
-chain rule (a chi-square test over two-token outputs that a drafter sending the wrong q fails)."""
+"""N-gram (prompt-lookup) drafts: the lookup, the chain of proposed tokens, and losslessness through the
+rule of proposed tokens (a chi-square test over two-token outputs that one draw shared by the
+positions fails), and seeded texts that rides leave as they were."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from specmesh.core.ngram import (
     prompt_hit_rate,
     propose,
 )
-from specmesh.core.sampling import SamplingParams
+from specmesh.core.rounds import verify_round
+from specmesh.core.sampling import Draws, SamplingParams
 from specmesh.core.tree import SamplingMode
 from specmesh.core.verification import verify_tree
 from specmesh.runtime.rounds import VerifyJob, run_ticked, verify_steps
@@ -51,14 +53,18 @@ def test_no_match_drafts_nothing_and_depth_cuts() -> None:
     assert draft_ngram([1, 2, 3], 4, VOCAB) is None
 
 
-def test_the_chain_carries_one_hot_draft_distributions() -> None:
+def test_the_chain_is_proposed_tokens_only() -> None:
     tree = chain_tree([3, 1, 4], VOCAB)
     assert tree is not None
     tree.validate(VOCAB)
     assert tree.tokens.tolist() == [3, 1, 4] and tree.parents.tolist() == [-1, 0, 1]
-    assert tree.mode is SamplingMode.IID
-    for node, token in [(-1, 3), (0, 1), (1, 4)]:
-        assert tree.draft_dist(node).tolist() == [float(i == token) for i in range(VOCAB)]
+    assert tree.mode is SamplingMode.PROPOSED and not tree.has_draft_probs
+    tree.check_drawable()  # sampled verification needs no rows for proposed tokens
+    with pytest.raises(ValueError, match="parents: a PROPOSED tree must be a chain"):
+        dataclasses.replace(tree, parents=torch.tensor([-1, -1, 0])).validate(VOCAB)
+    rows = torch.full((3, VOCAB), 1.0 / VOCAB)
+    with pytest.raises(ValueError, match="draft_probs: a PROPOSED tree carries none"):
+        dataclasses.replace(tree, draft_probs=rows, prob_rows=torch.tensor([0, 1, 2, -1])).validate(VOCAB)
 
 
 def test_prompt_hit_rate_tells_repeating_text_from_fresh_text() -> None:
@@ -76,33 +82,27 @@ def test_prompt_hit_rate_tells_repeating_text_from_fresh_text() -> None:
 HISTORY = [t for a in range(VOCAB) for t in (a, int(TARGET.row((a,)).argmax()))]
 
 
-def ngram_generate(
-    params: SamplingParams, n: int, g: torch.Generator, wrong_q: bool = False
-) -> tuple[list[int], int]:
-    """n tokens from the toy target with n-gram drafts of depth 3 looked up in HISTORY + output.
-    wrong_q: the drafter sends a uniform q instead of its one-hot one (a drafter that does not
-    say its drafts are deterministic)."""
+def ngram_generate(params: SamplingParams, n: int, seed: int) -> tuple[list[int], int]:
+    """n tokens from the toy target with n-gram drafts of depth 3 looked up in HISTORY + output,
+    each round verified with the draws of its position (`verify_round`, as the services)."""
     out: list[int] = []
     accepted = 0
     while len(out) < n:
         context = tuple(out)
         tree = draft_ngram([*HISTORY, *out], 3, VOCAB)
         assert tree is not None  # every token occurred in HISTORY
-        if wrong_q:
-            tree = dataclasses.replace(tree, draft_probs=torch.full_like(tree.draft_probs, 1.0 / VOCAB))
         paths = [context] + [(*context, *tree.path(i)) for i in range(tree.num_nodes)]
-        verdict = verify_tree(tree, TARGET.logits(paths), params, g)
+        verdict = verify_round(tree, TARGET.logits(paths), params, seed, len(HISTORY) + len(out))
         accepted += len(verdict.accepted_tokens)
         out += verdict.emitted_tokens
     return out[:n], accepted
 
 
-def ngram_two_token_pvalue(params: SamplingParams, wrong_q: bool = False) -> tuple[float, float]:
-    g = torch.Generator().manual_seed(0)
+def ngram_two_token_pvalue(params: SamplingParams) -> tuple[float, float]:
     counts: Counter = Counter()
     accepted = 0
-    for _ in range(SAMPLES):
-        tokens, n_accepted = ngram_generate(params, 2, g, wrong_q)
+    for seed in range(SAMPLES):
+        tokens, n_accepted = ngram_generate(params, 2, seed)
         counts[tuple(tokens)] += 1
         accepted += min(n_accepted, 2)
     return chi_square_pvalue(counts, exact_two_token_distribution(params)), accepted / (2 * SAMPLES)
@@ -227,21 +227,18 @@ class ToyVerifier:
         self.tokens += [self.nodes[n] for n in nodes]
 
 
-def ride_run(params: SamplingParams, seed: int, steps: int, wrong_q: bool = False) -> tuple[list[int], int]:
-    """One plain call of `steps` steps from HISTORY, with rides of up to 3 tokens looked up in
-    HISTORY and the output (the verifier's NgramIndex); -> (emitted tokens, accepted ride tokens).
-    wrong_q: rides that claim a uniform draft distribution instead of their one-hot one."""
+def ride_run(params: SamplingParams, seed: int, steps: int, depth: int = 3) -> tuple[list[int], int]:
+    """One plain call of `steps` steps from HISTORY, with rides of up to `depth` tokens looked up
+    in HISTORY and the output (the verifier's NgramIndex); -> (emitted tokens, accepted ride
+    tokens). depth 0: plain steps alone."""
     toy, index = ToyVerifier(), NgramIndex()
 
     def ride(before: int, after: list[int], depth: int):
         index.sync(toy.tokens[:before])
-        tree = chain_tree(index.propose(depth, after), VOCAB)
-        if wrong_q and tree is not None:
-            tree = dataclasses.replace(tree, draft_probs=torch.full_like(tree.draft_probs, 1.0 / VOCAB))
-        return tree
+        return chain_tree(index.propose(depth, after), VOCAB)
 
     job = VerifyJob(
-        "s", [HISTORY[-1]], None, params, seed, len(HISTORY), plain_steps=steps, ride=ride, lookup_depth=3
+        "s", [HISTORY[-1]], None, params, seed, len(HISTORY), plain_steps=steps, ride=ride, lookup_depth=depth
     )
     (outcome,) = run_ticked(verify_steps([job], toy.commit), toy.forward)
     assert outcome.error is None
@@ -251,13 +248,13 @@ def ride_run(params: SamplingParams, seed: int, steps: int, wrong_q: bool = Fals
 RIDE_SAMPLES = SAMPLES // 2  # a call through verify_steps costs ~2 ms: half the samples, still 64 cells x 390
 
 
-def ride_two_token_pvalue(params: SamplingParams, wrong_q: bool = False) -> tuple[float, float]:
+def ride_two_token_pvalue(params: SamplingParams) -> tuple[float, float]:
     """The first two tokens of plain calls of two or three steps (a ride emits 1-4 tokens, so the
     two are often one step's, else two steps'), against the target's exact distribution."""
     counts: Counter = Counter()
     accepted = 0
     for seed in range(RIDE_SAMPLES):
-        tokens, n_accepted = ride_run(params, seed, steps=2 + seed % 2, wrong_q=wrong_q)
+        tokens, n_accepted = ride_run(params, seed, steps=2 + seed % 2)
         counts[tuple(tokens[:2])] += 1
         accepted += min(n_accepted, 2)
     return chi_square_pvalue(counts, exact_two_token_distribution(params)), accepted / (2 * RIDE_SAMPLES)
@@ -282,8 +279,25 @@ def test_ngram_drafts_keep_the_target_distribution(how: str, params_name: str) -
 
 
 @pytest.mark.parametrize("how", list(PVALUES))
-def test_detects_ngram_drafts_that_claim_the_wrong_q(how: str) -> None:
-    assert PVALUES[how](PARAMS["T1.0"], wrong_q=True)[0] < P_VALUE_THRESHOLD
+def test_detects_one_draw_shared_by_the_positions(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slip the rule invites: one uniform for the round, reused at every proposed position
+    (each token is still drawn from its own row, but the tokens of a round are no longer
+    independent)."""
+    monkeypatch.setattr(Draws, "per_position", lambda self, n: self.uniform(1).repeat(n))
+    assert PVALUES[how](PARAMS["T1.0"])[0] < P_VALUE_THRESHOLD
+
+
+@pytest.mark.parametrize("params_name", ["T1.0", "T0.6-topk3", "T1.0-topp0.8"])
+def test_rides_leave_a_seeded_text_as_it_was(params_name: str) -> None:
+    """Each position's token is the one a plain step there draws: the same seed gives the same
+    text with rides as without them, token for token (and the rides did ride)."""
+    accepted = 0
+    for seed in range(40):
+        plain, _ = ride_run(PARAMS[params_name], seed, steps=8, depth=0)
+        ridden, n = ride_run(PARAMS[params_name], seed, steps=8)
+        assert ridden[: len(plain)] == plain[: len(ridden)], seed
+        accepted += n
+    assert accepted > 40
 
 
 def test_greedy_rides_emit_the_targets_greedy_decode() -> None:

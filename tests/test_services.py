@@ -448,10 +448,10 @@ def test_a_step_run_ahead_is_taken_by_the_call_that_goes_on_and_rolled_back_by_o
     """--run-ahead (on by default): after a call of 4 plain steps the verifier decodes the next
     step while the answer travels. A call that goes on from there takes it: 4 steps, or 1 (the
     step is the whole call); either way the tokens are those of one-token calls, which run none.
-    Greedy, a call that changes its n-gram rides takes it too (the same argmax tokens); sampled,
-    it does not. A call that rolls the session back (DSI's kind) with other sampling gets what a
-    fresh session gets from the same tokens; a Release right after a call leaves no session
-    behind."""
+    A call that changes its n-gram rides takes it too, greedy or sampled: a step emits the tokens
+    a plain step draws whatever rode in it. A call that rolls the session back (DSI's kind) with
+    other sampling gets what a fresh session gets from the same tokens; a Release right after a
+    call leaves no session behind."""
     params, other = SamplingParams(0.8, top_k=20, seed=7), SamplingParams(0.8, top_k=20, seed=8)
     greedy = SamplingParams(0.0, seed=7)
     n = len(PROMPT)
@@ -480,7 +480,7 @@ def test_a_step_run_ahead_is_taken_by_the_call_that_goes_on_and_rolled_back_by_o
     async def run() -> tuple:
         async with Stubs(stack) as stubs:
             ref, position, new = [], 0, list(PROMPT)
-            while len(ref) < 9:  # one token per call: no step runs ahead of these
+            while len(ref) < 16:  # one token per call: no step runs ahead of these
                 ref += await call(stubs, "ahead-ref", position, new, params, 1)
                 position, new = position + len(new), ref[-1:]
             since = forwards()
@@ -497,20 +497,18 @@ def test_a_step_run_ahead_is_taken_by_the_call_that_goes_on_and_rolled_back_by_o
             one += await call(stubs, "ahead-c", n + 3, one[3:], params, 1)  # the step alone
             one += await call(stubs, "ahead-c", n + 4, one[4:], params)
             greedy_ref, position, new = [], 0, list(PROMPT)
-            while len(greedy_ref) < 12:
+            while len(greedy_ref) < 16:
                 greedy_ref += await call(stubs, "ahead-gref", position, new, greedy, 1)
                 position, new = position + len(new), greedy_ref[-1:]
             counts = ahead_steps(stack.verifier)
-            for sid, p in (("ahead-g", greedy), ("ahead-s", params)):
+            for sid, p, want in (("ahead-g", greedy, greedy_ref), ("ahead-s", params, ref)):
                 since = forwards()
                 got = await call(stubs, sid, 0, list(PROMPT), p, rides=(3, 1))
                 await ran(since, 4 + 1)
                 got += await call(stubs, sid, n + len(got) - 1, got[-1:], p)  # no rides now
-                if p is greedy:
-                    assert got == greedy_ref[: len(got)]
-                    assert ahead_steps(stack.verifier)[0] == counts[0] + 1  # taken
-                else:
-                    assert ahead_steps(stack.verifier)[1] == counts[1] + 1  # discarded
+                assert got == want[: len(got)], sid
+                counts, was = ahead_steps(stack.verifier), counts
+                assert counts[0] == was[0] + 1, sid  # taken
             for sid in ("ahead-ref", "ahead-a", "ahead-b", "ahead-c", "ahead-gref", "ahead-g", "ahead-s"):
                 await stubs.verifier.Release(pb2.ReleaseRequest(session_id=sid))
         return ref, first, taken, rolled, fresh, one

@@ -3,14 +3,17 @@ named alone, and a session's verdict and draws do not depend on the other sessio
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from specmesh.core.drafting import TreeSpec, build_tree, draft_many
 from specmesh.core.methods import Method
+from specmesh.core.ngram import chain_tree
 from specmesh.core.sampling import Draws, SamplingParams, uniform_many
-from specmesh.core.ticks import ColumnError, Ragged, TreeColumns
+from specmesh.core.ticks import MODE_CODE, ColumnError, Ragged, TreeColumns
 from specmesh.core.tree import SamplingMode
 from specmesh.core.verification import verify_many
 from specmesh.rpc import wire
@@ -36,12 +39,16 @@ PARAMS = [
 
 
 def trees(n: int, seed: int = 0) -> list:
-    """n trees of every method and sampling (greedy ones carry no draft rows), plain steps between."""
+    """n trees of every method and sampling (greedy ones carry no draft rows), plain steps and
+    n-gram chains (proposed tokens: no rows) between."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
         if i % 5 == 4:
             out.append(None)
+            continue
+        if i % 7 == 6:
+            out.append(chain_tree([(i + j * 3) % VOCAB for j in range(1 + i % 3)], VOCAB))
             continue
         context = tuple(range(i % 3))
         out.append(build_tree(SPECS[i % len(SPECS)], DRAFT.next_logits(context), PARAMS[i % len(PARAMS)], g))
@@ -118,6 +125,18 @@ def test_a_bad_tree_is_named_alone_and_the_others_of_the_tick_pass(what: str) ->
     problems = corrupt(TreeColumns.from_trees(sent, VOCAB), what, bad).check(len(sent), VOCAB)
     assert [i for i, p in enumerate(problems) if p is not None] == [bad]
     assert problems[bad].field == f"trees.{what}" and problems[bad].item == bad
+
+
+def test_a_proposed_chain_is_a_chain_without_rows_or_named() -> None:
+    sent = trees(10)
+    columns = TreeColumns.from_trees(sent, VOCAB)
+    assert sent[6].mode is SamplingMode.PROPOSED and sent[6].num_nodes == 1 and sent[3].num_nodes > 1
+    modes = columns.modes.copy()
+    # item 0 (a sampled chain) has rows; item 3 (an RSD-C tree) is not a chain
+    modes[[0, 3]] = MODE_CODE[SamplingMode.PROPOSED]
+    problems = dataclasses.replace(columns, modes=modes).check(len(sent), VOCAB)
+    assert [i for i, p in enumerate(problems) if p is not None] == [0, 3]
+    assert problems[0].field == "trees.draft_probs" and problems[3].field == "trees.parents"
 
 
 def test_a_column_of_the_wrong_size_refuses_the_tick_naming_it() -> None:

@@ -425,13 +425,11 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
 def _takes(expects: wire.VerifyInput, v: wire.VerifyInput, first: VerifyOutcome) -> bool:
     """Whether call v goes on from the step run ahead of it: the same session state and settings
     as it assumed; v's step count does not matter, its max_tokens must leave room for the step.
-    Greedy, its rides need not match either: a greedy step emits the target's argmax tokens
-    whatever rode in it, so v's text is its own (the gateway changes its rides on ~1 call in 10 of
-    a copying answer, and each change threw a forward away). Sampled, a ride decides which draws
-    the step makes, and a seeded text must not depend on when its call came."""
-    loose = dict(plain_steps=1, max_tokens=0)
-    if v.params.greedy:
-        loose.update(lookup_depth=0, lookup_min_ngram=0)
+    Its rides need not match either: a step emits the tokens a plain step draws whatever rode in
+    it (the argmax, or the position's own draw: SamplingMode.PROPOSED), so v's text is its own
+    (the gateway changes its rides on ~1 call in 10 of a copying answer, and each change threw a
+    forward away)."""
+    loose = dict(plain_steps=1, max_tokens=0, lookup_depth=0, lookup_min_ngram=0)
     same = replace(v, **loose) == replace(expects, **loose)
     return same and (not v.max_tokens or first.emitted <= v.max_tokens)
 

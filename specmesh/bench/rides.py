@@ -14,9 +14,10 @@ ride's are), and each answer is replayed step by step, in calls of --plain-steps
 - `oracle`: every step rides exactly the proposal tokens that will be accepted, when that beats a
   plain step: the ceiling of rides from this lookup.
 
-A proposal token x is accepted iff the answer's next token is x. At T = 0 that is the greedy rule;
-at T > 0 it has the right probability (a one-hot draft is accepted with probability p(x), and the
-sample is x with probability p(x)), though each answer is one draw. The replay counts forwards and
+A proposal token x is accepted iff the answer's next token is x: the rule of proposed tokens, which
+keeps a proposal while it equals the draws of plain steps, so the stack's own answer with rides
+is this same answer (llama.cpp's rows move slightly with the rows beside them, which may flip a
+rare draw). The replay counts forwards and
 the calls' fixed cost only: what the mesh adds on top is what `bench default` measures.
 """
 

@@ -8,12 +8,13 @@ suffix of t that occurred before (n-grams of `max_ngram` down to `min_ngram` tok
     tokens   = [5, 6, 7, 9, 5, 6, 7]
     suffix [5, 6, 7] occurred at 0..2, followed by [9, 5, 6]   -> proposal [9, 5, 6]
 
-The proposal is a deterministic function of the committed tokens, so it is a draft whose
-distribution is one-hot: q(x) = 1 for the proposed token. Rejection sampling then accepts x with
-probability min(1, p(x)) = p(x) and otherwise samples the residual (p - q)+, which is p without
-x: lossless through the chain rule every drafter uses (`verification.verify_tree`, mode IID). At
-T = 0 it accepts exactly the target's argmax. A tree is a chain; no match drafts nothing (the
-round is a plain step).
+The proposal is a function of the committed tokens, not a sample, so it is verified by the rule of
+SamplingMode.PROPOSED (`verification`): the target draws its own token at each position, with the
+draw a plain step there would make, and the proposal is kept while it equals those draws. The
+emitted tokens are then exactly the plain steps' (lossless by construction; x is kept with
+probability p(x), as rejection sampling of a one-hot draft would), so a seeded text does not
+depend on which proposals rode. At T = 0 it keeps exactly the target's argmax. A tree is a chain;
+no match drafts nothing (the round is a plain step).
 
 `prompt_hit_rate` is the share of the prompt's own positions the lookup would have guessed: what
 an adaptive `ngram` request takes as its acceptance before any round ran (a deterministic input,
@@ -97,23 +98,17 @@ def prompt_hit_rate(prompt: Sequence[int], max_ngram: int = MAX_NGRAM, min_ngram
 
 
 def chain_tree(proposal: Sequence[int], vocab_size: int) -> DraftTree | None:
-    """The proposal as a chain with one-hot draft distributions; None for an empty proposal.
-
-    draft_probs [k, V]: row j is one-hot on proposal[j], the distribution node j-1 (the root for
-    j = 0) drew its child from."""
+    """The proposal as a chain of proposed tokens (SamplingMode.PROPOSED: no draft distributions);
+    None for an empty proposal."""
     k = len(proposal)
     if k == 0:
         return None
-    tokens = torch.tensor(list(proposal), dtype=torch.long)
-    probs = torch.zeros(k, vocab_size)
-    probs[torch.arange(k), tokens] = 1.0
-    prob_rows = torch.cat([torch.arange(k), torch.tensor([-1])])  # the leaf drew nothing
     return DraftTree(
-        tokens=tokens,
+        tokens=torch.tensor(list(proposal), dtype=torch.long),
         parents=torch.arange(-1, k - 1),
-        mode=SamplingMode.IID,
-        draft_probs=probs,
-        prob_rows=prob_rows,
+        mode=SamplingMode.PROPOSED,
+        draft_probs=torch.zeros(0, vocab_size),
+        prob_rows=torch.full((k + 1,), -1),
     )
 
 

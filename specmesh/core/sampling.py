@@ -181,19 +181,29 @@ def _counter_uniforms(keys: np.ndarray, counters: np.ndarray, n: int) -> np.ndar
     return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
 
 
+def _key(seed: int, position: int, purpose: str) -> int:
+    digest = hashlib.blake2b(f"{seed}:{position}:{purpose}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 class Draws:
     """A stream of uniforms in (0, 1): counter-based from a key (`derive`), or a torch generator's
     `torch.rand` (`from_generator`: tests that share one generator over many rounds). Tree builders
     that need noise over a whole vocabulary (Gumbel-top-k) take `generator()` instead."""
 
-    def __init__(self, key: int | None = None, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        key: int | None = None,
+        generator: torch.Generator | None = None,
+        origin: tuple[int, int, str] | None = None,
+    ) -> None:
         self.key, self.counter, self._generator = key, 0, generator
+        self.origin = origin  # (seed, position, purpose) of a derived stream
 
     @classmethod
     def derive(cls, seed: int, position: int, purpose: str) -> Draws:
         """The stream of one round's `purpose` ("draft", "verify") after `position` committed tokens."""
-        digest = hashlib.blake2b(f"{seed}:{position}:{purpose}".encode(), digest_size=8).digest()
-        return cls(key=int.from_bytes(digest, "little"))
+        return cls(key=_key(seed, position, purpose), origin=(seed, position, purpose))
 
     @classmethod
     def from_generator(cls, generator: torch.Generator | None) -> Draws:
@@ -206,6 +216,18 @@ class Draws:
         out = _counter_uniforms(np.array([self.key], np.uint64), np.array([self.counter], np.uint64), n)
         self.counter += n
         return torch.from_numpy(out[0])
+
+    def per_position(self, n: int) -> torch.Tensor:
+        """float64 [n]: for this stream's position and the n - 1 after it, the first draw of the
+        stream `derive` gives that position (what a plain step there draws), this stream's own
+        first draw first. A stream not derived from positions (a generator), or one that has drawn
+        already, gives its next n: independent draws still, only not a plain step's."""
+        if self.origin is None or self.counter:
+            return self.uniform(n)
+        seed, position, purpose = self.origin
+        keys = np.array([self.key, *(_key(seed, position + j, purpose) for j in range(1, n))], np.uint64)
+        self.counter = 1
+        return torch.from_numpy(_counter_uniforms(keys, np.zeros(n, np.uint64), 1)[:, 0])
 
     def generator(self) -> torch.Generator:
         """A torch generator for noise over the vocabulary: the wrapped one, or one seeded from the

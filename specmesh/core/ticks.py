@@ -25,7 +25,9 @@ try:
 except ModuleNotFoundError as exc:  # a gateway-only install: it relays trees, never builds them
     torch = missing(exc)
 
-MODES = (SamplingMode.IID, SamplingMode.WITHOUT_REPLACEMENT, SamplingMode.MTAD)  # wire code = index + 1
+MODES = (  # wire code = index + 1
+    SamplingMode.IID, SamplingMode.WITHOUT_REPLACEMENT, SamplingMode.MTAD, SamplingMode.PROPOSED
+)  # fmt: skip
 MODE_CODE = {m: i + 1 for i, m in enumerate(MODES)}
 
 
@@ -131,7 +133,7 @@ class TreeColumns:
 
     @classmethod
     def from_trees(cls, trees: Sequence[DraftTree | None], vocab_size: int) -> TreeColumns:
-        """Rows with zeros are sent sparse when that is smaller (top-k, top-p and one-hot rows);
+        """Rows with zeros are sent sparse when that is smaller (top-k and top-p rows);
         both forms rebuild exactly the fp32 row that was sampled from."""
         tokens, parents, modes, thresholds, prob_rows = [], [], [], [], []
         item_rows, ids, probs = [0], [], []
@@ -285,12 +287,17 @@ class TreeColumns:
             "every node with children needs its draft distribution")  # fmt: skip
         if rows:
             self._check_rows(problems, field, n_rows)
-        for i in np.flatnonzero(has_tree & (self.modes == MODE_CODE[SamplingMode.MTAD])).tolist():
+        chains_only = [MODE_CODE[m] for m in MODES if m.chain_only]
+        for i in np.flatnonzero(has_tree & np.isin(self.modes, chains_only)).tolist():
             if problems[i] is None:
+                mode = MODES[int(self.modes[i]) - 1]
                 p = self.parents[self.tokens.offsets[i] : self.tokens.offsets[i + 1]]
                 if not np.array_equal(p, np.arange(-1, len(p) - 1)):
-                    problems[i] = ColumnError(f"{field}.parents", "an MTAD tree must be a chain", i)
-                elif not 0.0 <= float(self.thresholds[i]) <= 1.0:
+                    problems[i] = ColumnError(f"{field}.parents", f"a {mode.name} tree must be a chain", i)
+                elif not mode.samples_drafts and n_rows[i]:
+                    problem = f"a {mode.name} tree carries none (its tokens were not sampled)"
+                    problems[i] = ColumnError(f"{field}.draft_probs", problem, i)
+                elif mode is SamplingMode.MTAD and not 0.0 <= float(self.thresholds[i]) <= 1.0:
                     problems[i] = ColumnError(f"{field}.mtad_thresholds", "must be in [0, 1]", i)
         return problems
 

@@ -28,6 +28,19 @@ class SamplingMode(StrEnum):
     IID = "iid"  # chain, MCSD with replacement
     WITHOUT_REPLACEMENT = "without_replacement"  # MCSD without replacement, RSD-C, RSD-S
     MTAD = "mtad"  # a chain chosen by beam sampling, verified by MTAD's joint test
+    # a chain looked up, not sampled (n-gram drafts): kept while each token equals the target's own
+    # draw at its position, the draw a plain step there would make (`verification`)
+    PROPOSED = "proposed"
+
+    @property
+    def chain_only(self) -> bool:
+        """Trees of this mode are chains (their rule compares one candidate per position)."""
+        return self in (SamplingMode.MTAD, SamplingMode.PROPOSED)
+
+    @property
+    def samples_drafts(self) -> bool:
+        """The draft sampled its tokens and carries the rows it sampled them from (else tokens only)."""
+        return self is not SamplingMode.PROPOSED
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,7 +126,12 @@ class DraftTree:
             raise ValueError(f"prob_rows must have {n + 1} entries")
         if int(self.prob_rows.max()) >= self.draft_probs.shape[0] or int(self.prob_rows.min()) < -1:
             raise ValueError("prob_rows must index draft_probs or be -1")
-        if not self.has_draft_probs:  # a greedy draft: tokens only
+        if self.mode.chain_only and not self.is_chain:
+            raise ValueError(f"parents: a {self.mode.name} tree must be a chain")
+        if not self.mode.samples_drafts and self.has_draft_probs:
+            name = self.mode.name
+            raise ValueError(f"draft_probs: a {name} tree carries none (its tokens were not sampled)")
+        if not self.has_draft_probs:  # a greedy draft, or proposed tokens: tokens only
             if bool((self.prob_rows != -1).any()):
                 raise ValueError("prob_rows: must all be -1 when there are no draft_probs")
             return
@@ -138,7 +156,9 @@ class DraftTree:
     def check_drawable(self) -> None:
         """Every drafted token has p > 0 under the row it was sampled from (ValueError naming the
         first that has not). Only sampled verification needs it: at temperature 0 the siblings
-        are the draft's top-k by logit and the rows are not used."""
+        are the draft's top-k by logit and the rows are not used; proposed tokens carry none."""
+        if not self.mode.samples_drafts:
+            return
         if not self.has_draft_probs:
             raise ValueError("draft_probs: a greedy draft carries none; sampled verification needs them")
         drawn_from = self.prob_rows[self.parents + 1]

@@ -13,11 +13,15 @@ The rule comes from the tree's sampling mode (docs/architecture.md), never from 
                        current p, then remove the rejected token from p and renormalise
   mtad                 longest prefix whose joint ratio sum(log q) - sum(log p) > log(lambda);
                        next token from q (approximate by design)
+  proposed             (looked-up chains: n-gram drafts, and a plain step as the chain of no
+                       node) the target draws each position's token as a plain step there
+                       would; the chain is kept while it equals those draws
 At temperature 0 every mode is verified greedily: the target's argmax path through the tree.
 
 Randomness: one uniform per tree node is drawn up front, then one draw for the final token, so a
 seeded stream (`specmesh.core.sampling.Draws`) gives the same verdict whatever path the walk takes,
-and whatever other sessions a tick verifies beside it (`verify_many`).
+and whatever other sessions a tick verifies beside it (`verify_many`). Proposed chains take each
+position's first draw instead (`Draws.per_position`), so their text is the plain steps' text.
 """
 
 from __future__ import annotations
@@ -96,11 +100,11 @@ def verify_many(
 
     trees[b]: session b's tree (None: a plain step); logits[b] [N_b + 1, V]: its target rows (row 0
     after the committed context, row i + 1 after node i); params[b], draws[b]: its sampling and its
-    round's "verify" stream. Greedy sessions take one argmax over all their rows; sampled chains
-    (plain steps are chains of no node) one vectorized rejection test (`_verify_chains`); other
-    trees their rule one by one."""
+    round's "verify" stream. Greedy sessions take one argmax over all their rows; plain steps and
+    proposed chains one vectorized draw (`_verify_proposals`); sampled chains one vectorized
+    rejection test (`_verify_chains`); other trees their rule one by one."""
     out: list[Verdict | None] = [None] * len(trees)
-    greedy, chains = [], []
+    greedy, proposals, chains = [], [], []
     for b, (tree, rows, p) in enumerate(zip(trees, logits, params, strict=True)):
         n = 0 if tree is None else tree.num_nodes
         if rows.shape[0] != n + 1:
@@ -109,7 +113,9 @@ def verify_many(
             )
         if p.greedy:
             greedy.append(b)
-        elif tree is None or (tree.mode is not SamplingMode.MTAD and tree.is_chain):
+        elif tree is None or tree.mode is SamplingMode.PROPOSED:
+            proposals.append(b)
+        elif tree.mode is not SamplingMode.MTAD and tree.is_chain:
             chains.append(b)
         elif tree.mode is SamplingMode.MTAD:
             out[b] = _verify_mtad(tree, rows, p, draws[b])
@@ -122,6 +128,15 @@ def verify_many(
             n = logits[b].shape[0]
             out[b] = _verify_greedy(trees[b], argmax[at : at + n])
             at += n
+    if proposals:
+        verdicts = _verify_proposals(
+            [trees[b] for b in proposals],
+            [logits[b] for b in proposals],
+            [params[b] for b in proposals],
+            [draws[b] for b in proposals],
+        )
+        for b, verdict in zip(proposals, verdicts, strict=True):
+            out[b] = verdict
     if chains:
         for b, verdict in zip(
             chains,
@@ -186,13 +201,49 @@ def _stack(rows: list[torch.Tensor]) -> torch.Tensor:
     return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
 
 
-def _verify_chains(
+def _verify_proposals(
     trees: list[DraftTree | None],
     logits: list[torch.Tensor],
     params: list[SamplingParams],
     draws: list[Draws],
 ) -> list[Verdict]:
-    """Sampled chains (a plain step: no node), vectorized over the tick (vLLM's rejection sampler).
+    """Plain steps (None) and proposed chains (SamplingMode.PROPOSED), vectorized over the tick.
+
+    Session b, nodes x_0..x_{n-1} after position P: y_j is drawn from q_j = warp(row j) with the
+    first draw of position P + j's stream (`Draws.per_position`), exactly what a plain step at
+    P + j draws. x_j is kept while x_j = y_j; the first y_j that differs (or y_n after a whole
+    chain: the bonus) is the next token. Every emitted token is a plain step's, so the rule is
+    lossless whatever was proposed and a seeded text is the same with or without proposals; x_j
+    is kept with probability q_j(x_j), as rejection sampling of a one-hot draft would keep it.
+    Worked example, two sessions:
+
+        lengths   [2, 0]                  (the second a plain step)
+        rows      [q_0, q_1, q_2 | q_0]   one draw each: y = [7, 4, 9 | 3]
+        tokens    [7, 5]                  x_0 = y_0 kept, x_1 != y_1 -> session 0 emits [7, 4]
+                                          session 1 emits [3]
+    """
+    lengths = [0 if t is None else t.num_nodes for t in trees]
+    u = torch.cat([d.per_position(n + 1) for d, n in zip(draws, lengths, strict=True)])
+    rows = _cat(logits)  # [sum(n + 1), V]
+    q = warp_rows(rows, [p for p, n in zip(params, lengths, strict=True) for _ in range(n + 1)])
+    drawn = sample_rows(q, u.unsqueeze(-1))[:, 0].tolist()
+    out, at = [], 0
+    for tree, n in zip(trees, lengths, strict=True):
+        proposed = tree.tokens.tolist() if tree is not None else []
+        y = drawn[at : at + n + 1]
+        kept = next((j for j in range(n) if proposed[j] != y[j]), n)
+        out.append(Verdict(proposed[:kept], list(range(kept)), y[kept], bonus=kept == n))
+        at += n + 1
+    return out
+
+
+def _verify_chains(
+    trees: list[DraftTree],
+    logits: list[torch.Tensor],
+    params: list[SamplingParams],
+    draws: list[Draws],
+) -> list[Verdict]:
+    """Sampled chains of a draft model, vectorized over the tick (vLLM's rejection sampler).
 
     Session b, nodes x_0..x_{n-1}: q_i = warp(row i), p_i the draft row x_i was drawn from. x_i is
     accepted while u_i * p_i(x_i) < q_i(x_i); at the first rejection j the token comes from
@@ -200,48 +251,41 @@ def _verify_chains(
     fully accepted chain from q_n: the bonus. One candidate per node, so the rule is the same for
     chains drawn i.i.d. or without replacement. Worked example, two sessions:
 
-        lengths       [2, 0]                 (the second a plain step)
-        rows          [q_0, q_1, q_2 | q_0]  flat, offsets [0, 3, 4]
-        accept        [True, False]          (session 0's node 1 rejected)
-        first reject  [1, 0]                 -> session 0 samples (q_1 - p_1)+, session 1 q_0
+        lengths       [2, 1]
+        rows          [q_0, q_1, q_2 | q_0, q_1]  flat, offsets [0, 3, 5]
+        accept        [True, False | True]        (session 0's node 1 rejected)
+        first reject  [1, 1]                      -> session 0 samples (q_1 - p_1)+, session 1 q_1
     """
-    lengths = [0 if t is None else t.num_nodes for t in trees]
+    lengths = [t.num_nodes for t in trees]
     u = _chain_uniforms(draws, lengths)
     rows = _cat(logits)  # [sum(n + 1), V]
     q = warp_rows(rows, [p for p, n in zip(params, lengths, strict=True) for _ in range(n + 1)])
     starts = [0]
     for n in lengths:
         starts.append(starts[-1] + n + 1)
-    stop = list(lengths)  # first rejected node (n: all accepted)
     node_rows = [starts[b] + i for b, n in enumerate(lengths) for i in range(n)]
-    if node_rows:
-        tokens = torch.cat([t.tokens for t in trees if t is not None and t.num_nodes])
-        p_rows = torch.cat([t.draft_probs[t.prob_rows[:-1]] for t in trees if t is not None and t.num_nodes])
-        p_x = p_rows.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).double()
-        q_x = q[node_rows].gather(-1, tokens.unsqueeze(-1)).squeeze(-1).double()
-        u_nodes = torch.cat([u[b][:n] for b, n in enumerate(lengths)])
-        rejected = (u_nodes * p_x >= q_x).tolist()
-        at = 0
-        for b, n in enumerate(lengths):
-            first = next((i for i in range(n) if rejected[at + i]), n)
-            stop[b] = first
-            at += n
-    final = []  # per session: the distribution the last token comes from
-    at_node = 0
-    for b, n in enumerate(lengths):
-        row = q[starts[b] + stop[b]]
-        if stop[b] < n:
-            residual = (row - p_rows[at_node + stop[b]]).clamp_(min=0.0)
+    tokens = torch.cat([t.tokens for t in trees])
+    drawn_from = [t.prob_rows[:-1] for t in trees]  # a chain's node i drew from row prob_rows[i]
+    p_x = torch.cat([t.draft_probs[r, t.tokens] for t, r in zip(trees, drawn_from, strict=True)]).double()
+    q_x = q[node_rows, tokens].double()
+    rejected = (torch.cat([u[b][:n] for b, n in enumerate(lengths)]) * p_x >= q_x).tolist()
+    final, at = [], 0  # per session: the distribution the last token comes from
+    stops = []
+    for b, (tree, n) in enumerate(zip(trees, lengths, strict=True)):
+        stop = next((i for i in range(n) if rejected[at + i]), n)  # first rejected node (n: none)
+        row = q[starts[b] + stop]
+        if stop < n:
+            residual = (row - tree.draft_probs[drawn_from[b][stop]]).clamp_(min=0.0)
             row = residual if float(residual.sum()) > 0.0 else row
         final.append(row)
-        at_node += n
+        stops.append(stop)
+        at += n
     last = sample_rows(_stack(final), torch.stack([u[b][n : n + 1] for b, n in enumerate(lengths)]))
     last = last[:, 0].tolist()
-    out = []
-    for b, (tree, n) in enumerate(zip(trees, lengths, strict=True)):
-        kept = tree.tokens[: stop[b]].tolist() if tree is not None else []
-        out.append(Verdict(kept, list(range(stop[b])), int(last[b]), bonus=stop[b] == n))
-    return out
+    return [
+        Verdict(tree.tokens[:stop].tolist(), list(range(stop)), int(last[b]), bonus=stop == n)
+        for b, (tree, n, stop) in enumerate(zip(trees, lengths, stops, strict=True))
+    ]
 
 
 def rejection_step(

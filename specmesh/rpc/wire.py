@@ -58,6 +58,7 @@ _MODE_TO_PROTO = {
     SamplingMode.IID: pb2.SAMPLING_MODE_IID,
     SamplingMode.WITHOUT_REPLACEMENT: pb2.SAMPLING_MODE_WITHOUT_REPLACEMENT,
     SamplingMode.MTAD: pb2.SAMPLING_MODE_MTAD,
+    SamplingMode.PROPOSED: pb2.SAMPLING_MODE_PROPOSED,
 }
 _MODE_FROM_PROTO = {v: k for k, v in _MODE_TO_PROTO.items()}
 
@@ -281,11 +282,8 @@ def tree_from_proto(
     if limits is not None:
         depth = int(tree.depths().max())
         _check_limit(f"{field}.parents", depth, limits.max_depth, "--max-depth", what="levels")
-    if tree.mode is SamplingMode.MTAD:
-        if not torch.equal(tree.parents, torch.arange(n) - 1):
-            raise WireError(f"{field}.parents", "an MTAD tree must be a chain")
-        if not (0.0 <= tree.mtad_threshold <= 1.0):
-            raise WireError(f"{field}.mtad_threshold", f"must be in [0, 1], got {tree.mtad_threshold}")
+    if tree.mode is SamplingMode.MTAD and not (0.0 <= tree.mtad_threshold <= 1.0):  # a chain: validate
+        raise WireError(f"{field}.mtad_threshold", f"must be in [0, 1], got {tree.mtad_threshold}")
     return tree
 
 
