@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
+from specmesh.core import verification
 from specmesh.core.ngram import (
     MAX_MATCH,
     NgramEstimate,
@@ -20,7 +21,7 @@ from specmesh.core.ngram import (
     propose,
 )
 from specmesh.core.rounds import verify_round
-from specmesh.core.sampling import Draws, SamplingParams
+from specmesh.core.sampling import SamplingParams
 from specmesh.core.tree import SamplingMode
 from specmesh.core.verification import verify_tree
 from specmesh.runtime.rounds import VerifyJob, run_ticked, verify_steps
@@ -283,7 +284,11 @@ def test_detects_one_draw_shared_by_the_positions(how: str, monkeypatch: pytest.
     """The slip the rule invites: one uniform for the round, reused at every proposed position
     (each token is still drawn from its own row, but the tokens of a round are no longer
     independent)."""
-    monkeypatch.setattr(Draws, "per_position", lambda self, n: self.uniform(1).repeat(n))
+
+    def one_draw(streams, lengths):
+        return torch.cat([d.uniform(1).repeat(n) for d, n in zip(streams, lengths, strict=True)])
+
+    monkeypatch.setattr(verification, "per_position_many", one_draw)
     assert PVALUES[how](PARAMS["T1.0"])[0] < P_VALUE_THRESHOLD
 
 

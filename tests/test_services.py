@@ -848,6 +848,20 @@ def token_outside_support(r) -> None:
     r.tree.tokens[0] = min(set(range(VOCAB)) - support)
 
 
+def proposed(chain: bool) -> Callable:
+    """Relabel the tree as proposed tokens (SamplingMode.PROPOSED): a chain that keeps its draft
+    rows, or one without rows that branches (node 2 hangs from node 0)."""
+
+    def mutate(r) -> None:
+        r.tree.mode = pb2.SAMPLING_MODE_PROPOSED
+        if not chain:
+            r.tree.ClearField("draft_probs")
+            r.tree.prob_rows[:] = [-1] * len(r.tree.prob_rows)
+            r.tree.parents[2] = 0
+
+    return mutate
+
+
 TINY_CONTEXT = 256  # the tiny models' max_position_embeddings
 
 # id -> (rpc, mutation of a valid request, what the INVALID_ARGUMENT message starts with)
@@ -900,6 +914,9 @@ BAD_INPUT: dict[str, tuple[str, Callable, str]] = {
         "tree.draft_probs[0]: sums to 1e+30",
     ),
     "tree-token-with-p-zero": ("Verify", token_outside_support, "tree.tokens[0]: "),
+    # proposed tokens (n-gram chains): a chain, and tokens only
+    "proposed-tree-with-rows": ("Verify", proposed(chain=True), "tree.draft_probs: "),
+    "proposed-tree-not-a-chain": ("Verify", proposed(chain=False), "tree.parents: "),
     # issue 14, finding 3: a session longer than the model's context
     "draft-beyond-context": (
         "Draft",

@@ -139,6 +139,18 @@ def test_a_proposed_chain_is_a_chain_without_rows_or_named() -> None:
     assert problems[0].field == "trees.draft_probs" and problems[3].field == "trees.parents"
 
 
+def test_an_mtad_tree_is_a_chain_with_a_threshold_in_range_or_named() -> None:
+    sent = trees(10)
+    columns = TreeColumns.from_trees(sent, VOCAB)
+    assert sent[5].mode is SamplingMode.MTAD and sent[1].num_nodes > sent[1].depths().max()
+    modes, thresholds = columns.modes.copy(), columns.thresholds.copy()
+    modes[1] = MODE_CODE[SamplingMode.MTAD]  # an MCSD tree: not a chain
+    thresholds[[1, 5]] = 1.5
+    problems = dataclasses.replace(columns, modes=modes, thresholds=thresholds).check(len(sent), VOCAB)
+    assert [i for i, p in enumerate(problems) if p is not None] == [1, 5]
+    assert problems[1].field == "trees.parents" and problems[5].field == "trees.mtad_thresholds"
+
+
 def test_a_column_of_the_wrong_size_refuses_the_tick_naming_it() -> None:
     msg = trees_to_proto(TreeColumns.from_trees(trees(4), VOCAB))
     msg.parents = msg.parents[:-4]

@@ -222,12 +222,14 @@ class Draws:
         stream `derive` gives that position (what a plain step there draws), this stream's own
         first draw first. A stream not derived from positions (a generator), or one that has drawn
         already, gives its next n: independent draws still, only not a plain step's."""
-        if self.origin is None or self.counter:
-            return self.uniform(n)
+        return per_position_many([self], [n])
+
+    def _position_keys(self, n: int) -> list[int]:
+        """The keys of the streams of this position and the n - 1 after it (a derived stream)."""
+        if n == 0:
+            return []
         seed, position, purpose = self.origin
-        keys = np.array([self.key, *(_key(seed, position + j, purpose) for j in range(1, n))], np.uint64)
-        self.counter = 1
-        return torch.from_numpy(_counter_uniforms(keys, np.zeros(n, np.uint64), 1)[:, 0])
+        return [self.key, *(_key(seed, position + j, purpose) for j in range(1, n))]
 
     def generator(self) -> torch.Generator:
         """A torch generator for noise over the vocabulary: the wrapped one, or one seeded from the
@@ -239,6 +241,20 @@ class Draws:
 
 def as_draws(draws: Draws | torch.Generator | None) -> Draws:
     return draws if isinstance(draws, Draws) else Draws.from_generator(draws)
+
+
+def per_position_many(streams: Sequence[Draws], lengths: Sequence[int]) -> torch.Tensor:
+    """`Draws.per_position(n)` of each stream, concatenated: float64 [sum(lengths)], one numpy
+    expression for the whole tick when every stream is fresh and derived (the verifier's)."""
+    fresh = [d.origin is not None and not d.counter for d in streams]
+    if not all(fresh):  # a generator, or a stream that has drawn: stream by stream
+        parts = zip(streams, lengths, fresh, strict=True)
+        return torch.cat([per_position_many([d], [n]) if f else d.uniform(n) for d, n, f in parts])
+    keys = [k for d, n in zip(streams, lengths, strict=True) for k in d._position_keys(n)]
+    for d, n in zip(streams, lengths, strict=True):
+        d.counter = min(n, 1)
+    counters = np.zeros(len(keys), np.uint64)
+    return torch.from_numpy(_counter_uniforms(np.array(keys, np.uint64), counters, 1)[:, 0])
 
 
 def uniform_many(streams: Sequence[Draws], n: int) -> torch.Tensor:

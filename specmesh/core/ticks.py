@@ -287,18 +287,20 @@ class TreeColumns:
             "every node with children needs its draft distribution")  # fmt: skip
         if rows:
             self._check_rows(problems, field, n_rows)
-        chains_only = [MODE_CODE[m] for m in MODES if m.chain_only]
-        for i in np.flatnonzero(has_tree & np.isin(self.modes, chains_only)).tolist():
-            if problems[i] is None:
-                mode = MODES[int(self.modes[i]) - 1]
-                p = self.parents[self.tokens.offsets[i] : self.tokens.offsets[i + 1]]
-                if not np.array_equal(p, np.arange(-1, len(p) - 1)):
-                    problems[i] = ColumnError(f"{field}.parents", f"a {mode.name} tree must be a chain", i)
-                elif not mode.samples_drafts and n_rows[i]:
-                    problem = f"a {mode.name} tree carries none (its tokens were not sampled)"
-                    problems[i] = ColumnError(f"{field}.draft_probs", problem, i)
-                elif mode is SamplingMode.MTAD and not 0.0 <= float(self.thresholds[i]) <= 1.0:
-                    problems[i] = ColumnError(f"{field}.mtad_thresholds", "must be in [0, 1]", i)
+        items = np.arange(n)
+        for mode in (m for m in MODES if m.chain_only):  # what DraftTree.validate adds for these modes
+            of_mode = has_tree & (self.modes == MODE_CODE[mode])
+            if not of_mode.any():
+                continue
+            bad(of_mode[node_item] & (parents != local - 1), node_item, "parents",
+                f"a {mode.name} tree must be a chain")  # fmt: skip
+            if not mode.samples_drafts:
+                bad(of_mode & with_rows, items, "draft_probs",
+                    f"a {mode.name} tree carries none (its tokens were not sampled)")  # fmt: skip
+            if mode is SamplingMode.MTAD:
+                threshold = self.thresholds.astype(np.float64)
+                bad(of_mode & ~((threshold >= 0.0) & (threshold <= 1.0)), items, "mtad_thresholds",
+                    "must be in [0, 1]")  # fmt: skip
         return problems
 
     def _check_rows(self, problems: list[ColumnError | None], field: str, n_rows: np.ndarray) -> None:

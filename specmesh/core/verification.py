@@ -36,6 +36,7 @@ from specmesh.core.sampling import (
     Draws,
     SamplingParams,
     as_draws,
+    per_position_many,
     sample,
     sample_rows,
     uniform_many,
@@ -223,7 +224,7 @@ def _verify_proposals(
                                           session 1 emits [3]
     """
     lengths = [0 if t is None else t.num_nodes for t in trees]
-    u = torch.cat([d.per_position(n + 1) for d, n in zip(draws, lengths, strict=True)])
+    u = per_position_many(draws, [n + 1 for n in lengths])
     rows = _cat(logits)  # [sum(n + 1), V]
     q = warp_rows(rows, [p for p, n in zip(params, lengths, strict=True) for _ in range(n + 1)])
     drawn = sample_rows(q, u.unsqueeze(-1))[:, 0].tolist()
