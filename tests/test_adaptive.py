@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specmesh.core.adaptive import (
+    MAX_LOOKUP,
     AdaptivePolicy,
     FamilyPolicy,
     ForwardCost,
@@ -323,6 +324,26 @@ def test_rides_go_deeper_where_rows_are_cheap() -> None:
     answer = [*_tokens(30, 2), *passage[:100]]
     depths = [_family(forward, None, prompt).plan([*prompt, *answer]).lookup_depth for forward in (CPU, FLAT)]
     assert 1 <= depths[0] < depths[1]
+
+
+# The 1.5B target here with logits on every row (a ride's), 512 tokens of context: a cliff at 8 rows
+RIDE_ROWS = {1: 0.035, 2: 0.065, 3: 0.088, 4: 0.110, 5: 0.1375, 6: 0.159, 7: 0.182, 8: 0.262, 16: 0.313}
+
+
+def test_the_probe_reads_every_row_count_a_ride_takes() -> None:
+    """Measured at PROBE_ROWS, that curve lets a long copy ride as deep as rides go. Read at 1, 2,
+    4, 8 and 16 rows only (the probe until issue 38's eighth pass), the line from 4 rows to the
+    cliff puts 5-7 rows 10-23 % too high, and the same copy rides 3 tokens."""
+    passage = _tokens(300, 0)
+    prompt = [*_tokens(40, 1), *passage]
+    answer = [*_tokens(30, 2), *passage[:100]]
+
+    def depth(rows: tuple[int, ...]) -> int:
+        policy = _family({r: RIDE_ROWS[r] for r in rows}, None, prompt)
+        return policy.plan([*prompt, *answer]).lookup_depth
+
+    assert depth(PROBE_ROWS) == MAX_LOOKUP
+    assert depth((1, 2, 4, 8, 16)) == 3
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import torch
 
 from specmesh.core import verification
 from specmesh.core.ngram import (
+    CANDIDATES,
     MAX_MATCH,
     NgramEstimate,
     NgramIndex,
@@ -45,6 +46,26 @@ def test_the_longest_suffix_wins_then_the_latest_occurrence() -> None:
     # [2, 3] occurred twice (followed by 4, then by 8); the 3-gram [1, 2, 3] only once (-> 4)
     assert propose([1, 2, 3, 4, 0, 2, 3, 8, 1, 2, 3], depth=1) == [4]
     assert propose([9, 2, 3, 4, 0, 2, 3, 8, 7, 2, 3], depth=2) == [8, 7]
+
+
+def test_of_a_recurring_n_gram_the_longest_match_is_copied() -> None:
+    """[5, 6, 7] occurred twice; the first time after a 1, as the sequence's end: that is the
+    passage being copied, though the other occurrence is later. An equal match: the latest."""
+    tokens = [1, 5, 6, 7, 9, 2, 5, 6, 7, 8, 1, 5, 6, 7]
+    assert propose(tokens, depth=3) == [9, 2, 5]
+    index = NgramIndex()
+    index.extend(tokens[:-1])
+    assert index.lookup(3, tokens[-1:]) == (4, [9, 2, 5])
+    index.extend(tokens[-1:])
+    assert index.lookup(3) == (4, [9, 2, 5])
+    assert propose([3, 5, 6, 7, 9, 2, 5, 6, 7, 8, 1, 5, 6, 7], depth=1) == [8]
+    # only the latest CANDIDATES occurrences are compared: k later ones after a 2 (a match of 3)
+
+    def far(k: int) -> list[int]:
+        return [1, 5, 6, 7, 9, *[t for _ in range(k) for t in (2, 5, 6, 7)], 8, 1, 5, 6, 7]
+
+    assert propose(far(CANDIDATES - 1), depth=1) == [9]
+    assert propose(far(CANDIDATES), depth=1) == [8]
 
 
 def test_no_match_drafts_nothing_and_depth_cuts() -> None:

@@ -39,6 +39,7 @@ from specmesh.rpc.round_client import (
 from specmesh.rpc.tick_client import Role, TickLoop
 from specmesh.rpc.ticks import Opened as TickOpened
 from specmesh.rpc.ticks import items_fields, opened_to_proto, packed, trees_to_proto
+from specmesh.runtime.costs import PROBE_ROWS
 from specmesh.runtime.models import load_model
 from specmesh.stack.ports import free_port
 from tests.servers import Server, grpcurl, replica, start_all, stop_all, wait_until
@@ -173,7 +174,7 @@ def test_info_reports_model_tokenizer_and_limits(stack, models) -> None:
         assert reply.tokenizer_fingerprint == fingerprint
         assert {name: getattr(reply, name) for name in limits} == limits
         # measured at start-up, what the adaptive policy decides from
-        assert [c.rows for c in reply.forward_cost] == [1, 2, 4, 8, 16]
+        assert [c.rows for c in reply.forward_cost] == list(PROBE_ROWS)
         assert all(c.seconds > 0 for c in reply.forward_cost)
 
 

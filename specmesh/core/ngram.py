@@ -1,12 +1,17 @@
 """N-gram (prompt-lookup) drafts: proposals copied from the session's own tokens, no draft model.
 
-The proposal after tokens t_1..t_n is what followed the latest earlier occurrence of the longest
-suffix of t that occurred before (n-grams of `max_ngram` down to `min_ngram` tokens), as vLLM's
-`ngram` proposer, SGLang's n-gram and llama.cpp's lookup decoding do. Worked example
+The proposal after tokens t_1..t_n is what followed an earlier occurrence of the longest suffix
+of t that occurred before (n-grams of `max_ngram` down to `min_ngram` tokens), as vLLM's `ngram`
+proposer, SGLang's n-gram and llama.cpp's lookup decoding do. Of a `max_ngram`-gram's latest
+CANDIDATES occurrences it takes the one whose agreement with the end of t runs back furthest (up
+to MAX_MATCH tokens; the latest on a tie): where a 3-gram recurs (code's `(self, `), that is the
+passage an answer is copying, not the latest place the 3-gram happened to occur. Worked example
 (max_ngram 3, depth 3):
 
     tokens   = [5, 6, 7, 9, 5, 6, 7]
     suffix [5, 6, 7] occurred at 0..2, followed by [9, 5, 6]   -> proposal [9, 5, 6]
+    tokens   = [1, 5, 6, 7, 9, 2, 5, 6, 7, 8, 1, 5, 6, 7]
+    [5, 6, 7] at 1..3 (after a 1, as the end) and at 6..8      -> proposal [9, 2, 5]
 
 The proposal is a function of the committed tokens, not a sample, so it is verified by the rule of
 SamplingMode.PROPOSED (`verification`): the target draws its own token at each position, with the
@@ -29,7 +34,9 @@ session resumed elsewhere rebuilds them from its tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import array
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from specmesh.core.extras import missing
@@ -48,6 +55,10 @@ WINDOW = 4096  # tokens searched back from the end: a lookup stays cheap on long
 # (issue 38, the copying sets' answers: 90-100 % against 47-64 % at the first token). The estimate
 # counts matches in these classes (lower bounds, tokens).
 MAX_MATCH = 10
+# Occurrences of the longest suffix compared by their match (the latest first). Replaying the copying
+# sets' answers, 8 chose as well as comparing every occurrence, and as well as n-grams of up to 10
+# tokens, which would take 4x the index's memory (docs/decisions.md, "The lookup's source").
+CANDIDATES = 8
 MATCH_CLASSES = (1, 2, 3, 5, 10)  # few classes: each gathers evidence fast enough to decay
 
 
@@ -65,35 +76,48 @@ def propose(
     end = len(window)
     for n in range(min(max_ngram, end - 1), min_ngram - 1, -1):
         suffix, last = window[end - n :], window[-1]
-        # the latest occurrence ending at e < end (so that window[e] follows it): the last token
-        # is compared first, the slice only on a hit
-        for e in range(end - 1, n - 1, -1):
-            if window[e - 1] == last and window[e - n : e] == suffix:
-                return window[e : e + depth]
+        # occurrences ending at e < end (so that window[e] follows them), the latest first: the
+        # last token is compared first, the slice only on a hit
+        ends = range(end - 1, n - 1, -1)
+        found = (e for e in ends if window[e - 1] == last and window[e - n : e] == suffix)
+        e = _source(window, found, n, max_ngram)
+        if e is not None:
+            return window[e : e + depth]
     return []
+
+
+def _match(seq: Sequence[int], e: int, n: int) -> int:
+    """How many tokens before position e agree with the end of seq: the n-gram and on, up to
+    MAX_MATCH."""
+    end = len(seq)
+    while n < MAX_MATCH and e - n > 0 and seq[e - n - 1] == seq[end - n - 1]:
+        n += 1
+    return n
+
+
+def _source(seq: Sequence[int], ends: Iterator[int], n: int, max_ngram: int) -> int | None:
+    """Of the occurrences of seq's n-token suffix (their ends, the latest first), the one to copy
+    from: the latest, or for the longest n-grams the best match of the first CANDIDATES (a shorter
+    one's match cannot run past n: the suffix one longer would have occurred)."""
+    if n < max_ngram:
+        return next(ends, None)
+    return max(itertools.islice(ends, CANDIDATES), key=lambda e: _match(seq, e, n), default=None)
 
 
 def prompt_hit_rate(prompt: Sequence[int], max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> float:
     """The share of the prompt's positions (past its first quarter, so that there is something to
     look up) whose token `propose` on the tokens before it gives first. 0 for short prompts.
-    One pass: per n, each n-gram's latest end so far (what `propose` finds, without its window)."""
+    One pass of an `NgramIndex` (what `propose` finds, without its window)."""
     start = max(8, len(prompt) // 4)
     if start >= len(prompt):
         return 0.0
     tokens = [int(t) for t in prompt]
-    ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
+    index = NgramIndex(max_ngram, min_ngram)
+    index.extend(tokens[:start])
     hits = 0
-    for i in range(len(tokens)):
-        if i >= start:
-            guess = None
-            for n in range(min(max_ngram, i - 1), min_ngram - 1, -1):
-                e = ends[n].get(tuple(tokens[i - n : i]))
-                if e is not None:
-                    guess = tokens[e]
-                    break
-            hits += guess == tokens[i]
-        for n in range(min_ngram, min(max_ngram, i) + 1):  # the n-grams ending at i, followed by tokens[i]
-            ends[n][tuple(tokens[i - n : i])] = i
+    for t in tokens[start:]:
+        hits += index.propose(1) == [t]
+        index.extend([t])
     return hits / (len(tokens) - start)
 
 
@@ -124,22 +148,40 @@ class NgramIndex:
 
     def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._clear()
+
+    def _clear(self) -> None:
         self.tokens: list[int] = []
-        self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
+        self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.max_ngram + 1)]
+        # per position e: the end before e of the max_ngram-gram that ends at e, or -1 (each
+        # such n-gram's occurrences, linked from the latest: `_source`'s candidates)
+        self._earlier = array.array("q")
 
     def extend(self, tokens: Sequence[int]) -> None:
-        seq, ends = self.tokens, self._ends
+        seq, ends, top = self.tokens, self._ends, self.max_ngram
         for t in tokens:
             i = len(seq)  # t's position: every n-gram ending just before it is followed by t
-            for n in range(self.min_ngram, min(self.max_ngram, i) + 1):
-                ends[n][tuple(seq[i - n : i])] = i
+            for n in range(self.min_ngram, min(top, i) + 1):
+                key = tuple(seq[i - n : i])
+                if n == top:
+                    self._earlier.append(ends[n].get(key, -1))
+                ends[n][key] = i
+            if i < top:
+                self._earlier.append(-1)
             seq.append(int(t))
+
+    def _indexed(self, e: int | None) -> Iterator[int]:
+        """The indexed occurrences of a max_ngram-gram from its latest end e (None: it has none),
+        the latest first."""
+        while e is not None and e >= 0:
+            yield e
+            e = self._earlier[e]
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Index exactly `tokens`: extended when they continue what is indexed, else rebuilt (a
         session rolled back or replaced)."""
         if not self.continued_by(tokens):
-            self.tokens, self._ends = [], [{} for _ in range(self.max_ngram + 1)]
+            self._clear()
         self.extend(tokens[len(self.tokens) :])
 
     def continued_by(self, tokens: Sequence[int]) -> bool:
@@ -154,26 +196,25 @@ class NgramIndex:
     def lookup(
         self, depth: int, after: Sequence[int] = (), min_ngram: int | None = None
     ) -> tuple[int, list[int]]:
-        """(m, proposal): up to `depth` tokens that followed the latest earlier occurrence of the
-        longest suffix (max_ngram down to the index's min_ngram tokens) of the indexed tokens +
-        `after` (not indexed: a step's tokens not yet committed), and m, how many tokens before
-        that occurrence agree with the end of the sequence (its n-gram and on, up to MAX_MATCH);
-        (m, []) when m < min_ngram, (0, []) if nothing occurred. A longer match is a better guess:
-        the default path rides only matches as long as its estimate says pay. Worked example
-        (max_ngram 3): indexed [1, 5, 6, 7, 9, 1, 5, 6], after [7]: the suffix [5, 6, 7] ends at 4
-        (followed by 9) and the 1 before it agrees too -> (4, [9, 1, 5, ...])."""
+        """(m, proposal): up to `depth` tokens that followed the earlier occurrence `propose`
+        takes of the longest suffix (max_ngram down to the index's min_ngram tokens) of the
+        indexed tokens + `after` (not indexed: a step's tokens not yet committed), and m, how many
+        tokens before that occurrence agree with the end of the sequence (its n-gram and on, up to
+        MAX_MATCH); (m, []) when m < min_ngram, (0, []) if nothing occurred. A longer match is a
+        better guess: the default path rides only matches as long as its estimate says pay.
+        Worked example (max_ngram 3): indexed [1, 5, 6, 7, 9, 1, 5, 6], after [7]: the suffix
+        [5, 6, 7] ends at 4 (followed by 9) and the 1 before it agrees too -> (4, [9, 1, 5, ...])."""
         seq = self.tokens if not after else [*self.tokens, *after]
         end, indexed = len(seq), len(self.tokens)
         for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
             suffix = seq[end - n :]
             # occurrences followed by an `after` token are not indexed, and are the latest: first
-            e = next((e for e in range(end - 1, max(indexed, n) - 1, -1) if seq[e - n : e] == suffix), None)
-            if e is None:
-                e = self._ends[n].get(tuple(suffix))
+            latest = (e for e in range(end - 1, max(indexed, n) - 1, -1) if seq[e - n : e] == suffix)
+            e = self._ends[n].get(tuple(suffix))
+            earlier = self._indexed(e) if n == self.max_ngram else [] if e is None else [e]
+            e = _source(seq, itertools.chain(latest, earlier), n, self.max_ngram)
             if e is not None:
-                m = n
-                while m < MAX_MATCH and e - m > 0 and seq[e - m - 1] == seq[end - m - 1]:
-                    m += 1
+                m = _match(seq, e, n)
                 return (m, seq[e : e + depth]) if m >= (min_ngram or 0) else (m, [])
         return 0, []
 
