@@ -14,11 +14,11 @@ import time
 from specmesh.core.adaptive import MAX_LOOKUP
 from specmesh.runtime.backend import ModelBackend, Step
 
-# Every row count a ride can take (1 + up to MAX_LOOKUP proposal tokens) and a draft chain's
-# (to 8) is measured, not interpolated: llama.cpp's CPU forward has a cliff at 8 rows (another
-# matmul kernel; 1/4/8 rows: 1.0/3.3/7.5 one-row forwards), and a line from 4 rows to 8 put 5-7
-# rows 10-23 % too high, so the default rode 3 tokens of copies accepted 6 deep (docs/decisions.md,
-# "The probe's rows").
+# Every row count up to 8 is measured, not interpolated: a ride takes up to 1 + MAX_LOOKUP rows
+# and most draft chains fewer than 8. llama.cpp's CPU forward jumps at 8 rows (another matmul
+# kernel; 1/4/8 rows: 1.0/3.3/7.5 one-row forwards), and a line from 4 rows to 8 put 5-7 rows 10-23 %
+# too high, so the default rode 3 tokens of copies accepted 6 deep (docs/decisions.md, "The probe's
+# rows").
 PROBE_ROWS = (*range(1, max(MAX_LOOKUP + 1, 8) + 1), 16)
 PROBE_SESSION = "__forward-cost-probe__"
 
