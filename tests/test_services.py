@@ -450,7 +450,9 @@ def test_a_step_run_ahead_is_taken_by_the_call_that_goes_on_and_rolled_back_by_o
     step while the answer travels. A call that goes on from there takes it: 4 steps, or 1 (the
     step is the whole call); either way the tokens are those of one-token calls, which run none.
     A call that changes its n-gram rides takes it too, greedy or sampled: a step emits the tokens
-    a plain step draws whatever rode in it. A call that rolls the session back (DSI's kind) with
+    a plain step draws whatever rode in it; also when it comes at once, maybe before the step's
+    forward started (it waits for it: its first step rides as the step did, whatever the timing,
+    so a seed's stats are reproducible). A call that rolls the session back (DSI's kind) with
     other sampling gets what a fresh session gets from the same tokens; a Release right after a
     call leaves no session behind."""
     params, other = SamplingParams(0.8, top_k=20, seed=7), SamplingParams(0.8, top_k=20, seed=8)
@@ -471,8 +473,7 @@ def test_a_step_run_ahead_is_taken_by_the_call_that_goes_on_and_rolled_back_by_o
         return stack.verifier.metrics()[("specmesh:forward_seconds_count", ())]
 
     async def ran(since: float, count: int) -> None:
-        """Until `count` forwards since `since`: the step run ahead has had its forward (a call
-        that comes before it starts takes it back, and would count neither way)."""
+        """Until `count` forwards since `since`: the step run ahead has had its forward."""
         deadline = time.monotonic() + 10
         while forwards() < since + count:
             assert time.monotonic() < deadline, "the step run ahead never ran"
@@ -502,15 +503,30 @@ def test_a_step_run_ahead_is_taken_by_the_call_that_goes_on_and_rolled_back_by_o
                 greedy_ref += await call(stubs, "ahead-gref", position, new, greedy, 1)
                 position, new = position + len(new), greedy_ref[-1:]
             counts = ahead_steps(stack.verifier)
-            for sid, p, want in (("ahead-g", greedy, greedy_ref), ("ahead-s", params, ref)):
+            runs = (
+                ("ahead-g", greedy, greedy_ref, True),
+                ("ahead-s", params, ref, True),
+                ("ahead-now", params, ref, False),
+            )
+            for sid, p, want, wait in runs:
                 since = forwards()
                 got = await call(stubs, sid, 0, list(PROMPT), p, rides=(3, 1))
-                await ran(since, 4 + 1)
+                if wait:
+                    await ran(since, 4 + 1)
                 got += await call(stubs, sid, n + len(got) - 1, got[-1:], p)  # no rides now
                 assert got == want[: len(got)], sid
                 counts, was = ahead_steps(stack.verifier), counts
                 assert counts[0] == was[0] + 1, sid  # taken
-            for sid in ("ahead-ref", "ahead-a", "ahead-b", "ahead-c", "ahead-gref", "ahead-g", "ahead-s"):
+            for sid in (
+                "ahead-ref",
+                "ahead-a",
+                "ahead-b",
+                "ahead-c",
+                "ahead-gref",
+                "ahead-g",
+                "ahead-s",
+                "ahead-now",
+            ):
                 await stubs.verifier.Release(pb2.ReleaseRequest(session_id=sid))
         return ref, first, taken, rolled, fresh, one
 

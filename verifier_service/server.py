@@ -343,7 +343,10 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         except NotOwnerError:
             return None
         del self._aheads[v.session_id]
-        prior.tick.cancel(prior.job)  # not started yet: it never will
+        if not _goes_on(prior.expects, v):
+            prior.tick.cancel(prior.job)  # not started yet: it never will
+        # else it runs even if the call came before its forward started: the call's first step
+        # then rides as the step it expected, whatever the timing (a seed's stats are the tokens')
         try:
             first = (await asyncio.shield(prior.run))[prior.index]
         except Withdrawn:
@@ -422,16 +425,20 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         count_labels(self._per_depth, depths)
 
 
-def _takes(expects: wire.VerifyInput, v: wire.VerifyInput, first: VerifyOutcome) -> bool:
-    """Whether call v goes on from the step run ahead of it: the same session state and settings
-    as it assumed; v's step count does not matter, its max_tokens must leave room for the step.
-    Its rides need not match either: a step emits the tokens a plain step draws whatever rode in
-    it (the argmax, or the position's own draw: SamplingMode.PROPOSED), so v's text is its own
-    (the gateway changes its rides on ~1 call in 10 of a copying answer, and each change threw a
-    forward away)."""
+def _goes_on(expects: wire.VerifyInput, v: wire.VerifyInput) -> bool:
+    """Whether call v starts where the step run ahead of it left the session, with its settings.
+    v's step count and max_tokens do not matter (`_takes`), nor do its rides: a step emits the
+    tokens a plain step draws whatever rode in it (the argmax, or the position's own draw:
+    SamplingMode.PROPOSED), so v's text is its own (the gateway changes its rides on ~1 call in 10
+    of a copying answer, and each change threw a forward away)."""
     loose = dict(plain_steps=1, max_tokens=0, lookup_depth=0, lookup_min_ngram=0)
-    same = replace(v, **loose) == replace(expects, **loose)
-    return same and (not v.max_tokens or first.emitted <= v.max_tokens)
+    return replace(v, **loose) == replace(expects, **loose)
+
+
+def _takes(expects: wire.VerifyInput, v: wire.VerifyInput, first: VerifyOutcome) -> bool:
+    """Whether call v goes on from the step run ahead of it (outcome `first`): it starts where
+    the step did, and its max_tokens leaves room for what the step emitted."""
+    return _goes_on(expects, v) and (not v.max_tokens or first.emitted <= v.max_tokens)
 
 
 def _after(v: wire.VerifyInput, first: VerifyOutcome, job: VerifyJob) -> tuple[wire.VerifyInput, bool]:
@@ -450,7 +457,7 @@ def _after(v: wire.VerifyInput, first: VerifyOutcome, job: VerifyJob) -> tuple[w
 
 
 def _still_wanted(job: VerifyJob) -> None:
-    """A run-ahead step's `before`, on the model thread: a step taken back (its call came early, or
+    """A run-ahead step's `before`, on the model thread: a step taken back (its call went elsewhere, or
     the session was released) stays out of the forward."""
     if job.cancelled:
         raise Cancelled("taken back before its forward")
