@@ -217,13 +217,6 @@ class Draws:
         self.counter += n
         return torch.from_numpy(out[0])
 
-    def per_position(self, n: int) -> torch.Tensor:
-        """float64 [n]: for this stream's position and the n - 1 after it, the first draw of the
-        stream `derive` gives that position (what a plain step there draws), this stream's own
-        first draw first. A stream not derived from positions (a generator), or one that has drawn
-        already, gives its next n: independent draws still, only not a plain step's."""
-        return per_position_many([self], [n])
-
     def _position_keys(self, n: int) -> list[int]:
         """The keys of the streams of this position and the n - 1 after it (a derived stream)."""
         if n == 0:
@@ -244,8 +237,12 @@ def as_draws(draws: Draws | torch.Generator | None) -> Draws:
 
 
 def per_position_many(streams: Sequence[Draws], lengths: Sequence[int]) -> torch.Tensor:
-    """`Draws.per_position(n)` of each stream, concatenated: float64 [sum(lengths)], one numpy
-    expression for the whole tick when every stream is fresh and derived (the verifier's)."""
+    """float64 [sum(lengths)]: per stream, for its position and the n - 1 after it, the first draw
+    of the stream `Draws.derive` gives that position (what a plain step there draws), the stream's
+    own first draw first; concatenated, in one numpy expression for the whole tick when every
+    stream is fresh and derived (the verifier's). A stream not derived from positions (a
+    generator), or one that has drawn already, gives its next n: independent draws still, only
+    not a plain step's."""
     fresh = [d.origin is not None and not d.counter for d in streams]
     if not all(fresh):  # a generator, or a stream that has drawn: stream by stream
         parts = zip(streams, lengths, fresh, strict=True)

@@ -21,7 +21,7 @@ At temperature 0 every mode is verified greedily: the target's argmax path throu
 Randomness: one uniform per tree node is drawn up front, then one draw for the final token, so a
 seeded stream (`specmesh.core.sampling.Draws`) gives the same verdict whatever path the walk takes,
 and whatever other sessions a tick verifies beside it (`verify_many`). Proposed chains take each
-position's first draw instead (`Draws.per_position`), so their text is the plain steps' text.
+position's first draw instead (`per_position_many`), so their text is the plain steps' text.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def _verify_proposals(
     """Plain steps (None) and proposed chains (SamplingMode.PROPOSED), vectorized over the tick.
 
     Session b, nodes x_0..x_{n-1} after position P: y_j is drawn from q_j = warp(row j) with the
-    first draw of position P + j's stream (`Draws.per_position`), exactly what a plain step at
+    first draw of position P + j's stream (`per_position_many`), exactly what a plain step at
     P + j draws. x_j is kept while x_j = y_j; the first y_j that differs (or y_n after a whole
     chain: the bonus) is the next token. Every emitted token is a plain step's, so the rule is
     lossless whatever was proposed and a seeded text is the same with or without proposals; x_j
