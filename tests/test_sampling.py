@@ -131,3 +131,22 @@ def test_sample_rows_draws_what_the_float64_cdf_of_probs_gives() -> None:
     cdf = probs.double().cumsum(-1)
     reference = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)
     assert torch.equal(sample_rows(probs, u), reference)
+
+
+def test_argmax_rows_is_torch_argmax_first_of_ties_included() -> None:
+    """The greedy token of every row (numpy's argmax on CPU float32, torch's elsewhere) is torch's:
+    the first of tied maxima, on vocabulary-sized rows and in bf16."""
+    from specmesh.core.sampling import argmax_rows
+
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(5, 151_936, generator=g)
+    rows[1, [7, 9000, 150_000]] = 50.0  # a three-way tie: the first wins
+    rows[3] = 0.0  # all tied
+    assert (
+        argmax_rows(rows)
+        == rows.argmax(-1).tolist()
+        == [*argmax_rows(rows[:1]), 7, *argmax_rows(rows[2:3]), 0, *argmax_rows(rows[4:])]
+    )
+    assert argmax_rows(rows[:, ::2]) == rows[:, ::2].argmax(-1).tolist()  # a strided view
+    half = rows.bfloat16()
+    assert argmax_rows(half) == half.argmax(-1).tolist()

@@ -27,6 +27,7 @@ from specmesh.core.methods import METHODS, Method
 from specmesh.core.sampling import (
     Draws,
     SamplingParams,
+    argmax_rows,
     as_draws,
     gumbel_like,
     gumbel_top_k,
@@ -208,9 +209,9 @@ def _chain_levels(specs: list[TreeSpec], params: list[SamplingParams], draws: li
         vocab = rows_now.shape[-1]
         sampled = [i for i, b in enumerate(active) if not params[b].greedy]
         if not sampled:  # all greedy: the argmax, no distribution kept
-            picked = rows_now.argmax(-1).tolist()
+            picked = argmax_rows(rows_now)
         else:
-            picked = rows_now.argmax(-1).tolist() if len(sampled) < len(active) else [0] * len(active)
+            picked = argmax_rows(rows_now) if len(sampled) < len(active) else [0] * len(active)
             everyone = len(sampled) == len(active)
             probs = warp_rows(
                 rows_now if everyone else rows_now[sampled], [params[active[i]] for i in sampled]

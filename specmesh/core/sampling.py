@@ -135,6 +135,15 @@ def gumbel_top_k(logp: torch.Tensor, k: int, generator: torch.Generator | None) 
     return scores.topk(k).indices
 
 
+def argmax_rows(rows: torch.Tensor) -> list[int]:
+    """Each row's first maximum, rows [R, V]. On a CPU float32 tensor numpy's argmax: torch's
+    single-threaded one took 0.23 ms a row at V = 152k here (1.1 ms for a 5-row ride, every greedy
+    step), numpy's 0.011 ms. Both return the first of tied maxima."""
+    if rows.device.type == "cpu" and rows.dtype == torch.float32:
+        return rows.detach().numpy().argmax(-1).tolist()
+    return rows.argmax(-1).tolist()
+
+
 def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse CDF: probs [R, V], u [R, K] uniforms in [0, 1) float64 -> [R, K] tokens, row r's
     drawn from probs[r]. Exact in float64, and at V = 152k about 20x cheaper than

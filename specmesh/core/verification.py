@@ -35,6 +35,7 @@ from specmesh.core.logprobs import TokenLogprob
 from specmesh.core.sampling import (
     Draws,
     SamplingParams,
+    argmax_rows,
     as_draws,
     per_position_many,
     sample,
@@ -123,7 +124,7 @@ def verify_many(
         else:
             out[b] = _verify_rejection(tree, rows, p, draws[b])
     if greedy:  # one argmax for every greedy row of the tick
-        argmax = _cat([logits[b] for b in greedy]).argmax(-1).tolist()
+        argmax = argmax_rows(_cat([logits[b] for b in greedy]))
         at = 0
         for b in greedy:
             n = logits[b].shape[0]

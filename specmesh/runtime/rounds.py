@@ -37,7 +37,7 @@ from specmesh.core.drafting import NextLogits, Path, TreeSpec, draft_many
 from specmesh.core.grammar import mask_logits, tree_paths
 from specmesh.core.logprobs import TokenLogprob
 from specmesh.core.rounds import draft_draws, verify_rounds
-from specmesh.core.sampling import SamplingParams
+from specmesh.core.sampling import SamplingParams, argmax_rows
 from specmesh.core.tree import DraftTree
 from specmesh.core.verification import Verdict
 from specmesh.runtime.backend import Step
@@ -156,7 +156,7 @@ def _guess_next(jobs: Sequence[DraftJob], outcomes: list[DraftOutcome]) -> Ticke
         if isinstance(logits, BaseException):
             out.error, out.tree = logits, None
         else:
-            out.likely = [*tokens, int(logits[-1].argmax())]
+            out.likely = [*tokens, *argmax_rows(logits[-1:])]
 
 
 def level_forwards(
