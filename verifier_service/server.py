@@ -289,8 +289,8 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             out[item.index] = whole
             if ahead and verifies[item.index][0].plain_steps > 1 and not gone:
                 goes_on.append((item.verify, item.job, outcome))
-        await self._run_ahead(goes_on)
         self._record(rounds)
+        await self._run_ahead(goes_on)
         return out, tick
 
     # ---- run-ahead: a plain run's next step while its answer travels ---------------------------
@@ -347,7 +347,8 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         except NotOwnerError:
             return None
         del self._aheads[v.session_id]
-        if not _goes_on(prior.expects, v):
+        goes_on = _goes_on(prior.expects, v)
+        if not goes_on:
             prior.tick.cancel(prior.job)  # not started yet: it never will
         # else it runs even if the call came before its forward started: the call's first step
         # then rides as the step it expected, whatever the timing (a seed's stats are the tokens')
@@ -362,7 +363,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             if not isinstance(first.error, Cancelled):
                 self.forget(v.session_id)
             return None
-        used = _takes(prior.expects, v, first)
+        used = goes_on and (not v.max_tokens or first.emitted <= v.max_tokens)  # room for its tokens
         self._ahead_steps.labels("taken" if used else "discarded").inc()
         return (prior, first) if used else None
 
@@ -431,18 +432,12 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
 
 def _goes_on(expects: wire.VerifyInput, v: wire.VerifyInput) -> bool:
     """Whether call v starts where the step run ahead of it left the session, with its settings.
-    v's step count and max_tokens do not matter (`_takes`), nor do its rides: a step emits the
+    v's step count and max_tokens do not matter (`_take_ahead`), nor do its rides: a step emits the
     tokens a plain step draws whatever rode in it (the argmax, or the position's own draw:
     SamplingMode.PROPOSED), so v's text is its own (the gateway changes its rides on ~1 call in 10
     of a copying answer, and each change threw a forward away)."""
     loose = dict(plain_steps=1, max_tokens=0, lookup_depth=0, lookup_min_ngram=0)
     return replace(v, **loose) == replace(expects, **loose)
-
-
-def _takes(expects: wire.VerifyInput, v: wire.VerifyInput, first: VerifyOutcome) -> bool:
-    """Whether call v goes on from the step run ahead of it (outcome `first`): it starts where
-    the step did, and its max_tokens leaves room for what the step emitted."""
-    return _goes_on(expects, v) and (not v.max_tokens or first.emitted <= v.max_tokens)
 
 
 def _after(v: wire.VerifyInput, first: VerifyOutcome, job: VerifyJob) -> tuple[wire.VerifyInput, bool]:
