@@ -35,7 +35,16 @@ if [ -z "${TORCH_INDEX_URL:-}" ] && ! curl -s -m 10 -o /dev/null https://downloa
         name=$(basename "$wheel" | cut -d- -f1 | tr 'A-Z_.' 'a-z--')
         mkdir -p "$INDEX/simple/$name" && ln -s "$wheel" "$INDEX/simple/$name/"
     done
-    PORT=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+    # the same port every build where it is free: the URL is a build argument, part of the cache
+    # key of the torch layer, and a new port each time would reinstall torch (~1.3 GB a build)
+    PORT=$("$PYTHON" -c "
+import socket
+s = socket.socket()
+try:
+    s.bind(('127.0.0.1', 38517))
+except OSError:
+    s.bind(('127.0.0.1', 0))
+print(s.getsockname()[1])")
     "$PYTHON" -m http.server "$PORT" --bind 127.0.0.1 --directory "$INDEX" >/dev/null 2>&1 &
     SERVER=$!
     for _ in $(seq 50); do curl -s -o /dev/null "http://127.0.0.1:$PORT/simple/" && break; sleep 0.1; done
@@ -45,10 +54,16 @@ fi
 
 for target in gateway drafter verifier-cpu proxy; do
     began=$SECONDS
+    old=$("$DOCKER" image inspect --format '{{.Id}}' "specmesh:$target" 2>/dev/null || true)
     DOCKER_BUILDKIT=1 "$DOCKER" build --network host -f docker/Dockerfile --target "$target" \
         --build-arg "BASE_IMAGE=$BASE_IMAGE" "${INDEX_ARGS[@]}" -t "specmesh:$target" . \
         >"${TMPDIR:-/tmp}/specmesh-build-$target.log" 2>&1 \
         || { tail -40 "${TMPDIR:-/tmp}/specmesh-build-$target.log" >&2; exit 1; }
+    # the image this tag named before is left untagged by the build: remove it unless a
+    # container still uses it (every rebuild would otherwise keep its layers, ~1.5 GB each)
+    if [ -n "$old" ] && [ "$old" != "$("$DOCKER" image inspect --format '{{.Id}}' "specmesh:$target")" ]; then
+        "$DOCKER" image rm "$old" >/dev/null 2>&1 || true
+    fi
     size=$("$DOCKER" image inspect --format '{{.Size}}' "specmesh:$target" | numfmt --to=iec)
     step "specmesh:$target: $size, built in $((SECONDS - began))s"
 done
