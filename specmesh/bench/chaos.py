@@ -206,8 +206,8 @@ async def run_chaos(cfg: ChaosConfig, models: dict[str, Path], log: Any) -> dict
     )  # fmt: skip
     sup = Supervisor(plan.specs, output=log)
     pb2, pb2_grpc = load("gateway")
-    await sup.start()
     try:
+        await sup.start()  # a failure leaves the children it started running: stopped below
         async with grpc.aio.insecure_channel(plan.gateway) as channel:
             stub = pb2_grpc.GatewayStub(channel)
             await stub.Generate(request_of(pb2, 0, -1, cfg), timeout=120)  # warm-up
@@ -233,6 +233,7 @@ async def run_chaos(cfg: ChaosConfig, models: dict[str, Path], log: Any) -> dict
             quiet = await _replay(stub, pb2, outcomes, cfg)
     finally:
         await sup.stop()
+        plan.cleanup()  # the private Redis's directory (its AOF: ~20 MB a run)
     summary = _summary(cfg, outcomes, quiet, fired, chaos_seconds)
     return {**summary, "back_after_seconds": recovered, "hung": hung}
 
