@@ -17,6 +17,7 @@ TORCH_VERSION=$(sed -n 's/^ARG TORCH_VERSION=//p' docker/Dockerfile | head -1)
 PYTHON=${PYTHON:-.venv/bin/python}
 START=$SECONDS
 step() { printf '[docker_images %4ds] %s\n' "$((SECONDS - START))" "$*"; }
+image_id() { "$DOCKER" image inspect --format '{{.Id}}' "$1" 2>/dev/null || true; }
 # the daemon's own client (Debian's docker.io): BuildKit with RUN --mount, no buildx plugin needed
 DOCKER=${DOCKER:-$(command -v /usr/bin/docker || command -v docker)}
 
@@ -36,7 +37,7 @@ if [ -z "${TORCH_INDEX_URL:-}" ] && ! curl -s -m 10 -o /dev/null https://downloa
         mkdir -p "$INDEX/simple/$name" && ln -s "$wheel" "$INDEX/simple/$name/"
     done
     # the same port every build where it is free: the URL is a build argument, part of the cache
-    # key of the torch layer, and a new port each time would reinstall torch (~1.3 GB a build)
+    # key of the torch layer, and a new port each time would reinstall torch (an 865 MB layer)
     PORT=$("$PYTHON" -c "
 import socket
 s = socket.socket()
@@ -54,14 +55,14 @@ fi
 
 for target in gateway drafter verifier-cpu proxy; do
     began=$SECONDS
-    old=$("$DOCKER" image inspect --format '{{.Id}}' "specmesh:$target" 2>/dev/null || true)
+    old=$(image_id "specmesh:$target")
     DOCKER_BUILDKIT=1 "$DOCKER" build --network host -f docker/Dockerfile --target "$target" \
         --build-arg "BASE_IMAGE=$BASE_IMAGE" "${INDEX_ARGS[@]}" -t "specmesh:$target" . \
         >"${TMPDIR:-/tmp}/specmesh-build-$target.log" 2>&1 \
         || { tail -40 "${TMPDIR:-/tmp}/specmesh-build-$target.log" >&2; exit 1; }
     # the image this tag named before is left untagged by the build: remove it unless a
     # container still uses it (every rebuild would otherwise keep its layers, ~1.5 GB each)
-    if [ -n "$old" ] && [ "$old" != "$("$DOCKER" image inspect --format '{{.Id}}' "specmesh:$target")" ]; then
+    if [ -n "$old" ] && [ "$old" != "$(image_id "specmesh:$target")" ]; then
         "$DOCKER" image rm "$old" >/dev/null 2>&1 || true
     fi
     size=$("$DOCKER" image inspect --format '{{.Size}}' "specmesh:$target" | numfmt --to=iec)
