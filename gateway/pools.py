@@ -4,7 +4,11 @@ A pool is built from a target list, `host:port,host:port` and/or `dns:///name:po
 resolves to several addresses, e.g. a docker compose service scaled to N replicas; re-resolved
 every `resolve_interval`). A background task probes every replica each `health_interval` with the
 standard grpc.health.v1 service (each answer counts as it comes; a replica whose probe is still
-in flight is skipped); `pick(session_id)` keeps a session on its replica while that replica is
+in flight is skipped). A healthy replica no work has gone to for `idle_health_interval` is
+probed only that often (Envoy's `no_traffic_interval`): a probe wakes two idle processes, and on
+a small shared host their cold caches made each probe cost 15-45 ms of CPU a side, taken from
+the forwards of the replicas in use; a session sent to a replica that died meanwhile fails over as
+after any failed call. `pick(session_id)` keeps a session on its replica while that replica is
 healthy (its KV cache is there), otherwise moves it to the least loaded healthy one. A caller whose
 RPC failed calls `mark_failed(addr)`: the replica stays out for `failure_cooldown` seconds even if
 its health service still says SERVING, so a flapping replica is not picked again at once.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import socket
 import time
 from collections import OrderedDict
@@ -109,6 +114,8 @@ class Replica:
     last_error: str = "not checked yet"
     sessions: int = 0  # sessions currently assigned here (for least-loaded placement)
     failed_probes: int = 0  # consecutive failed health checks
+    probed_at: float = -math.inf  # monotonic time the last probe went out
+    used_at: float = -math.inf  # monotonic time work last went to it (`used`)
 
 
 class ReplicaPool:
@@ -121,6 +128,7 @@ class ReplicaPool:
         name: str = "replica",
         service: str = "",
         health_interval: float = 2.0,
+        idle_health_interval: float | None = None,
         health_timeout: float = 1.0,
         resolve_interval: float = 10.0,
         failure_cooldown: float | None = None,
@@ -131,12 +139,13 @@ class ReplicaPool:
         on_tick: Callable[[int], None] | None = None,
     ) -> None:
         """role: the replicas' service, for their tick loops (`loop`); on_tick(items): told of
-        every tick those send."""
+        every tick those send; idle_health_interval: None (or 0) = 10 x health_interval."""
         self.targets = parse_targets(targets)
         self.name = name
         self.role, self._on_tick = role, on_tick
         self.service = service  # "" = the server as a whole
         self.health_interval = health_interval
+        self.idle_health_interval = idle_health_interval or 10 * health_interval
         self.health_timeout = health_timeout
         self.resolve_interval = resolve_interval
         self.failure_cooldown = health_interval if failure_cooldown is None else failure_cooldown
@@ -188,7 +197,8 @@ class ReplicaPool:
             try:
                 if time.monotonic() - self._last_resolve >= self.resolve_interval:
                     await self._resolve_all()
-                self._probe_all()  # not awaited: a hung replica's probe must not delay the others'
+                # not awaited: a hung replica's probe must not delay the others'
+                self._probe_all(due_only=True)
             except Exception:  # a bug must not stop health checking for good
                 log.exception("%s pool: health round failed", self.name)
 
@@ -246,9 +256,22 @@ class ReplicaPool:
         if loop is None:
             if self.role is None:
                 raise ValueError(f"{self.name} pool: no role, no tick loops")
-            loop = TickLoop(self.channel(address), self.role, address, on_tick=self._on_tick)
+            loop = TickLoop(
+                self.channel(address), self.role, address, on_tick=lambda items: self._ticked(address, items)
+            )
             self._loops[address] = loop
         return loop
+
+    def _ticked(self, address: str, items: int) -> None:
+        self.used(address)
+        if self._on_tick is not None:
+            self._on_tick(items)
+
+    def used(self, address: str) -> None:
+        """Work went to this replica now: it is in use, and probed every round (`_due`)."""
+        replica = self._replicas.get(address)
+        if replica is not None:
+            replica.used_at = time.monotonic()
 
     def _open_channel(self, address: str) -> grpc.aio.Channel:
         """The default channel: TLS when the pool has `tls`, the replica's certificate checked
@@ -267,19 +290,32 @@ class ReplicaPool:
         """Probe every replica once, concurrently, and wait for the answers."""
         await asyncio.gather(*self._probe_all())
 
-    def _probe_all(self) -> list[asyncio.Task[None]]:
-        """A probe for every replica that has none in flight. Each answer counts as soon as it is
-        in: a paused replica's probe runs to its timeout, and a round that waited for it held back
-        a restarted spare's recovery (the gateway then found no spare for a slow call)."""
-        tasks = []
+    def _probe_all(self, due_only: bool = False) -> list[asyncio.Task[None]]:
+        """A probe for every replica that has none in flight (due_only: and is due, `_due`). Each
+        answer counts as soon as it is in: a paused replica's probe runs to its timeout, and a round
+        that waited for it held back a restarted spare's recovery (the gateway then found no spare
+        for a slow call)."""
+        tasks, now = [], time.monotonic()
         for replica in self._replicas.values():
             task = self._probing.get(replica.address)
             if task is None:
+                if due_only and not self._due(replica, now):
+                    continue
+                replica.probed_at = now
                 task = asyncio.create_task(self._check(replica), name=f"{self.name}-probe")
                 self._probing[replica.address] = task
                 task.add_done_callback(lambda _, address=replica.address: self._probing.pop(address, None))
             tasks.append(task)
         return tasks
+
+    def _due(self, replica: Replica, now: float) -> bool:
+        """Every round for a replica in use, unhealthy or whose last probe failed; a healthy idle
+        one once per `idle_health_interval` (half a round early, so the rounds' jitter does not
+        add a round)."""
+        idle = self.idle_health_interval
+        if not replica.healthy or replica.failed_probes or now - replica.used_at < idle:
+            return True
+        return now - replica.probed_at >= idle - self.health_interval / 2
 
     async def _check(self, replica: Replica) -> None:
         try:

@@ -107,6 +107,7 @@ class GatewayConfig(ServerConfig):
     try_timeout_factor: float
     retry_budget: float
     health_interval: float
+    idle_health_interval: float
     dsi_max_parallel: int
     dsi_timeline: str
     pipeline: str
@@ -192,6 +193,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
         float,
         "seconds between health checks of the replicas (also the cooldown after a failure)",
     ),
+    "idle_health_interval": (
+        float,
+        "seconds between health checks of a healthy replica no session has used for as long "
+        "(0 = 10 x --health-interval)",
+    ),
     "dsi_max_parallel": (int, "DSI: the most verifications of one session in flight at once"),
     "dsi_timeline": (
         str,
@@ -267,6 +273,7 @@ DEFAULTS: dict[str, Any] = {
     "try_timeout_factor": 10.0,
     "retry_budget": 0.2,
     "health_interval": 1.0,
+    "idle_health_interval": 0.0,
     "dsi_max_parallel": 4,
     "dsi_timeline": "",
     "pipeline": "auto",
@@ -297,7 +304,7 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         positive=("session_ttl", "lease_seconds", "round_timeout", "health_interval", "try_timeout_floor"),
         non_negative=(
             "http_port", "max_concurrent_requests", "try_timeout_factor", "retry_budget",
-            "redis_reconnect_seconds",
+            "redis_reconnect_seconds", "idle_health_interval",
         ),
     )  # fmt: skip
 
@@ -322,7 +329,11 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.metrics = GatewayMetrics(config.served_model_name)  # else the verifier's, once learnt
-        pool_options = {"health_interval": config.health_interval, "tls": config.replica_tls()}
+        pool_options = {
+            "health_interval": config.health_interval,
+            "idle_health_interval": config.idle_health_interval,
+            "tls": config.replica_tls(),
+        }
         ticks = {role: self.metrics.tick_items.labels(role.value).observe for role in Role}
         drafting = {**pool_options, "role": Role.DRAFTER, "on_tick": ticks[Role.DRAFTER]}
         drafters = ReplicaPool(config.drafters, name="drafter", **drafting) if config.drafters else None

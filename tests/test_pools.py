@@ -167,6 +167,45 @@ def test_a_hung_replicas_probe_does_not_hold_back_the_others():
     asyncio.run(scenario())
 
 
+class CountingHealth(health.aio.HealthServicer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+
+    async def Check(self, request, context):
+        self.checks += 1
+        return await super().Check(request, context)
+
+
+def test_idle_replicas_are_probed_at_the_idle_interval():
+    """A replica work goes to is probed every round; a healthy idle one every idle interval (a
+    probe wakes two idle processes, ~20 ms of CPU a side on a small host); one that failed a probe
+    every round again, so it is taken out in `unhealthy_after` rounds."""
+
+    async def scenario():
+        a, b = HealthServer(), HealthServer()
+        a.servicer, b.servicer = CountingHealth(), CountingHealth()
+        await a.start()
+        await b.start()
+        options = {**FAST, "health_interval": 0.05, "idle_health_interval": 0.6}
+        async with ReplicaPool([a.address, b.address], **options) as pool:
+            start = (a.servicer.checks, b.servicer.checks)
+            for _ in range(30):  # 1.5 s; b is in use
+                pool.used(b.address)
+                await asyncio.sleep(0.05)
+            idle_checks, busy_checks = a.servicer.checks - start[0], b.servicer.checks - start[1]
+            assert 1 <= idle_checks <= 3, idle_checks
+            assert busy_checks >= 15, busy_checks
+            await a.servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await until(lambda: pool.healthy() == [b.address], timeout=2.0)
+            await a.servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            await until(lambda: a.address in pool.healthy(), timeout=1.0)  # unhealthy: every round
+        await a.stop()
+        await b.stop()
+
+    asyncio.run(scenario())
+
+
 def test_service_specific_health():
     async def scenario():
         (a,) = await servers(1)

@@ -34,18 +34,28 @@ class HttpServer:
         await self.server.startup()
         if self.server.should_exit:  # uvicorn logged why (e.g. the port is taken)
             raise SystemExit(f"cannot serve HTTP on {self.config.host}:{self.config.port}")
-        self._loop_task = asyncio.create_task(self.server.main_loop(), name="http")
+        self._loop_task = asyncio.create_task(self._date_loop(), name="http-date")
         log.info(
             "serving http",
             extra={"host": self.config.host, "http_port": self.config.port, "https": self.config.is_ssl},
         )
+
+    async def _date_loop(self) -> None:
+        """uvicorn's own main loop wakes ten times a second to see whether it should exit; `stop`
+        tells it instead, so only its once-a-second refresh of the Date header is left. Each
+        wake-up of an idle process cost ~2.5 ms of CPU on a small shared host (its caches had gone
+        cold): 25 ms a second, taken from the forwards."""
+        while True:
+            await self.server.on_tick(0)  # tick 0: the Date header
+            await asyncio.sleep(1.0)
 
     async def stop(self, grace_seconds: float) -> None:
         """Stop accepting; requests in flight get `grace_seconds`, then are cancelled."""
         self.config.timeout_graceful_shutdown = max(1, round(grace_seconds))
         self.server.should_exit = True
         if self._loop_task is not None:
-            await self._loop_task
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
         await self.server.shutdown()
 
 
