@@ -4,14 +4,17 @@ A pool is built from a target list, `host:port,host:port` and/or `dns:///name:po
 resolves to several addresses, e.g. a docker compose service scaled to N replicas; re-resolved
 every `resolve_interval`). A background task probes every replica each `health_interval` with the
 standard grpc.health.v1 service (each answer counts as it comes; a replica whose probe is still
-in flight is skipped). A healthy replica no work has gone to for `idle_health_interval` is
-probed only that often (Envoy's `no_traffic_interval`): a probe wakes two idle processes, and on
-a small shared host their cold caches made each probe cost 15-45 ms of CPU a side, taken from
-the forwards of the replicas in use; a session sent to a replica that died meanwhile fails over as
-after any failed call. `pick(session_id)` keeps a session on its replica while that replica is
-healthy (its KV cache is there), otherwise moves it to the least loaded healthy one. A caller whose
-RPC failed calls `mark_failed(addr)`: the replica stays out for `failure_cooldown` seconds even if
-its health service still says SERVING, so a flapping replica is not picked again at once.
+in flight is skipped). A healthy replica no work has gone to for at least `idle_health_interval`
+is probed only that often (cf. Envoy's `no_traffic_healthy_interval`, per replica here): a probe
+wakes two idle processes, and on a small shared host their cold caches made a probe a second
+cost each side ~20-45 ms of CPU, taken from the forwards of the replicas in use. A failed call
+(`mark_failed`) makes every replica due at the next round, so the spares a round may move to
+are checked then; a session placed on an idle replica that died meanwhile fails over as after
+any failed call, one that hangs after its per-try timeout. `pick(session_id)` keeps a session on
+its replica while that replica is healthy (its KV cache is there), otherwise moves it to the
+least loaded healthy one. A caller whose RPC failed calls `mark_failed(addr)`: the replica stays
+out for `failure_cooldown` seconds even if its health service still says SERVING, so a flapping
+replica is not picked again at once.
 
 Single event loop: pick / mark_failed / healthy are plain methods that never await, so they need no
 locks. Channels are shared per address (`channel(addr)`), for the health checks and the callers;
@@ -311,7 +314,7 @@ class ReplicaPool:
     def _due(self, replica: Replica, now: float) -> bool:
         """Every round for a replica in use, unhealthy or whose last probe failed; a healthy idle
         one once per `idle_health_interval` (half a round early, so the rounds' jitter does not
-        add a round)."""
+        add a round), or at the next round after any `mark_failed`."""
         idle = self.idle_health_interval
         if not replica.healthy or replica.failed_probes or now - replica.used_at < idle:
             return True
@@ -360,6 +363,8 @@ class ReplicaPool:
         replica.healthy = False
         replica.failed_until = time.monotonic() + self.failure_cooldown
         replica.last_error = reason
+        for other in self._replicas.values():  # the spares: checked at the next round (`_due`)
+            other.probed_at = -math.inf
 
     def healthy(self) -> list[str]:
         return [r.address for r in self._replicas.values() if r.healthy]

@@ -191,12 +191,13 @@ _FLAGS: dict[str, tuple[type, str]] = {
     ),
     "health_interval": (
         float,
-        "seconds between health checks of the replicas (also the cooldown after a failure)",
+        "seconds between health checks of a replica in use, unhealthy, or whose last check failed "
+        "(also the cooldown after a failure)",
     ),
     "idle_health_interval": (
         float,
-        "seconds between health checks of a healthy replica no session has used for as long "
-        "(0 = 10 x --health-interval)",
+        "seconds between health checks of a healthy replica no session has sent work to for at "
+        "least this long (0 = 10 x --health-interval; equal to it: every replica every interval)",
     ),
     "dsi_max_parallel": (int, "DSI: the most verifications of one session in flight at once"),
     "dsi_timeline": (

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.pools import NoHealthyReplica, ReplicaPool, Target, parse_targets
+from specmesh.rpc.tick_client import Role
 
-FAST = {"health_interval": 0.05, "health_timeout": 0.5, "failure_cooldown": 0.2}
+# every replica every round, idle or not (the idle interval has its own test)
+FAST = {"health_interval": 0.05, "idle_health_interval": 0.05, "health_timeout": 0.5, "failure_cooldown": 0.2}
 
 
 class HealthServer:
@@ -178,28 +181,42 @@ class CountingHealth(health.aio.HealthServicer):
 
 
 def test_idle_replicas_are_probed_at_the_idle_interval():
-    """A replica work goes to is probed every round; a healthy idle one every idle interval (a
-    probe wakes two idle processes, ~20 ms of CPU a side on a small host); one that failed a probe
-    every round again, so it is taken out in `unhealthy_after` rounds."""
+    """A replica the pool's tick loop sends work to is probed every round; a healthy idle one
+    every idle interval (a probe wakes two idle processes, ~20 ms of CPU a side on a small host);
+    one whose probe failed, or that is unhealthy, every round again; after a failed call every
+    replica at the next round (the spares)."""
 
     async def scenario():
         a, b = HealthServer(), HealthServer()
         a.servicer, b.servicer = CountingHealth(), CountingHealth()
         await a.start()
         await b.start()
-        options = {**FAST, "health_interval": 0.05, "idle_health_interval": 0.6}
+        idle = 0.6
+        options = {**FAST, "idle_health_interval": idle, "role": Role.VERIFIER}
         async with ReplicaPool([a.address, b.address], **options) as pool:
-            start = (a.servicer.checks, b.servicer.checks)
-            for _ in range(30):  # 1.5 s; b is in use
-                pool.used(b.address)
+            busy = pool.loop(b.address)
+            start, began = (a.servicer.checks, b.servicer.checks), time.monotonic()
+            for _ in range(30):
+                busy._on_tick(1)  # what the loop calls for every tick it sends
                 await asyncio.sleep(0.05)
+            elapsed = time.monotonic() - began
             idle_checks, busy_checks = a.servicer.checks - start[0], b.servicer.checks - start[1]
-            assert 1 <= idle_checks <= 3, idle_checks
+            assert 1 <= idle_checks <= 1 + elapsed / (idle - 0.025), (idle_checks, elapsed)
             assert busy_checks >= 15, busy_checks
+
+            # a failed probe of the idle one: probed every round until out (2 failures)
             await a.servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-            await until(lambda: pool.healthy() == [b.address], timeout=2.0)
+            failed_at = a.servicer.checks
+            await until(lambda: a.servicer.checks > failed_at, timeout=2 * idle)
+            await until(lambda: pool.healthy() == [b.address], timeout=0.3)
             await a.servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-            await until(lambda: a.address in pool.healthy(), timeout=1.0)  # unhealthy: every round
+            await until(lambda: a.address in pool.healthy(), timeout=0.3)  # unhealthy: every round
+
+            # idle again; a failed call elsewhere makes it due at the next round
+            await asyncio.sleep(0.1)  # its next probe would come ~0.5 s from now
+            before = a.servicer.checks
+            pool.mark_failed(b.address, "Verify failed: UNAVAILABLE")
+            await until(lambda: a.servicer.checks > before, timeout=0.3)
         await a.stop()
         await b.stop()
 

@@ -41,12 +41,15 @@ class HttpServer:
         )
 
     async def _date_loop(self) -> None:
-        """uvicorn's own main loop wakes ten times a second to see whether it should exit; `stop`
-        tells it instead, so only its once-a-second refresh of the Date header is left. Each
-        wake-up of an idle process cost ~2.5 ms of CPU on a small shared host (its caches had gone
-        cold): 25 ms a second, taken from the forwards."""
+        """uvicorn's own main loop wakes ten times a second to see whether it should exit; here
+        the gateway's `stop` shuts uvicorn down itself, so only the loop's once-a-second refresh of
+        the Date header is kept. Each wake-up of an idle process cost ~2.5 ms of CPU on a small
+        shared host (its caches had gone cold): 25 ms a second, taken from the forwards."""
         while True:
-            await self.server.on_tick(0)  # tick 0: the Date header
+            try:
+                await self.server.on_tick(0)  # tick 0: the Date header
+            except Exception:  # a stale Date header, not a stopped loop
+                log.exception("refreshing the Date header failed")
             await asyncio.sleep(1.0)
 
     async def stop(self, grace_seconds: float) -> None:
