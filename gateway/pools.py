@@ -118,7 +118,7 @@ class Replica:
     sessions: int = 0  # sessions currently assigned here (for least-loaded placement)
     failed_probes: int = 0  # consecutive failed health checks
     probed_at: float = -math.inf  # monotonic time the last probe went out
-    used_at: float = -math.inf  # monotonic time work last went to it (`used`)
+    used_at: float = -math.inf  # monotonic time a tick last went to it (`_ticked`)
 
 
 class ReplicaPool:
@@ -266,15 +266,12 @@ class ReplicaPool:
         return loop
 
     def _ticked(self, address: str, items: int) -> None:
-        self.used(address)
-        if self._on_tick is not None:
-            self._on_tick(items)
-
-    def used(self, address: str) -> None:
-        """Work went to this replica now: it is in use, and probed every round (`_due`)."""
+        """A tick went to this replica: it is in use, and probed every round (`_due`)."""
         replica = self._replicas.get(address)
         if replica is not None:
             replica.used_at = time.monotonic()
+        if self._on_tick is not None:
+            self._on_tick(items)
 
     def _open_channel(self, address: str) -> grpc.aio.Channel:
         """The default channel: TLS when the pool has `tls`, the replica's certificate checked
