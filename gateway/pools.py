@@ -7,7 +7,9 @@ standard grpc.health.v1 service (each answer counts as it comes; a replica whose
 in flight is skipped). A healthy replica no work has gone to for at least `idle_health_interval`
 is probed only that often (cf. Envoy's `no_traffic_healthy_interval`, per replica here): a probe
 wakes two idle processes, and on a small shared host their cold caches made a probe a second
-cost each side ~20-45 ms of CPU, taken from the forwards of the replicas in use. A failed call
+cost each side ~20-45 ms of CPU, taken from the forwards of the replicas in use; while every
+replica is idle and healthy the task sleeps through the rounds that would probe nothing, until
+the next idle probe, or a tick or a failed call wakes it. A failed call
 (`mark_failed`) makes every replica due at the next round, so the spares a round may move to
 are checked then; a session placed on an idle replica that died meanwhile fails over as after
 any failed call, one that hangs after its per-try timeout. `pick(session_id)` keeps a session on
@@ -24,6 +26,7 @@ with `tls` (specmesh.rpc.tls.ClientTls) they are TLS channels, mutual when it ha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
@@ -161,11 +164,14 @@ class ReplicaPool:
         self._replicas: dict[str, Replica] = {}
         self._resolved: dict[Target, list[str]] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._health_stubs: dict[str, health_pb2_grpc.HealthStub] = {}  # on those channels
         self._loops: dict[str, TickLoop] = {}
         self._affinity: OrderedDict[str, str] = OrderedDict()
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
         self._probing: dict[str, asyncio.Task[None]] = {}  # address -> its probe in flight
+        self._poked = asyncio.Event()  # ends a long rest between rounds (`_rest`)
+        self.rounds = 0  # health rounds run
         self._last_resolve = 0.0
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -185,7 +191,7 @@ class ReplicaPool:
         self._task, self._probing = None, {}
         loops, self._loops = list(self._loops.values()), {}
         await asyncio.gather(*(loop.close() for loop in loops), return_exceptions=True)
-        channels, self._channels = list(self._channels.values()), {}
+        channels, self._channels, self._health_stubs = list(self._channels.values()), {}, {}
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
 
     async def __aenter__(self) -> ReplicaPool:
@@ -196,7 +202,8 @@ class ReplicaPool:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.health_interval)
+            await self._rest()
+            self.rounds += 1
             try:
                 if time.monotonic() - self._last_resolve >= self.resolve_interval:
                     await self._resolve_all()
@@ -204,6 +211,35 @@ class ReplicaPool:
                 self._probe_all(due_only=True)
             except Exception:  # a bug must not stop health checking for good
                 log.exception("%s pool: health round failed", self.name)
+
+    async def _rest(self) -> None:
+        """Until the next round: one `health_interval`, and on while no replica is due before the
+        earliest idle probe (`_quiet_until`): a round that probes nothing still wakes the gateway,
+        ~8 ms of CPU a time on a small shared host. A tick to an idle replica or a failed call
+        (`_poke`) ends the rest at once; a probe's answer counts at the next rest, since a probe
+        in flight keeps the rounds coming."""
+        self._poked.clear()
+        await asyncio.sleep(self.health_interval)
+        wait = self._quiet_until(time.monotonic()) - time.monotonic()
+        if wait > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self._poked.wait()
+
+    def _quiet_until(self, now: float) -> float:
+        """When the next round has work: now while a replica is due every round (`_due`), else
+        the earliest idle probe or re-resolution of a DNS target."""
+        idle = self.idle_health_interval
+        times = [self._last_resolve + self.resolve_interval] if any(t.dns for t in self.targets) else []
+        for r in self._replicas.values():
+            if not r.healthy or r.failed_probes or now - r.used_at < idle or r.address in self._probing:
+                return now
+            times.append(r.probed_at + idle - self.health_interval / 2)
+        return min(times, default=now + idle)
+
+    def _poke(self) -> None:
+        """A replica may be due every round from now on: end a long rest (`_rest`)."""
+        self._poked.set()
 
     # ---- membership ---------------------------------------------------------------------------
 
@@ -235,6 +271,7 @@ class ReplicaPool:
             loop = self._loops.pop(addr, None)
             if loop is not None:
                 await loop.close()
+            self._health_stubs.pop(addr, None)
             channel = self._channels.pop(addr, None)
             if channel is not None:
                 await channel.close()
@@ -269,7 +306,10 @@ class ReplicaPool:
         """A tick went to this replica: it is in use, and probed every round (`_due`)."""
         replica = self._replicas.get(address)
         if replica is not None:
-            replica.used_at = time.monotonic()
+            now = time.monotonic()
+            if now - replica.used_at >= self.idle_health_interval:
+                self._poke()  # idle until now: probed every round from here on
+            replica.used_at = now
         if self._on_tick is not None:
             self._on_tick(items)
 
@@ -339,7 +379,9 @@ class ReplicaPool:
 
     async def _probe(self, address: str) -> str | None:
         """None if the replica answers SERVING, else why not."""
-        stub = health_pb2_grpc.HealthStub(self.channel(address))
+        stub = self._health_stubs.get(address)
+        if stub is None:  # one per replica: a stub's making was a fifth of an idle probe's CPU
+            stub = self._health_stubs[address] = health_pb2_grpc.HealthStub(self.channel(address))
         try:
             reply = await stub.Check(
                 health_pb2.HealthCheckRequest(service=self.service), timeout=self.health_timeout
@@ -362,6 +404,7 @@ class ReplicaPool:
         replica.last_error = reason
         for other in self._replicas.values():  # the spares: checked at the next round (`_due`)
             other.probed_at = -math.inf
+        self._poke()
 
     def healthy(self) -> list[str]:
         return [r.address for r in self._replicas.values() if r.healthy]

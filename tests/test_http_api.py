@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 
 import grpc
 import httpx2 as httpx  # the openai client's HTTP library
@@ -112,6 +113,9 @@ def test_models_and_health(stack, client) -> None:
     assert [m.id for m in client.models.list().data] == ["tiny"]
     health = httpx.get(f"{stack.base_url}/health", timeout=10)
     assert health.status_code == 200 and health.json() == {"status": "ok"}
+    # one Date header, the current time (added per response: no timer refreshes it)
+    dates = health.headers.get_list("date")
+    assert len(dates) == 1 and abs(parsedate_to_datetime(dates[0]).timestamp() - time.time()) < 5, dates
 
 
 # ---- equality with the gRPC API ----------------------------------------------------------------

@@ -223,6 +223,49 @@ def test_idle_replicas_are_probed_at_the_idle_interval():
     asyncio.run(scenario())
 
 
+def test_an_idle_pool_sleeps_through_the_rounds_that_probe_nothing():
+    """While every replica is idle and healthy the pool wakes for its next idle probe only (a
+    round wakes the gateway: ~8 ms of CPU on a small shared host); a tick to an idle replica ends
+    that rest at once, and the replica is probed every round from then on; so does a failed call."""
+
+    async def scenario():
+        a = HealthServer()
+        a.servicer = CountingHealth()
+        await a.start()
+        idle = 1.0
+        options = {**FAST, "idle_health_interval": idle, "role": Role.VERIFIER}
+        async with ReplicaPool([a.address], **options) as pool:
+            rounds, began = pool.rounds, time.monotonic()
+            await asyncio.sleep(1.6)
+            elapsed = time.monotonic() - began
+            # a probe's round and the one after it (its answer still in flight) per idle interval;
+            # every health_interval (0.05 s) would be ~32
+            assert pool.rounds - rounds <= 2 * (1 + elapsed / (idle - 0.025)), pool.rounds - rounds
+
+            probed = a.servicer.checks
+            await until(lambda: a.servicer.checks > probed, timeout=2 * idle)  # an idle probe now
+            await asyncio.sleep(0.2)  # its answer is in: the pool rests until the next, ~0.8 s away
+            before = a.servicer.checks
+            pool.loop(a.address)._on_tick(1)  # what the loop calls for every tick it sends
+            await until(lambda: a.servicer.checks > before, timeout=0.4)
+            for _ in range(10):
+                pool.loop(a.address)._on_tick(1)
+                await asyncio.sleep(0.05)
+            assert a.servicer.checks - before >= 5, a.servicer.checks - before
+
+            # idle again; a failed call ends the rest too (the spares are checked at once)
+            await asyncio.sleep(idle)
+            probed = a.servicer.checks
+            await until(lambda: a.servicer.checks > probed, timeout=2 * idle)
+            await asyncio.sleep(0.2)
+            before = a.servicer.checks
+            pool.mark_failed(a.address, "Verify failed: UNAVAILABLE")
+            await until(lambda: a.servicer.checks > before, timeout=0.4)
+        await a.stop()
+
+    asyncio.run(scenario())
+
+
 def test_service_specific_health():
     async def scenario():
         (a,) = await servers(1)

@@ -41,10 +41,9 @@ import grpc
 from google.protobuf import message_factory
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from specmesh.rpc import decoding, wire
-from specmesh.rpc.metrics import RpcMetrics
+from specmesh.rpc.metrics import MetricsServer, RpcMetrics
 from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.tls import ServerTls, TlsError, server_tls
 from specmesh.rpc.tracing import configure_tracing, server_interceptors
@@ -413,7 +412,7 @@ async def serve(
     await asyncio.gather(server.stop(config.grace_seconds), service.drain(config.grace_seconds))
     await service.close()
     if http is not None:
-        http[0].shutdown()
+        http.close()
     log.info("stopped", extra={"threads": threading.active_count()})
 
 
@@ -446,14 +445,14 @@ def _awaits(coro: Any) -> list[str]:
     return chain
 
 
-def _start_metrics(config: ServerConfig, metrics: RpcMetrics, tls: ServerTls | None) -> Any:
+def _start_metrics(config: ServerConfig, metrics: RpcMetrics, tls: ServerTls | None) -> MetricsServer | None:
     """/metrics over HTTPS with the server's certificate when it has one; no client certificate
     is asked for (a scraper rarely has one, and the counters are not the data path)."""
     if not config.metrics_port:
         return None
-    certs = {"certfile": tls.cert, "keyfile": tls.key} if tls else {}
+    certs = {"cert": tls.cert, "key": tls.key} if tls else {}
     try:
-        return start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry, **certs)
+        return MetricsServer(config.host, config.metrics_port, metrics.registry, **certs)
     except OSError as exc:
         raise SystemExit(f"cannot serve metrics on {config.host}:{config.metrics_port}: {exc}") from None
 
