@@ -227,15 +227,14 @@ class ReplicaPool:
                     await self._poked.wait()
 
     def _quiet_until(self, now: float) -> float:
-        """When the next round has work: now while a replica is due every round (`_due`), else
-        the earliest idle probe or re-resolution of a DNS target."""
-        idle = self.idle_health_interval
-        times = [self._last_resolve + self.resolve_interval] if any(t.dns for t in self.targets) else []
-        for r in self._replicas.values():
-            if not r.healthy or r.failed_probes or now - r.used_at < idle or r.address in self._probing:
-                return now
-            times.append(r.probed_at + idle - self.health_interval / 2)
-        return min(times, default=now + idle)
+        """When the next round has work: now while a probe is in flight, else the earliest due
+        probe (`_due_at`: now for a replica probed every round) or re-resolution of a DNS target."""
+        if self._probing:
+            return now
+        times = [self._due_at(r, now) for r in self._replicas.values()]
+        if any(t.dns for t in self.targets):
+            times.append(self._last_resolve + self.resolve_interval)
+        return min(times, default=now + self.idle_health_interval)
 
     def _poke(self) -> None:
         """A replica may be due every round from now on: end a long rest (`_rest`)."""
@@ -349,13 +348,17 @@ class ReplicaPool:
         return tasks
 
     def _due(self, replica: Replica, now: float) -> bool:
-        """Every round for a replica in use, unhealthy or whose last probe failed; a healthy idle
-        one once per `idle_health_interval` (half a round early, so the rounds' jitter does not
-        add a round), or at the next round after any `mark_failed`."""
+        return self._due_at(replica, now) <= now
+
+    def _due_at(self, replica: Replica, now: float) -> float:
+        """When its next probe is due: now (every round) for a replica in use, unhealthy or whose
+        last probe failed; for a healthy idle one `idle_health_interval` after its last probe
+        (half a round early, so the rounds' jitter does not add a round), which `mark_failed`
+        makes the next round."""
         idle = self.idle_health_interval
         if not replica.healthy or replica.failed_probes or now - replica.used_at < idle:
-            return True
-        return now - replica.probed_at >= idle - self.health_interval / 2
+            return now
+        return replica.probed_at + idle - self.health_interval / 2
 
     async def _check(self, replica: Replica) -> None:
         try:
