@@ -523,6 +523,7 @@ def _wait_healthy(url: str, tls: ssl.SSLContext, what: str, seconds: float = 600
 
 STREAMS = 8
 TOKENS = 300
+GRACE_SECONDS = 150  # the gateways' --grace-seconds in this test: time for every stream to finish
 
 
 @dataclass
@@ -569,7 +570,11 @@ def _tiny_override(host: dict, tiny: Path) -> dict:
     # a 40 ms floor per verification: 300 tokens take seconds, so the faults land mid-stream
     services["verifier"]["command"] += ["--forward-latency-ms", "40"]
     for name in ("gateway", "gateway-2"):  # the gateway loads the tokenizer from the verifier's model id
-        services[name] = {"volumes": volume}
+        command = list(host[name]["command"])
+        # the streams take ~25 s on an idle 2-core host and longer beside another test: the file's 30 s
+        # grace (a handover after 24 s, which the openai client cannot follow) would be the margin
+        command[command.index("--grace-seconds") + 1] = str(GRACE_SECONDS)
+        services[name] = {"command": command, "volumes": volume}
     return {"services": services}
 
 
@@ -669,7 +674,8 @@ def test_the_host_stack_behind_nginx_streams_through_a_drafter_kill_and_a_gatewa
             running = [sum(s.finish is None for s in streams)]
             _run([images, "kill", container("drafter")], timeout=60)
             running.append(sum(s.finish is None for s in streams))
-            _run([images, "restart", "-t", "40", container("gateway-2")], timeout=120)
+            restart = [images, "restart", "-t", str(GRACE_SECONDS + 10), container("gateway-2")]
+            _run(restart, timeout=GRACE_SECONDS + 60)
             return running
 
         disturbed, running = _streams(client, requests, faults)
