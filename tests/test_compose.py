@@ -571,8 +571,8 @@ def _tiny_override(host: dict, tiny: Path) -> dict:
     services["verifier"]["command"] += ["--forward-latency-ms", "40"]
     for name in ("gateway", "gateway-2"):  # the gateway loads the tokenizer from the verifier's model id
         command = list(host[name]["command"])
-        # the streams take ~25 s on an idle 2-core host and longer beside another test: the file's 30 s
-        # grace (a handover after 24 s, which the openai client cannot follow) would be the margin
+        # the file's 30 s grace hands streams over after 24 s, which the openai client cannot follow;
+        # they finish in ~21 s on an idle 2-core host, later beside another test
         command[command.index("--grace-seconds") + 1] = str(GRACE_SECONDS)
         services[name] = {"command": command, "volumes": volume}
     return {"services": services}
