@@ -15,6 +15,7 @@ same address reaches another gateway.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -85,7 +86,10 @@ def resumable_stream(
                 attempt = 0
                 yield chunk
                 if chunk.finish_reason:
-                    return
+                    break
+            with contextlib.suppress(grpc.RpcError):  # all received: only the call's status is left
+                for _ in call:  # read to it, so the gateway counts an answered call, not a cancelled one
+                    pass
             return
         except grpc.RpcError as exc:
             if exc.code() not in RESUMABLE or attempt >= budget.attempts:  # type: ignore[attr-defined]

@@ -23,6 +23,7 @@ def test_up_streams_a_demo_completion_then_exits_cleanly(models) -> None:
     assert done.returncode == 0, out[-4000:] + done.stderr[-2000:]
     # the private Redis's password is in no log line: no URL with it, no --requirepass argument
     assert not re.search(r"requirepass|redis://:", out + done.stderr)
+    assert not re.findall(r'^.*"level": "error".*$', out, re.M)  # e.g. a stream's span closed elsewhere
     for child in ("redis", "drafter-0", "ngram-drafter-0", "verifier-0", "gateway"):
         assert re.search(rf"^{child} +\| ready after", out, re.M), child
         assert re.search(rf"^{child} +\| stopped \(status ", out, re.M), child  # stopped by the supervisor

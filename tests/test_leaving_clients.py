@@ -7,13 +7,20 @@ that only a collection would end stays, its lease renewed, until the test fails.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import contextvars
+import logging
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import grpc
 import httpx2 as httpx
 import pytest
 import redis
 
+from specmesh.rpc.metrics import RpcMetrics
+from specmesh.rpc.server import RpcService, interceptors, rpc_stream
 from specmesh.stack.ports import free_port
 from specmesh.stack.redis_server import RedisServer
 from tests.servers import Server, replica, start_all, stop_all, wait_until
@@ -110,3 +117,76 @@ def test_an_sse_client_that_leaves_before_done_ends_its_session(stack, raw_redis
                     if '"finish_reason": "' in line or '"finish_reason":"' in line:
                         break
     assert_nothing_left(stack, raw_redis)
+
+
+# ---- the server's side of a stream a client left ------------------------------------------------
+
+_ENTERED: contextvars.ContextVar[str] = contextvars.ContextVar("entered", default="")
+
+
+class Endless(RpcService):
+    """A Gateway whose GenerateStream yields forever without awaiting: a cancellation can only land
+    while a message is being sent, the case that leaves a handler parked at its `yield`."""
+
+    full_name = "specmesh.v1.Gateway"  # a method the tracing interceptor traces
+
+    def __init__(self) -> None:
+        self.metrics = RpcMetrics("endless")
+        self.closed: list[str] = []
+
+    @rpc_stream
+    async def GenerateStream(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        token = _ENTERED.set("in the call")
+        try:
+            while True:
+                yield b"chunk"
+        finally:
+            try:
+                _ENTERED.reset(token)  # ValueError when this runs in another task's Context
+                self.closed.append("in the call")
+            except ValueError:
+                self.closed.append("elsewhere")
+
+
+def test_a_stream_a_client_left_is_closed_and_counted_in_its_own_call(caplog) -> None:
+    """A client that cancels while a message is being sent used to leave the handler and the
+    tracing interceptor's generator parked at their `yield`, closed later by the event loop's
+    finalizer in other tasks: opentelemetry logged "Failed to detach context" as an error, the
+    handler's `finally` ran outside the call, and the call was never counted
+    (specmesh.rpc.server's `_StreamsClosedInTheirCall`)."""
+    service = Endless()
+    method = grpc.unary_stream_rpc_method_handler(service.GenerateStream)  # bytes in, bytes out
+    port, ready, loop, stop = free_port(), threading.Event(), asyncio.new_event_loop(), asyncio.Event()
+
+    async def serve() -> None:
+        server = grpc.aio.server(interceptors=interceptors())
+        server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler(service.full_name, {"GenerateStream": method})]
+        )
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        ready.set()
+        await stop.wait()
+        await server.stop(1)
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(30)
+        with (
+            caplog.at_level(logging.ERROR, logger="opentelemetry.context"),
+            grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+        ):
+            stream = channel.unary_stream(f"/{service.full_name}/GenerateStream")
+            for _ in range(3):
+                call = stream(b"")
+                for _, chunk in zip(range(5), call, strict=False):
+                    assert chunk == b"chunk"
+                call.cancel()
+            wait_until(lambda: len(service.closed) == 3, timeout=30, what="the three handlers to close")
+        assert service.closed == ["in the call"] * 3
+        assert service.metrics.requests.labels("GenerateStream", "CANCELLED")._value.get() == 3
+        assert not [r for r in caplog.records if r.name == "opentelemetry.context"], caplog.text
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import contextvars
 import functools
 import gc
 import json
@@ -30,7 +31,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
@@ -269,7 +270,7 @@ async def _answering(
     session = getattr(request, "session_id", "")
     try:
         yield
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, GeneratorExit):  # a stream's caller left at a `yield` of it
         service.answered(method, session, grpc.StatusCode.CANCELLED, start)
         raise
     except Exception as exc:
@@ -345,6 +346,66 @@ def _status(method: str, session: str, exc: Exception) -> tuple[grpc.StatusCode,
 # ---- running a server --------------------------------------------------------------------------
 
 
+def interceptors() -> list[grpc.aio.ServerInterceptor]:
+    """Every server's interceptors, outermost first: tracing's between the two halves of
+    `_StreamsClosedInTheirCall`."""
+    return [_StreamsClosedInTheirCall(outermost=True), *server_interceptors(), _StreamsClosedInTheirCall()]
+
+
+class _StreamsClosedInTheirCall(grpc.aio.ServerInterceptor):
+    """gRPC drives a streaming handler's async generator with a plain `async for`, and the tracing
+    interceptor drives the handler's own the same way: a call that ends while a message is being
+    sent (a client that cancels, or leaves after its last chunk) leaves both parked at their
+    `yield`, and the event loop's finalizer closes them later, each in a task of its own. Their
+    `finally` blocks then run outside the call: the tracing span resets its context token in a
+    foreign Context (opentelemetry logs "Failed to detach context" as an error) and `_answering`
+    never counts the call. The innermost half keeps the handler's generator; the outermost makes
+    the whole chain a coroutine that writes the messages itself and closes both generators, the
+    handler's first, in the call's own task."""
+
+    def __init__(self, outermost: bool = False) -> None:
+        self.wrap = _written_and_closed if outermost else _kept
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or not handler.response_streaming:
+            return handler
+        name = "stream_stream" if handler.request_streaming else "unary_stream"
+        return handler._replace(**{name: self.wrap(getattr(handler, name))})
+
+
+_OPENED: contextvars.ContextVar[list[AsyncGenerator]] = contextvars.ContextVar("opened_streams")
+
+
+def _kept(behavior: Callable) -> Callable:
+    """The handler, its generator kept in the call's `_OPENED` for the outermost half to close."""
+
+    def keep(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator:
+        messages = behavior(request, context)
+        _OPENED.get().append(messages)
+        return messages
+
+    return keep
+
+
+def _written_and_closed(behavior: Callable) -> Callable:
+    """The chain as a coroutine handler (gRPC's `context.write` API) that closes what it opened."""
+
+    async def write_all(request: Any, context: grpc.aio.ServicerContext) -> None:
+        opened: list[AsyncGenerator] = []
+        _OPENED.set(opened)  # in the call's own task, whose Context no other call shares
+        messages = behavior(request, context)
+        try:
+            async for message in messages:
+                await context.write(message)
+        finally:
+            for kept in opened:
+                await kept.aclose()
+            await messages.aclose()
+
+    return write_all
+
+
 async def serve(
     service: RpcService,
     config: ServerConfig,
@@ -365,7 +426,7 @@ async def serve(
             # port would silently get half the first one's connections. Fail to start instead.
             ("grpc.so_reuseport", 0),
         ],
-        interceptors=server_interceptors(),
+        interceptors=interceptors(),
     )
     service.add_to_server(server)
     health_servicer = health.aio.HealthServicer()
