@@ -22,8 +22,10 @@ import pytest
 import redis
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.requests import Request
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gateway.http.serving import ClientGone, until_disconnect
 from specmesh.rpc.proto import load
 from specmesh.stack.ports import free_port
 from specmesh.stack.redis_server import RedisServer
@@ -537,6 +539,32 @@ def test_a_client_that_disconnects_cancels_its_session_everywhere(stack, raw_red
     assert_no_sessions(stack, raw_redis)
     time.sleep(uncancelled)  # an uncancelled generation would have finished by now
     assert finished_requests(stack) == finished  # it was cut short, not run to its end
+
+
+def test_a_disconnect_waits_for_the_work_to_unwind_before_saying_client_gone() -> None:
+    """The work's cleanup may await (a session ending everywhere): `until_disconnect` used to look
+    at the cancelled work one loop turn later and, finding it still unwinding, answer a 500 for
+    InvalidStateError instead of the client's disconnect."""
+    unwound: list[bool] = []
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def work() -> str:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            await asyncio.sleep(0.05)  # cleanup that takes a few turns of the loop
+            unwound.append(True)
+        return "never"
+
+    async def main() -> None:
+        request = Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+        with pytest.raises(ClientGone):
+            await until_disconnect(request, work())
+        assert unwound == [True]  # the session's end had run before the answer
+
+    asyncio.run(main())
 
 
 # ---- metrics -------------------------------------------------------------------------------------

@@ -286,12 +286,11 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done():
-            task.cancel()
+        task.cancel()
         watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
-    if task.cancelled() and watcher.done():
-        await asyncio.gather(task, return_exceptions=True)
+        # both unwound before going on: cancelled work may await its cleanup for many loop turns
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
         raise ClientGone
     return task.result()
 
