@@ -18,6 +18,7 @@ import grpc
 import httpx2 as httpx
 import pytest
 import redis
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specmesh.rpc.metrics import RpcMetrics
 from specmesh.rpc.server import RpcService, interceptors, rpc_stream
@@ -163,6 +164,7 @@ def test_a_stream_a_client_left_is_closed_and_counted_in_its_own_call(caplog) ->
         server.add_generic_rpc_handlers(
             [grpc.method_handlers_generic_handler(service.full_name, {"GenerateStream": method})]
         )
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         ready.set()
@@ -184,6 +186,10 @@ def test_a_stream_a_client_left_is_closed_and_counted_in_its_own_call(caplog) ->
                     assert chunk == b"chunk"
                 call.cancel()
             wait_until(lambda: len(service.closed) == 3, timeout=30, what="the three handlers to close")
+            # a coroutine handler's stream (health's Watch, which writes its messages itself)
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
         assert service.closed == ["in the call"] * 3
         assert service.metrics.requests.labels("GenerateStream", "CANCELLED")._value.get() == 3
         assert not [r for r in caplog.records if r.name == "opentelemetry.context"], caplog.text

@@ -23,6 +23,7 @@ import contextlib
 import contextvars
 import functools
 import gc
+import inspect
 import json
 import logging
 import os
@@ -378,18 +379,24 @@ _OPENED: contextvars.ContextVar[list[AsyncGenerator]] = contextvars.ContextVar("
 
 
 def _kept(behavior: Callable) -> Callable:
-    """The handler, its generator kept in the call's `_OPENED` for the outermost half to close."""
+    """The handler, its generator kept in the call's `_OPENED` for the outermost half to close.
+    A coroutine handler (health's Watch) writes its messages and ends in its call already."""
+    if not inspect.isasyncgenfunction(behavior):
+        return behavior
 
     def keep(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator:
         messages = behavior(request, context)
         _OPENED.get().append(messages)
         return messages
 
+    keep.kept = True  # type: ignore[attr-defined]
     return keep
 
 
 def _written_and_closed(behavior: Callable) -> Callable:
     """The chain as a coroutine handler (gRPC's `context.write` API) that closes what it opened."""
+    if not (inspect.isasyncgenfunction(behavior) or getattr(behavior, "kept", False)):
+        return behavior
 
     async def write_all(request: Any, context: grpc.aio.ServicerContext) -> None:
         opened: list[AsyncGenerator] = []
