@@ -139,7 +139,7 @@ class ReplicaPool:
         resolve_interval: float = 10.0,
         failure_cooldown: float | None = None,
         unhealthy_after: int = 2,
-        channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
+        channel_factory: Callable[[str, bool], grpc.aio.Channel] | None = None,
         tls: ClientTls | None = None,
         role: Role | None = None,
         on_tick: Callable[[int], None] | None = None,
@@ -163,7 +163,7 @@ class ReplicaPool:
         self._server_names: dict[str, str] = {}  # address -> the dns:/// name it was resolved from
         self._replicas: dict[str, Replica] = {}
         self._resolved: dict[Target, list[str]] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[tuple[str, bool], grpc.aio.Channel] = {}  # (address, traced) ->
         self._health_stubs: dict[str, health_pb2_grpc.HealthStub] = {}  # on those channels
         self._loops: dict[str, TickLoop] = {}
         self._affinity: OrderedDict[str, str] = OrderedDict()
@@ -271,9 +271,10 @@ class ReplicaPool:
             if loop is not None:
                 await loop.close()
             self._health_stubs.pop(addr, None)
-            channel = self._channels.pop(addr, None)
-            if channel is not None:
-                await channel.close()
+            for traced in (True, False):
+                channel = self._channels.pop((addr, traced), None)
+                if channel is not None:
+                    await channel.close()
         # keep the configured order (deterministic placement and logs)
         self._replicas = {a: self._replicas[a] for a in addresses}
         if gone:
@@ -282,11 +283,16 @@ class ReplicaPool:
     def addresses(self) -> list[str]:
         return list(self._replicas)
 
-    def channel(self, address: str) -> grpc.aio.Channel:
-        """The pool's shared channel to a replica (created on first use)."""
-        if address not in self._channels:
-            self._channels[address] = self._channel_factory(address)
-        return self._channels[address]
+    def channel(self, address: str, traced: bool = True) -> grpc.aio.Channel:
+        """The pool's shared channel to a replica (created on first use). traced=False: one
+        without the tracing interceptors, for the tick streams, which are not traced (one stream
+        carries many requests); an intercepted stream call relays every write through a queue and
+        a task of its own (grpc.aio's InterceptedStreamStreamCall), and that task was left pending,
+        logged as destroyed, when a stream ended in an error."""
+        key = (address, traced)
+        if key not in self._channels:
+            self._channels[key] = self._channel_factory(address, traced)
+        return self._channels[key]
 
     def loop(self, address: str) -> TickLoop:
         """The gateway's one tick loop to a replica (created on first use): every session's work
@@ -296,7 +302,10 @@ class ReplicaPool:
             if self.role is None:
                 raise ValueError(f"{self.name} pool: no role, no tick loops")
             loop = TickLoop(
-                self.channel(address), self.role, address, on_tick=lambda items: self._ticked(address, items)
+                self.channel(address, traced=False),
+                self.role,
+                address,
+                on_tick=lambda items: self._ticked(address, items),
             )
             self._loops[address] = loop
         return loop
@@ -312,14 +321,14 @@ class ReplicaPool:
         if self._on_tick is not None:
             self._on_tick(items)
 
-    def _open_channel(self, address: str) -> grpc.aio.Channel:
+    def _open_channel(self, address: str, traced: bool) -> grpc.aio.Channel:
         """The default channel: TLS when the pool has `tls`, the replica's certificate checked
         for the name its address was resolved from (a dns:/// target is dialled by IP)."""
         return aio_channel(
             address,
             self.tls,
             options=DEFAULT_CHANNEL_OPTIONS,
-            interceptors=client_interceptors(),
+            interceptors=client_interceptors() if traced else None,
             server_name=self._server_names.get(address, ""),
         )
 

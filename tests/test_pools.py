@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import time
 
 import grpc
@@ -10,7 +12,9 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.pools import NoHealthyReplica, ReplicaPool, Target, parse_targets
+from specmesh.core.sampling import SamplingParams
 from specmesh.rpc.tick_client import Role
+from specmesh.rpc.ticks import Opened
 
 # every replica every round, idle or not (the idle interval has its own test)
 FAST = {"health_interval": 0.05, "idle_health_interval": 0.05, "health_timeout": 0.5, "failure_cooldown": 0.2}
@@ -295,3 +299,38 @@ def test_dns_name_resolves_to_replicas():
         await server.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_tick_stream_that_fails_leaves_no_task_behind(caplog):
+    """The tick loops' streams go over channels without the tracing interceptors: an intercepted
+    stream call relays every write through a queue and a task of its own (grpc.aio's
+    InterceptedStreamStreamCall), and when the stream ended in an error that task stayed pending
+    for good (asyncio logged it as destroyed, and its generator's close as an error)."""
+
+    async def refuse(requests, context):  # a verifier that ends every tick stream in an error
+        async for _ in requests:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+
+    async def scenario():
+        server = HealthServer()
+        await server.start()
+        ticks = grpc.stream_stream_rpc_method_handler(refuse)
+        server.server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler("specmesh.v1.Verifier", {"Ticks": ticks})]
+        )
+        async with ReplicaPool(server.address, name="verifier", role=Role.VERIFIER, **FAST) as pool:
+            loop = pool.loop(server.address)
+            for n in range(3):
+                session = Opened(f"s{n}", f"key-{n}", SamplingParams(temperature=0.0, seed=1))
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await loop.verify(session, 1, [1], None)
+                assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            await asyncio.sleep(0.1)
+            left = [t for t in asyncio.all_tasks() if "request_iterator" in repr(t.get_coro())]
+            assert not left, left
+        await server.stop()
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(scenario())
+        gc.collect()
+    assert not caplog.records, caplog.text
