@@ -163,7 +163,7 @@ class ReplicaPool:
         self._server_names: dict[str, str] = {}  # address -> the dns:/// name it was resolved from
         self._replicas: dict[str, Replica] = {}
         self._resolved: dict[Target, list[str]] = {}
-        self._channels: dict[tuple[str, bool], grpc.aio.Channel] = {}  # (address, traced) ->
+        self._channels: dict[tuple[str, bool], grpc.aio.Channel] = {}  # by (address, traced)
         self._health_stubs: dict[str, health_pb2_grpc.HealthStub] = {}  # on those channels
         self._loops: dict[str, TickLoop] = {}
         self._affinity: OrderedDict[str, str] = OrderedDict()
