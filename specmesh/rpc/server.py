@@ -355,8 +355,8 @@ def interceptors() -> list[grpc.aio.ServerInterceptor]:
 
 class _StreamsClosedInTheirCall(grpc.aio.ServerInterceptor):
     """gRPC drives a streaming handler's async generator with a plain `async for`, and the tracing
-    interceptor drives the handler's own the same way: a call that ends while a message is being
-    sent (a client that cancels, or leaves after its last chunk) leaves both parked at their
+    interceptor drives the handler's generator the same way: a call that ends while a message is
+    being sent (a client that cancels, or leaves after its last chunk) leaves both parked at their
     `yield`, and the event loop's finalizer closes them later, each in a task of its own. Their
     `finally` blocks then run outside the call: the tracing span resets its context token in a
     foreign Context (opentelemetry logs "Failed to detach context" as an error) and `_answering`
