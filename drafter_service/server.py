@@ -115,6 +115,10 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         super().forget_local(session_id)
         self._pending.pop(session_id, None)
 
+    def prefill_reset(self, session_id: str, resume: Resume, position: int) -> Callable[[], None]:
+        self._pending.pop(session_id, None)  # the tree it drops: no node of it is kept
+        return super().prefill_reset(session_id, resume, position)
+
     # ---- RPCs ----------------------------------------------------------------------------------
 
     @rpc
@@ -147,9 +151,13 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         specs, spec_index = draft_specs_from_proto(message, n, self.limits)
         flags = column(message.flags, "u1", "flags", n) if n else np.zeros(0, np.uint8)
         answers: list = [None] * n
+        fill_where, prefills = self.stream_prefills(stream, items, answers)
+        prefill = set(fill_where)
         drafts, where = [], []
         positions, handles = items.positions.tolist(), items.handles.tolist()
         for i in range(n):
+            if i in prefill:
+                continue
             try:
                 o = stream.session(handles[i])
                 spec = specs[int(spec_index[i])]
@@ -164,14 +172,16 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
                 draft = wire.DraftInput(
                     session_id=o.session_id, position=positions[i], new_tokens=new, params=o.params,
                     grammar=o.grammar, spec=spec, guess_next=bool(f & GUESS_NEXT),
-                    speculative=bool(f & SPECULATIVE), supersedable=bool(f & SUPERSEDABLE),
+                    speculative=bool(f & SPECULATIVE), supersedable=bool(f & SUPERSEDABLE), salt=o.salt,
                 )  # fmt: skip
                 drafts.append((draft, owner_hash(o.key)))
                 where.append(i)
             except Exception as exc:
                 answers[i] = self.failure("Draft", "", exc)
 
-        outcomes = await self.draft_items(drafts, on_start=stream.track(handles, where))
+        outcomes, _ = await asyncio.gather(
+            self.draft_items(drafts, on_start=stream.track(handles, where)), prefills
+        )
         for k, out in enumerate(outcomes):
             i = where[k]
             stream.answered(handles[i])
@@ -180,8 +190,13 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
             elif out == SUPERSEDED:
                 answers[i] = ItemFailure(grpc.StatusCode.CANCELLED.value[0], "superseded by a later draft")
             else:
+                if positions[i] == 0:
+                    out.cached = self.runner.reused_tokens(drafts[k][0].session_id)
                 answers[i] = out
-        return draft_result(message.id, answers, self.vocab_size, time.perf_counter() - start)
+        return draft_result(
+            message.id, answers, self.vocab_size, time.perf_counter() - start, self.prefix_version(),
+            self.metrics.kv_usage_now,
+        )  # fmt: skip
 
     # ---- a tick's drafts -----------------------------------------------------------------------
 
@@ -236,7 +251,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
             allowed = functools.partial(masks.allowed, committed[d.grammar.start :])
         job = DraftJob(
             sid, list(d.new_tokens[fed:]), d.spec, d.params, d.params.seed or 0, d.committed_length,
-            guess_next=d.guess_next, allowed=allowed,
+            guess_next=d.guess_next, allowed=allowed, salt=d.salt,
         )  # fmt: skip
         return _Item(k, d, resume, pending, job, fed, before)
 

@@ -32,6 +32,7 @@ def stats_to_proto(stats: GenerationStats, *, prompt_tokens: int = 0, generated_
         total_seconds=stats.total_seconds,
         prompt_tokens=prompt_tokens,
         generated_tokens=generated_tokens,
+        cached_prompt_tokens=min(stats.cached_prompt_tokens, prompt_tokens),
     )
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -267,9 +268,8 @@ class DsiRun(SessionRun):
         # supersedable: after a rejection the next draft stops this one at its next level instead
         # of being refused while it runs on
         loop = self.pool(Role.DRAFTER).loop(address)
-        self._start(
-            loop.draft(self.client.session, position, context[position:], spec, supersedable=True), call
-        )
+        draft = functools.partial(loop.draft, self.client.session, spec=spec, supersedable=True)
+        self._start(self._after_prefill(loop, address, position, context, draft), call)
 
     def _guard(self) -> None:
         """A target-only forward on the committed tokens, while no block is unresolved (and a
@@ -296,9 +296,20 @@ class DsiRun(SessionRun):
         rows = len(prefix) - position + (tree.nodes if tree is not None else 0)
         call = _Call(Role.VERIFIER, address, prefix, self.state.version, rows=rows, **what)
         loop = self.env.verifiers.loop(address)
-        self._start(loop.verify(self.client.session, position, prefix[position:], tree), call)
+        verify = functools.partial(loop.verify, self.client.session, tree=tree)
+        self._start(self._after_prefill(loop, address, position, prefix, verify), call)
         self.max_in_flight = max(self.max_in_flight, self._in_flight(Role.VERIFIER))
         return call
+
+    async def _after_prefill(
+        self, loop: Any, address: str, position: int, context: list[int], call: Callable[..., Any]
+    ) -> Any:
+        """call(position, new tokens), after prefill items where it would feed more than a tick's
+        budget (the prompt, a replica that lost the session): what they fed is held from then on."""
+        if loop.needs_prefill(position, len(context)):
+            position = await loop.fed(self.client.session, position, context, time.perf_counter())
+            self.held[address] = context[:position]
+        return await call(position, context[position:])
 
     def _start(self, call: Any, what: _Call) -> None:
         self.calls[asyncio.ensure_future(call)] = what

@@ -31,7 +31,14 @@ class GatewayMetrics(RpcMetrics):
         self.round_counts = RoundMetrics(self, NS)
         self.running = self.gauge(f"{NS}num_requests_running", "requests generating (a session in Redis)")
         self.waiting = self.gauge(
-            f"{NS}num_requests_waiting", "requests admitted but not generating yet (tokenizing, placing)"
+            f"{NS}num_requests_waiting",
+            "requests admitted whose first token has not come yet (tokenizing, placing, prefilling the "
+            "prompt): what an endpoint picker scores a gateway's queue by",
+        )
+        self.kv_usage = self.gauge(
+            f"{NS}kv_cache_usage_perc",
+            "the gateway's healthy verifiers' mean KV cache usage (positions held / budget, 0-1), as "
+            "their tick results said: what an endpoint picker scores a gateway's KV by",
         )
         self.prompt_tokens = self.counter(f"{NS}prompt_tokens", "prompt tokens of the requests that started")
         self.generation_tokens = self.counter(f"{NS}generation_tokens", "generated tokens committed")

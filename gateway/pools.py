@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -122,6 +123,7 @@ class Replica:
     failed_probes: int = 0  # consecutive failed health checks
     probed_at: float = -math.inf  # monotonic time the last probe went out
     used_at: float = -math.inf  # monotonic time a tick last went to it (`_ticked`)
+    kv_usage: float = 0.0  # its KV positions held / its budget, as its last tick result said
 
 
 class ReplicaPool:
@@ -143,9 +145,15 @@ class ReplicaPool:
         tls: ClientTls | None = None,
         role: Role | None = None,
         on_tick: Callable[[int], None] | None = None,
+        max_tick_tokens: int = 0,
+        on_prefix_version: Callable[[str, int], None] | None = None,
     ) -> None:
         """role: the replicas' service, for their tick loops (`loop`); on_tick(items): told of
-        every tick those send; idle_health_interval: None (or 0) = 10 x health_interval."""
+        every tick those send; max_tick_tokens: their ticks' prefill budget (chunked prefill, 0:
+        none); on_prefix_version(address, version): told of a replica's prefix summary version in
+        every tick result (gateway/prefixes.py); idle_health_interval: None (or 0) = 10 x
+        health_interval."""
+        self.max_tick_tokens, self._on_prefix_version = max_tick_tokens, on_prefix_version
         self.targets = parse_targets(targets)
         self.name = name
         self.role, self._on_tick = role, on_tick
@@ -306,9 +314,24 @@ class ReplicaPool:
                 self.role,
                 address,
                 on_tick=lambda items: self._ticked(address, items),
+                max_tick_tokens=self.max_tick_tokens,
+                on_result=functools.partial(self._replica_said, address),
             )
             self._loops[address] = loop
         return loop
+
+    def _replica_said(self, address: str, prefix_version: int, kv_usage: float) -> None:
+        """What a tick result says of its replica: its KV usage, its prefix summary's version."""
+        replica = self._replicas.get(address)
+        if replica is not None:
+            replica.kv_usage = kv_usage
+        if self._on_prefix_version is not None and prefix_version:
+            self._on_prefix_version(address, prefix_version)
+
+    def kv_usage(self) -> float:
+        """The healthy replicas' mean KV usage, as their tick results said (0: none healthy)."""
+        usage = [self._replicas[a].kv_usage for a in self.healthy()]
+        return sum(usage) / len(usage) if usage else 0.0
 
     def _ticked(self, address: str, items: int) -> None:
         """A tick went to this replica: it is in use, and probed every round (`_due`)."""
@@ -462,6 +485,11 @@ class ReplicaPool:
         choice = min(candidates, key=lambda a: (self._replicas[a].sessions, _rendezvous(session_id, a)))
         self._assign(session_id, choice)
         return choice
+
+    def load(self, address: str) -> int:
+        """Sessions this pool has placed on the replica (its load, as this gateway sees it)."""
+        replica = self._replicas.get(address)
+        return replica.sessions if replica is not None else 0
 
     def release(self, session_id: str) -> None:
         """The session is over: forget its placement."""

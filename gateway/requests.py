@@ -7,6 +7,7 @@ gateway answers it with INVALID_ARGUMENT before anything is stored or sent to a 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Sequence
@@ -86,6 +87,7 @@ class GenerationPlan:
     dsi: DsiSettings | None = None  # DSI mode; spec is then a chain of the lookahead's depth
     top_logprobs: int | None = None  # logprobs asked for, with this many alternatives (None: not)
     grammar: Grammar | None = None  # structured output (Constraint), for the tokens after the prompt
+    prefix_salt: bytes = b""  # the prefix cache's namespace: its API key's and its cache_salt (`prefix_salt`)
 
 
 def stored_plan(plan: GenerationPlan) -> dict[str, Any]:
@@ -95,7 +97,7 @@ def stored_plan(plan: GenerationPlan) -> dict[str, Any]:
     extra = {
         "stop": list(plan.stop), "stop_token_ids": list(plan.stop_token_ids),
         "top_logprobs": plan.top_logprobs, "grammar": grammar, "auto": plan.auto,
-        "dsi": asdict(plan.dsi) if plan.dsi else None,
+        "dsi": asdict(plan.dsi) if plan.dsi else None, "prefix_salt": plan.prefix_salt.hex(),
     }  # fmt: skip
     return {
         "sampling": asdict(plan.params),
@@ -123,11 +125,29 @@ def plan_from_session(session: Any) -> GenerationPlan:
         dsi=DsiSettings(**dsi) if isinstance(dsi, dict) else DsiSettings() if dsi else None,
         top_logprobs=extra.get("top_logprobs"),
         grammar=Grammar(grammar["text"], grammar["start"]) if grammar else None,
+        prefix_salt=bytes.fromhex(extra.get("prefix_salt", "")),
     )
 
 
-def parse_generate_request(request: Any, tokenizer: Any, limits: ModelLimits) -> GenerationPlan:
-    """request: a specmesh.v1.GenerateRequest."""
+MAX_CACHE_SALT = 256  # bytes of GenerateRequest.cache_salt
+
+
+def prefix_salt(tenant: bytes, cache_salt: str) -> bytes:
+    """A request's prefix cache namespace: its API key's (`tenant`: b"" without keys) and its own
+    cache_salt, hashed (the replicas never see the key). Both empty: the shared namespace b""."""
+    if not tenant and not cache_salt:
+        return b""
+    salt = cache_salt.encode()
+    if len(salt) > MAX_CACHE_SALT:
+        raise wire.WireError("cache_salt", f"{len(salt)} bytes, at most {MAX_CACHE_SALT}")
+    return hashlib.blake2b(tenant + b"\0" + salt, digest_size=16).digest()
+
+
+def parse_generate_request(
+    request: Any, tokenizer: Any, limits: ModelLimits, tenant: bytes = b""
+) -> GenerationPlan:
+    """request: a specmesh.v1.GenerateRequest; tenant: its API key's namespace (`prefix_salt`)."""
+    salt = prefix_salt(tenant, request.cache_salt)
     _check_prompt_bytes(request, limits.max_prompt_bytes)
     prompt_ids = prompt_token_ids(request, tokenizer, limits.vocab_size)
     stop_ids = tuple(_token_ids(request.stop_token_ids, limits.vocab_size, "stop_token_ids"))
@@ -143,6 +163,7 @@ def parse_generate_request(request: Any, tokenizer: Any, limits: ModelLimits) ->
         params=sampling_params(request.sampling),
         top_logprobs=_top_logprobs(request, dsi),
         grammar=_grammar(request.constraint, len(prompt_ids), dsi),
+        prefix_salt=salt,
         **shape,
     )
 

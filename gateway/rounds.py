@@ -47,8 +47,9 @@ from opentelemetry import trace
 from gateway.api import stats_to_proto
 from gateway.metrics import GatewayMetrics
 from gateway.pools import NoHealthyReplica, ReplicaPool
+from gateway.prefixes import PrefixRouting
 from gateway.requests import GenerationPlan, stored_plan
-from gateway.retries import RetryBudget, TryTimeouts
+from gateway.retries import RetryBudget, TryTimeouts, forward_seconds
 from gateway.session_store import NotOwner, Session, SessionExists, SessionStore, StoreError
 from gateway.text import TextStream
 from specmesh.core.adaptive import RoundPolicy
@@ -134,7 +135,10 @@ class GatewayEnv:
     dsi: Learnt = dataclasses.field(default_factory=Learnt)  # what finished DSI sessions taught
     dsi_timeline: Path | None = None  # a folder: each DSI session writes its blocks' timeline there
     ngram_drafters: ReplicaPool | None = None  # model-free drafters (drafter_service --backend ngram)
+    routing: dict[str, PrefixRouting] = dataclasses.field(default_factory=dict)  # pool name -> its
     plain_steps: int = 1  # plain decoding: tokens per Verify call after the first (--plain-steps)
+    # what a forward costs by its rows, per role (the replicas' start-up measurement, Info)
+    forward_costs: dict[Role, dict[int, float]] = dataclasses.field(default_factory=dict)
     leases: Leases = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -234,6 +238,7 @@ class SessionRun:
         self.client = RoundClient(
             self.id, plan.params, plan.spec, policy=policy, key=self.key, pipeline=env.pipeline,
             stop_token_ids=plan.stop_token_ids, top_logprobs=plan.top_logprobs, grammar=plan.grammar,
+            salt=plan.prefix_salt,
         )  # fmt: skip
         self.tokens = list(plan.prompt_ids)  # committed, as in Redis
         self.round = 0
@@ -454,6 +459,8 @@ class SessionRun:
         Redis, docs/decisions.md), commit this one."""
         kept, finish = self._cut(result.tokens)
         lengths = {self.addresses[role]: result.held[role] for role in self.roles}
+        if self.round == 0 and result.cached:  # the prompt's: what the target took from its prefix cache
+            result.stats.cached_prompt_tokens = result.cached
         if finish is None:
             self._launch([*self.tokens, *kept])
         else:
@@ -673,12 +680,14 @@ class SessionRun:
     async def _recover(self, failure: ReplicaFailure) -> None:
         """After a failed call: retry the same replica (ABORTED), fail over, or give up."""
         address = self.addresses[failure.role]
-        await self._recover_from(failure.role, address, failure.error, failure.per_try)
+        await self._recover_from(failure.role, address, failure.error, failure.per_try, failure.rows)
 
     async def _recover_from(
-        self, role: Role, address: str, error: grpc.aio.AioRpcError, per_try: bool = False
+        self, role: Role, address: str, error: grpc.aio.AioRpcError, per_try: bool = False, rows: int = 0
     ) -> None:
-        """per_try: the call ran out of its per-try timeout; the replica is only slow, perhaps."""
+        """per_try: the call ran out of its per-try timeout; the replica is only slow, perhaps.
+        rows: the tokens and nodes the call fed (a call that timed out on more work than the round
+        timeout fits is not retried: it would time out anywhere)."""
         code = error.code()
         if code == grpc.StatusCode.ABORTED:
             await asyncio.sleep(0.05)
@@ -690,6 +699,16 @@ class SessionRun:
             # the client's deadline, not the replica: marking it failed ejected a lone verifier and
             # the next clients got UNAVAILABLE (tests/test_gateway.py, tiny deadlines)
             raise GatewayError(code, "the client's deadline has passed") from None
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and not per_try:
+            cost = forward_seconds(self.env.forward_costs.get(role, {}), rows)
+            if cost > self.env.round_timeout:
+                raise GatewayError(
+                    code,
+                    f"{role}: a call of {rows} tokens takes about {cost:.1f} s on {address} by its measured "
+                    f"cost, more than the round timeout of {self.env.round_timeout:g} s: it cannot fit, so "
+                    "it is not retried (--prefill-chunk feeds long prompts in ticks of that many tokens; "
+                    "0 turns chunking off)",
+                ) from None
         if code not in _FAILOVER:
             raise GatewayError(code, f"{role}: {error.details()}") from None
         if not self.env.retries.try_spend():
@@ -742,6 +761,7 @@ class SessionRun:
             timeout=self._time_left(),
             per_try=self._per_try if self.env.try_timeouts is not None else None,
             spare=self._has_spare,
+            deadline=self.deadline,
         )
 
     def _has_spare(self, role: Role) -> bool:
@@ -759,9 +779,19 @@ class SessionRun:
 
     async def _pick(self, role: Role) -> str:
         pool = self.pool(role)
+        preferred = self.addresses.get(role)
+        routing = self.env.routing.get(pool.name)
+        hashes: list[str] = []
+        if routing is not None and (preferred is None or not pool.is_healthy(preferred)):
+            # no replica yet (new, resumed) or moved off a failed one: where its prefix is
+            held_by, hashes = await routing.choose(self.tokens, self.plan.prefix_salt)
+            preferred = held_by or preferred
         while True:
             try:
-                return pool.pick(self.id, preferred=self.addresses.get(role))
+                address = pool.pick(self.id, preferred=preferred)
+                if routing is not None and hashes:
+                    await routing.placed(address, hashes)
+                return address
             except NoHealthyReplica as exc:
                 try:
                     await pool.wait_healthy(1, timeout=self._time_left())

@@ -16,6 +16,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,6 +34,7 @@ from gateway.http.server import HttpServer
 from gateway.http.tools import TOOL_PARSERS
 from gateway.metrics import GatewayMetrics, RequestClock
 from gateway.pools import NoHealthyReplica, ReplicaPool
+from gateway.prefixes import PrefixRouting
 from gateway.requests import (
     AUTO_SPEC,
     REPLICA_LIMITS,
@@ -85,6 +87,8 @@ DSI_UNKNOWN_DRAFT_SHARE = 0.5  # a drafter's cost relative to the target's, befo
 ADAPTIVE_PRIOR = 0.7  # the draft model's acceptance per level assumed before a session's first round
 HANDOVER_SHARE = 0.8  # of --grace-seconds that running sessions may use to finish before a handover
 TAKE_SLACK_SECONDS = 0.5  # a resume waits for a dead owner's lease this much past its expiry
+# --prefill-chunk's default: tokens of prompts per tick (docs/decisions.md, "Chunked prefill")
+PREFILL_CHUNK = 256
 READY_RETRY_SECONDS = 5.0  # between attempts to learn the model (a verifier starting, a bad tokenizer)
 
 
@@ -113,6 +117,9 @@ class GatewayConfig(ServerConfig):
     pipeline: str
     call_overhead_ms: float
     plain_steps: int
+    prefill_chunk: int
+    prefix_routing: bool
+    prefix_balance: int
     http_port: int
     served_model_name: str
     tool_call_parser: str
@@ -221,6 +228,22 @@ _FLAGS: dict[str, tuple[type, str]] = {
         "token or, with the default's n-gram rides, its accepted drafts and one more (one call per "
         "token costs a round trip each; more per call streams in larger pieces), at most 64",
     ),
+    "prefill_chunk": (
+        int,
+        "chunked prefill: the most tokens of prompts (or of any re-feed) one tick to a replica "
+        "feeds, shared by the sessions prefilling (vLLM's max_num_batched_tokens); a longer prompt "
+        "takes several ticks, and the other sessions' rounds run in each (0 = a prompt in one call)",
+    ),
+    "prefix_routing": (
+        bool,
+        "place a session without a replica on the one that holds the longest prefix of its tokens "
+        '(the replicas\' summaries in Redis; docs/gateway.md, "Routing by cached prefix")',
+    ),
+    "prefix_balance": (
+        int,
+        "prefix routing: a replica with more than this many sessions above the least loaded one gets "
+        "no session for its cached prefix (the least loaded does)",
+    ),
     "http_port": (int, "port of the OpenAI-compatible HTTP API, /health and /metrics (0 = off)"),
     "served_model_name": (str, "the model name of the HTTP API (empty: the verifier's model id)"),
     "tool_call_parser": (
@@ -280,6 +303,9 @@ DEFAULTS: dict[str, Any] = {
     "pipeline": "auto",
     "call_overhead_ms": 2.0,
     "plain_steps": 4,
+    "prefill_chunk": PREFILL_CHUNK,
+    "prefix_routing": True,
+    "prefix_balance": 8,
     "http_port": 8000,
     "served_model_name": "",
     "tool_call_parser": "auto",
@@ -305,7 +331,7 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         positive=("session_ttl", "lease_seconds", "round_timeout", "health_interval", "try_timeout_floor"),
         non_negative=(
             "http_port", "max_concurrent_requests", "try_timeout_factor", "retry_budget",
-            "redis_reconnect_seconds", "idle_health_interval",
+            "redis_reconnect_seconds", "idle_health_interval", "prefill_chunk", "prefix_balance",
         ),
     )  # fmt: skip
 
@@ -337,29 +363,38 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         }
         ticks = {role: self.metrics.tick_items.labels(role.value).observe for role in Role}
         drafting = {**pool_options, "role": Role.DRAFTER, "on_tick": ticks[Role.DRAFTER]}
-        drafters = ReplicaPool(config.drafters, name="drafter", **drafting) if config.drafters else None
-        ngram = config.ngram_drafters
+        routing: dict[str, PrefixRouting] = {}  # pool name -> its routing (--prefix-routing)
+
+        def model_pool(name: str, **options: Any) -> dict[str, Any]:
+            """A model replica pool's options: chunked prefill, its prefix summaries."""
+            if config.prefix_routing:
+                options["on_prefix_version"] = lambda a, v: routing[name].seen(a, v)
+            return {**options, "max_tick_tokens": config.prefill_chunk}
+
+        drafters = None
+        if config.drafters:
+            drafters = ReplicaPool(config.drafters, name="drafter", **model_pool("drafter", **drafting))
+        ngram = config.ngram_drafters  # no model: a prompt costs it nothing, no chunks, no prefixes
         ngram_drafters = ReplicaPool(ngram, name="ngram-drafter", **drafting) if ngram else None
+        store = SessionStore(
+            config.redis_url,
+            ttl_seconds=config.session_ttl,
+            lease_seconds=config.lease_seconds,
+            reconnect_timeout=config.redis_reconnect_seconds,
+            # a session uses one connection at a time; its cleanup may briefly need another
+            max_connections=2 * config.max_concurrent_requests + 8 if config.max_concurrent_requests else 128,
+        )
+        verifying = {**pool_options, "role": Role.VERIFIER, "on_tick": ticks[Role.VERIFIER]}
+        verifiers = ReplicaPool(config.verifiers, name="verifier", **model_pool("verifier", **verifying))
+        if config.prefix_routing:
+            for pool in (p for p in (drafters, verifiers) if p is not None):
+                routing[pool.name] = PrefixRouting(store, pool, config.prefix_balance)
         self.env = GatewayEnv(
-            store=SessionStore(
-                config.redis_url,
-                ttl_seconds=config.session_ttl,
-                lease_seconds=config.lease_seconds,
-                reconnect_timeout=config.redis_reconnect_seconds,
-                # a session uses one connection at a time; its cleanup may briefly need another
-                max_connections=2 * config.max_concurrent_requests + 8
-                if config.max_concurrent_requests
-                else 128,
-            ),
+            store=store,
             drafters=drafters,
             ngram_drafters=ngram_drafters,
-            verifiers=ReplicaPool(
-                config.verifiers,
-                name="verifier",
-                **pool_options,
-                role=Role.VERIFIER,
-                on_tick=ticks[Role.VERIFIER],
-            ),
+            verifiers=verifiers,
+            routing=routing,
             metrics=self.metrics,
             round_timeout=config.round_timeout,
             max_attempts=config.max_attempts,
@@ -368,6 +403,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             dsi_timeline=Path(config.dsi_timeline) if config.dsi_timeline else None,
             plain_steps=config.plain_steps,
         )
+        self.metrics.kv_usage.set_function(verifiers.kv_usage)
         self.model: ServedModel | None = None
         self._not_ready = "waiting for a healthy verifier to learn the model"
         self._ready_task: asyncio.Task | None = None
@@ -424,6 +460,8 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         for task in list(self.env.deferred):
             task.cancel()
         await asyncio.gather(*self.env.deferred, return_exceptions=True)
+        for routing in self.env.routing.values():
+            await routing.close()
         for pool in self._pools():
             await pool.close()
         await self.env.store.close()
@@ -474,6 +512,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         )
         forward_cost = {c.rows: c.seconds for c in info.forward_cost}
         draft_cost = await self._draft_cost()
+        self.env.forward_costs = {Role.VERIFIER: forward_cost, Role.DRAFTER: draft_cost}
         if c.try_timeout_factor > 0:
             floor, factor = c.try_timeout_floor, c.try_timeout_factor
             self.env.try_timeouts = TryTimeouts(floor, factor, draft_cost, forward_cost)
@@ -514,8 +553,9 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
 
     @rpc
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        self.authorize(_authorization(context))
-        async with contextlib.aclosing(self.generate(request, self._deadline(context))) as generated:
+        tenant = self.authorize(_authorization(context))
+        generated = self.generate(request, self._deadline(context), tenant=tenant)
+        async with contextlib.aclosing(generated) as generated:
             chunks = [c async for c in generated]
         last = chunks[-1]
         return gateway_pb2.GenerateResponse(
@@ -529,22 +569,24 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
 
     @rpc_stream
     async def GenerateStream(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        self.authorize(_authorization(context))
+        tenant = self.authorize(_authorization(context))
 
         async def announce(session_id: str) -> None:
             await context.send_initial_metadata(((SESSION_ID_METADATA, session_id),))
 
-        generated = self.generate(request, self._deadline(context), announce)
+        generated = self.generate(request, self._deadline(context), announce, tenant)
         async with contextlib.aclosing(generated) as chunks:
             async for chunk in chunks:
                 yield chunk
 
     # ---- what gRPC and HTTP share --------------------------------------------------------------
 
-    def authorize(self, authorization: str | None) -> None:
-        """authorization: the request's `authorization` (gRPC metadata, HTTP header), "Bearer KEY"."""
+    def authorize(self, authorization: str | None) -> bytes:
+        """authorization: the request's `authorization` (gRPC metadata, HTTP header), "Bearer KEY".
+        -> the key's prefix cache namespace (a hash of it; b"" without API keys): requests of
+        different keys never start from each other's cached prompts (docs/gateway.md)."""
         if not self._api_keys:
-            return
+            return b""
         scheme, _, token = (authorization or "").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
@@ -553,6 +595,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             )
         if not any(hmac.compare_digest(token.encode(), key) for key in self._api_keys):
             raise GatewayError(grpc.StatusCode.UNAUTHENTICATED, "authorization: invalid API key")
+        return hashlib.sha256(b"specmesh-api-key:" + token.encode()).digest()
 
     def served_model(self) -> ServedModel:
         """The model being served; UNAVAILABLE until the gateway has learnt it."""
@@ -577,12 +620,14 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         request: Any,
         deadline: float | None,
         announce: Callable[[str], Awaitable[None]] | None = None,
+        tenant: bytes = b"",
     ) -> AsyncIterator[Any]:
         """request: a specmesh.v1.GenerateRequest -> its GenerateChunks, one per committed round;
         the last carries finish_reason and stats. Validated (WireError) before anything is stored
         or sent to a replica. Close it (aclosing) or cancel its consumer to end the session.
         announce(session id): called as soon as the session exists, before its first round (a
-        gRPC stream's initial metadata): a client cut off before its first chunk can resume too."""
+        gRPC stream's initial metadata): a client cut off before its first chunk can resume too.
+        tenant: its API key's prefix cache namespace (`authorize`)."""
         model = self.served_model()
         if self._draining:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down; retry on another")
@@ -603,7 +648,9 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
                 run, replay = await self._resumed_run(request.resume, deadline)
             else:
                 # tokenizing (and a chat template) may take a while: never on the event loop
-                parse = functools.partial(parse_generate_request, request, model.tokenizer, model.limits)
+                parse = functools.partial(
+                    parse_generate_request, request, model.tokenizer, model.limits, tenant
+                )
                 plan = self._servable(await asyncio.get_running_loop().run_in_executor(self._parser, parse))
                 text = TextStream(model.tokenizer, plan.stop, context=plan.prompt_ids)
                 run, replay = await self._session_run(plan, text, deadline), None
@@ -612,12 +659,13 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
                 self._runs.add(run)
                 if announce is not None:
                     await announce(run.id)
-                m.waiting.dec()
-                waiting = False
                 clock.started()
                 m.prompt_tokens.inc(len(plan.prompt_ids))
                 while replay is not None or not run.finished:
                     piece, replay = (replay, None) if replay is not None else (await run.step(), None)
+                    if waiting:  # its first token: it no longer waits (its prompt is in)
+                        m.waiting.dec()
+                        waiting = False
                     clock.chunk(len(piece.token_ids))
                     chunk = gateway_pb2.GenerateChunk(
                         text=piece.text, token_ids=piece.token_ids, session_id=run.id,

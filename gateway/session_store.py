@@ -337,6 +337,22 @@ return 1
 """
 )
 
+# A replica's prefix summary (gateway/prefixes.py). KEYS: (meta, set); ARGV: incarnation, version,
+# ttl_ms, then the members. Written only when newer than what is there: another incarnation (the
+# replica restarted), or a higher version of the same one. Returns 1 written, 0 older.
+_PREFIXES = """
+local held = redis.call('HMGET', KEYS[1], 'incarnation', 'version')
+if held[1] == ARGV[1] and tonumber(held[2] or '-1') >= tonumber(ARGV[2]) then return 0 end
+redis.call('DEL', KEYS[2])
+for i = 4, #ARGV, 1000 do redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV))) end
+redis.call('HSET', KEYS[1], 'incarnation', ARGV[1], 'version', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if #ARGV >= 4 then redis.call('PEXPIRE', KEYS[2], ARGV[3]) end
+return 1
+"""
+PREFIXES_TTL_SECONDS = 3600.0  # a replica's summary outlives it this long (its address may return)
+PLACED_SECONDS = 60.0  # a session's placement counts as what its replica holds this long
+
 
 def _flat(pairs: Mapping[str, Any]) -> list[str]:
     return [str(x) for kv in pairs.items() for x in kv]
@@ -502,6 +518,7 @@ class SessionStore:
         self._lease = self._redis.register_script(_LEASE)
         self._assign = self._redis.register_script(_ASSIGN)
         self._touch = self._redis.register_script(_TOUCH)
+        self._prefixes = self._redis.register_script(_PREFIXES)
         # commits queued this event-loop turn, sent as one pipeline (`_pipelined_commit`)
         self._commits: list[tuple[list[Any], list[Any], asyncio.Future]] = []
         self._commit_flush: asyncio.Handle | None = None
@@ -916,6 +933,61 @@ class SessionStore:
         ms = await self._call("ttl", lambda: self._redis.pttl(self.keys(session_id).meta))
         return None if ms < 0 else ms / 1000.0
 
+    # ---- replicas' prefix summaries (gateway/prefixes.py) ----------------------------------------
+
+    def _prefix_keys(self, address: str) -> list[str]:
+        """(meta, set, placements) of a replica's summary: `specmesh:replica:{<address>}:...`, apart
+        from every session's `specmesh:{<id>}:...`; one hash tag, so the script's keys share a slot."""
+        tag = f"{self.prefix}:replica:{{{address}}}"
+        return [f"{tag}:prefixes-meta", f"{tag}:prefixes", f"{tag}:placed"]
+
+    async def put_prefixes(self, address: str, incarnation: str, version: int, hashes: Sequence[str]) -> bool:
+        """Replace what `address` holds (its route hashes, hex) if this is newer; False if not."""
+        keys, ttl = self._prefix_keys(address)[:2], max(1, int(PREFIXES_TTL_SECONDS * 1000))
+        args = [incarnation, version, ttl, *hashes]
+        return bool(await self._call("put_prefixes", lambda: self._prefixes(keys=keys, args=args)))
+
+    async def add_prefixes(self, address: str, hashes: Sequence[str]) -> None:
+        """Sessions with these route hashes were placed on `address`: it holds them for the next
+        PLACED_SECONDS, whatever summaries of the replica's are written meanwhile (one read before
+        their prefill would not name them)."""
+        key = self._prefix_keys(address)[2]
+        now = time.time()
+
+        async def add() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.zadd(key, dict.fromkeys(hashes, now))
+            pipe.zremrangebyscore(key, "-inf", now - PLACED_SECONDS)
+            pipe.pexpire(key, int(PLACED_SECONDS * 1000))
+            return await pipe.execute()
+
+        if hashes:
+            await self._call("add_prefixes", add)
+
+    async def held_prefixes(self, addresses: Sequence[str], hashes: Sequence[str]) -> dict[str, int]:
+        """For each replica, how many of `hashes` (a prompt's route hashes, in order) it holds, by
+        its summary or a recent placement: the deepest one it has, + 1 (chained hashes: holding
+        one, it holds those before it). One round trip for all replicas."""
+
+        async def ask() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=False)
+            for address in addresses:
+                _, summary, placed = self._prefix_keys(address)
+                pipe.smismember(summary, list(hashes))
+                pipe.zmscore(placed, list(hashes))
+            return await pipe.execute()
+
+        if not hashes or not addresses:
+            return dict.fromkeys(addresses, 0)
+        answers = await self._call("held_prefixes", ask)
+        recent = time.time() - PLACED_SECONDS
+        out = {}
+        for k, address in enumerate(addresses):
+            summary, placed = answers[2 * k], answers[2 * k + 1]
+            held = [a or (b is not None and b >= recent) for a, b in zip(summary, placed, strict=True)]
+            out[address] = max((i + 1 for i, h in enumerate(held) if h), default=0)
+        return out
+
     async def delete(self, session_id: str) -> bool:
         """Remove every key of the session (one DEL, atomic); False if there was nothing. It is
         cleanup, so it waits for Redis at most CLEANUP_RECONNECT_SECONDS: the TTL is the backstop."""
@@ -946,7 +1018,9 @@ def _commit_answer(session_id: str, answer: asyncio.Future, raw: asyncio.Future)
 
 # ---- GenerationStats as a Redis hash -----------------------------------------------------------
 
-_INT_FIELDS = ("rounds", "draft_calls", "drafted_tokens", "accepted_tokens", "round_tokens")
+_INT_FIELDS = (
+    "rounds", "draft_calls", "drafted_tokens", "accepted_tokens", "round_tokens", "cached_prompt_tokens",
+)  # fmt: skip
 _FLOAT_FIELDS = ("draft_seconds", "verify_seconds", "network_seconds", "total_seconds")
 _DEPTH_PREFIX = "accepted_per_depth:"
 

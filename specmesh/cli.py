@@ -258,6 +258,14 @@ def _bench_default(args: argparse.Namespace) -> int:
     return _write_json(args.json, results)
 
 
+def _bench_conversation(args: argparse.Namespace) -> int:
+    from specmesh.bench.conversation import PHASES, bench_conversation, markdown
+
+    result = bench_conversation(tuple(args.phases or PHASES), args.llama_server, args.target, args.draft)
+    print(markdown(result), flush=True)
+    return _write_json(args.json, result)
+
+
 def _bench_rides(args: argparse.Namespace) -> int:
     from specmesh.bench.measure import PROMPT_SETS
     from specmesh.bench.rides import bench_rides
@@ -464,6 +472,7 @@ def _up(args: argparse.Namespace) -> int:
         # in the environment, not on the command line that `ps` and the supervisor's log show
         gateway_env={"SPECMESH_API_KEYS": args.api_keys} if args.api_keys else None,
         certs=certs,
+        gateways=args.gateways,
     )
     try:
         status = run_stack(plan, on_ready=on_ready)
@@ -505,9 +514,10 @@ def _print_serving(plan: StackPlan, with_key: bool) -> None:
     from specmesh.rpc.proto import PROTO_ROOT
 
     say = functools.partial(print, flush=True)
-    say(f"--- serving gRPC{' with TLS' if plan.certs else ''} on {plan.gateway}")
-    if plan.http:
-        say(f"--- serving the OpenAI-compatible API on {plan.scheme}://{plan.http}/v1")
+    for address, http in plan.gateways or [(plan.gateway, plan.http)]:
+        say(f"--- serving gRPC{' with TLS' if plan.certs else ''} on {address}")
+        if http:
+            say(f"--- serving the OpenAI-compatible API on {plan.scheme}://{http}/v1")
     for name, address in plan.metrics.items():
         say(f"--- metrics of {name}: {plan.scheme}://{address}/metrics")
     security = ["-cacert", str(plan.certs.ca)] if plan.certs else ["-plaintext"]
@@ -985,6 +995,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(default)
     default.set_defaults(func=_bench_default)
 
+    conversation = bench.add_parser(
+        "conversation",
+        help="long prompts and 6-turn conversations: the stack against llama-server with its prompt "
+        "cache, time to first token, head of line, a 4k prompt, routing over two gateways",
+    )
+    conversation.add_argument(
+        "--phases", nargs="+", help="turns, parallel, long, hol, routing (default: all; see --help's module)"
+    )
+    conversation.add_argument(
+        "--llama-server",
+        help="llama.cpp's llama-server binary: the same phases through it (default: skip it)",
+    )
+    _add_pair_flags(conversation, draft="the stack's draft model", target="the stack's target model")
+    _add_output_flags(conversation)
+    conversation.set_defaults(func=_bench_conversation)
+
     rides = bench.add_parser(
         "rides", help="n-gram ride policies replayed on the stack's answers against measured forward costs"
     )
@@ -1048,6 +1074,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="model-free n-gram drafter replicas (method ngram; the default may choose it per session)",
     )
     up.add_argument("--verifiers", type=int, default=1, help="verifier replicas (DSI verifies on several)")
+    up.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateways on the same replicas and Redis, gateway i on --port + i and --http-port + i",
+    )
     up.add_argument("--port", type=int, default=50051, help="the gateway's gRPC port")
     up.add_argument(
         "--http-port",

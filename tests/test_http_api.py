@@ -711,7 +711,7 @@ def test_sixty_four_at_once_with_room_for_eight_serves_eight_and_refuses_the_res
     assert (len(served), len(refused)) == (8, 56), sorted({r[0] for r in results})
     assert all(chunks == 0 and seconds < 2.0 for _, chunks, seconds in refused)  # up front, at once
     assert all(chunks > 0 for _, chunks, _ in served)
-    assert not list(raw_redis.scan_iter("specmesh:*"))
+    assert not session_keys(raw_redis)
 
 
 def test_not_ready_is_503(stack, tmp_path_factory) -> None:

@@ -105,6 +105,7 @@ def test_the_self_test_catches_the_default_kernels(q4_k_m) -> None:
     cases = run_probe(q4_k_m, deterministic=False)
     assert set(cases) == {
         *(f"{kind} {k}" for kind in ("own", "beside", "tree") for k in SIZES), "late", "churned", "reordered",
+        "cached prefix", "shared prefix", "chunked 16",
     }  # fmt: skip
     differing = [name for name, c in cases.items() if c["differing"]]
     assert differing and all(cases[n]["max_abs_diff"] > 0 for n in differing)

@@ -39,7 +39,7 @@ def bf16_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
 def test_every_layout_is_bit_identical_with_the_deterministic_setting(bf16_pair) -> None:
     target = bf16_pair[1]
     cases = probe(lambda: ModelRunner(target, deterministic=True), PROMPT, OTHER)
-    assert len(cases) == 3 * len(SIZES) + 3
+    assert len(cases) == 3 * len(SIZES) + 6
     assert {c.name: c.differing for c in cases} == {c.name: 0 for c in cases}
 
 

@@ -221,6 +221,30 @@ def test_assign_moves_a_session_to_other_replicas(server):
     run(scenario())
 
 
+def test_a_replicas_prefix_summary_is_replaced_by_newer_ones_only(server, raw):
+    """gateway/prefixes.py: a summary of another incarnation, or a higher version, replaces what
+    is there; an older one writes nothing. held_prefixes: the deepest hash each replica holds."""
+    hashes = [f"{i:016x}" for i in range(2500)]  # more than one SADD batch in the script
+
+    async def scenario():
+        async with SessionStore(server.url) as store:
+            assert await store.put_prefixes("r1:1", "inc-a", 5, hashes[:2000])
+            assert not await store.put_prefixes("r1:1", "inc-a", 4, hashes[:10])  # older: nothing
+            assert not await store.put_prefixes("r1:1", "inc-a", 5, hashes[:10])
+            assert await store.put_prefixes("r2:1", "inc-b", 1, hashes[1:3])
+            held = await store.held_prefixes(["r1:1", "r2:1", "r3:1"], hashes[:4])
+            assert held == {"r1:1": 4, "r2:1": 3, "r3:1": 0}  # r2 holds #1 and #2: 3 deep
+            assert await store.put_prefixes("r1:1", "inc-c", 1, hashes[3:4])  # restarted: its own now
+            assert (await store.held_prefixes(["r1:1"], hashes[:3])) == {"r1:1": 0}
+            await store.add_prefixes("r1:1", hashes[:2])  # a session placed there
+            assert (await store.held_prefixes(["r1:1"], hashes[:3])) == {"r1:1": 2}
+            assert await store.put_prefixes("r1:1", "inc-c", 2, hashes[2500:])  # empty, read before:
+            assert (await store.held_prefixes(["r1:1"], hashes[:3])) == {"r1:1": 2}  # the placement stays
+
+    run(scenario())
+    assert 0 < raw.pttl("specmesh:replica:{r2:1}:prefixes") <= 3600_000
+
+
 def test_long_prompt_and_invalid_input(server):
     async def scenario():
         async with SessionStore(server.url) as store:

@@ -337,6 +337,20 @@ def _spec_source(spec: ChildSpec) -> str:
     )
 
 
+def test_plan_stack_runs_several_gateways_on_the_same_replicas():
+    plan = plan_stack("d", "t", drafters=1, port=50100, http_port=8100, gateways=2, python="py")
+    gateways = [s for s in plan.specs if s.name.startswith("gateway")]
+    assert [g.name for g in gateways] == ["gateway", "gateway-1"]
+    assert plan.gateways == [("127.0.0.1:50100", "127.0.0.1:8100"), ("127.0.0.1:50101", "127.0.0.1:8101")]
+    assert (plan.gateway, plan.http) == plan.gateways[0]
+    for g, port, http in zip(gateways, ("50100", "50101"), ("8100", "8101"), strict=True):
+        assert g.argv[3:7] == ["--port", port, "--http-port", http]
+        assert g.argv[7:] == ["--drafters", plan.drafters[0], "--verifiers", plan.verifiers[0]]
+        assert g.env == {"SPECMESH_REDIS_URL": plan.redis_url}
+    assert plan.metrics["gateway-1"] == "127.0.0.1:8101"
+    plan.cleanup()
+
+
 def test_plan_stack_command_lines():
     plan = plan_stack("draft-dir", "target-dir", drafters=2, port=50099, dtype="bf16", python="py")
     names = [s.name for s in plan.specs]

@@ -147,9 +147,13 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             )
         )
         answers: list = [None] * n
+        fill_where, prefills = self.stream_prefills(stream, items, answers)
+        prefill = set(fill_where)
         verifies, where = [], []
         positions, handles = items.positions.tolist(), items.handles.tolist()
         for i in range(n):
+            if i in prefill:
+                continue
             try:
                 o = stream.session(handles[i])
                 if problems[i] is not None:
@@ -167,7 +171,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
                     session_id=o.session_id, position=positions[i], new_tokens=new, params=o.params,
                     grammar=o.grammar, tree=tree, plain_steps=plain, stop_token_ids=o.stop_token_ids,
                     top_logprobs=o.top_logprobs, lookup_depth=int(lookups[i]),
-                    lookup_min_ngram=int(min_ngrams[i]), max_tokens=int(max_tokens[i]),
+                    lookup_min_ngram=int(min_ngrams[i]), max_tokens=int(max_tokens[i]), salt=o.salt,
                 )  # fmt: skip
                 wire.check_verify_input(v, self.limits)
                 verifies.append((v, owner_hash(o.key)))
@@ -175,8 +179,9 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             except Exception as exc:
                 answers[i] = self.failure("Verify", "", exc)
 
-        outcomes, tick = await self.verify_items(
-            verifies, on_start=stream.track(handles, where), ahead=self.config.run_ahead
+        (outcomes, tick), _ = await asyncio.gather(
+            self.verify_items(verifies, on_start=stream.track(handles, where), ahead=self.config.run_ahead),
+            prefills,
         )
         for k, out in enumerate(outcomes):
             i = where[k]
@@ -192,8 +197,11 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
                 bonus=verdict.bonus,
                 logprobs=out.logprobs,
                 rides=out.rides,
+                cached=self.runner.reused_tokens(verifies[k][0].session_id) if positions[i] == 0 else 0,
             )
-        return verify_result(message.id, answers, **tick.stats)
+        return verify_result(
+            message.id, answers, self.prefix_version(), self.metrics.kv_usage_now, **tick.stats
+        )
 
     # ---- a tick's verifications ----------------------------------------------------------------
 
@@ -357,11 +365,11 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         except Withdrawn:
             return None
         except Exception:  # the run failed: what it left of the session is unknown
-            self.forget(v.session_id)
+            self.forget(v.session_id, keep=False)
             return None
         if first.error is not None:
             if not isinstance(first.error, Cancelled):
-                self.forget(v.session_id)
+                self.forget(v.session_id, keep=False)
             return None
         used = goes_on and (not v.max_tokens or first.emitted <= v.max_tokens)  # room for its tokens
         self._ahead_steps.labels("taken" if used else "discarded").inc()
@@ -384,7 +392,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             plain_steps=plain_room(v.plain_steps, v.committed_length, max_context),
             stop_token_ids=v.stop_token_ids, top_logprobs=v.top_logprobs, allowed=allowed,
             ride=functools.partial(self._ride, v.session_id, v.lookup_min_ngram) if v.lookup_depth else None,
-            lookup_depth=v.lookup_depth, room=min(room, default=None),
+            lookup_depth=v.lookup_depth, room=min(room, default=None), salt=v.salt,
         )  # fmt: skip
 
     def _ride(

@@ -92,7 +92,7 @@ async def _answer(gateway: Gateway, request: Request, method: str, handler: Hand
     """Authorize, run, and map every failure to OpenAI's error shape; count and log the call."""
     start = time.perf_counter()
     try:
-        gateway.authorize(request.headers.get("authorization"))
+        request.state.tenant = gateway.authorize(request.headers.get("authorization"))
         response = await handler(gateway, request, *args)
     except ClientGone:
         gateway.answered(method, "", grpc.StatusCode.CANCELLED, start)

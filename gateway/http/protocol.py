@@ -52,6 +52,7 @@ class Body(_Strict):
     speculation: dict[str, Any] | None = None  # specmesh.v1.Speculation as JSON (extra_body)
     response_format: ResponseFormat | None = None
     constraint: dict[str, Any] | None = None  # specmesh.v1.Constraint as JSON (extra_body): regex, lark
+    cache_salt: str | None = None  # vLLM's: the prefix cache's namespace within the API key's
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None

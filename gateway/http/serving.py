@@ -45,12 +45,14 @@ class Gateway(Protocol):
 
     metrics: Any
 
-    def authorize(self, authorization: str | None) -> None: ...
+    def authorize(self, authorization: str | None) -> bytes: ...
     def served_model(self) -> Any: ...
     def model_name(self) -> str: ...
     def token_text(self, token_id: int) -> str: ...
     def tool_call_parser(self) -> str: ...
-    def generate(self, request: Any, deadline: float | None) -> AsyncIterator[Any]: ...
+    def generate(
+        self, request: Any, deadline: float | None, announce: Any = None, tenant: bytes = b""
+    ) -> AsyncIterator[Any]: ...
     def status(self, method: str, session: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple]: ...
     def answered(
         self, method: str, session: str, code: grpc.StatusCode, start: float, details: str = ""
@@ -68,11 +70,15 @@ def served_parser(gateway: Gateway) -> str | None:
 # ---- responses ---------------------------------------------------------------------------------
 
 
-def _usage(stats: Sequence[Any]) -> dict[str, int]:
+def _usage(stats: Sequence[Any]) -> dict[str, Any]:
     """The choices' stats -> `usage`: the prompt counted once (the choices share it, as OpenAI
     counts it), the completions summed."""
     prompt, completion = stats[0].prompt_tokens, sum(s.generated_tokens for s in stats)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = max(s.cached_prompt_tokens for s in stats)  # OpenAI's prompt_tokens_details
+    return {
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }  # fmt: skip
 
 
 def _stats(stats: Any) -> dict[str, Any]:
@@ -319,7 +325,8 @@ async def completion(gateway: Gateway, request: Request, body: Body) -> Response
     resume = resume_point(last_event_id, body.n) if last_event_id else None
     if resume is not None:  # the body says how to answer; the session in Redis what to generate
         grpc_request = gateway_pb2.GenerateRequest(resume=resume)
-    streams = [gateway.generate(r, None) for r in choice_requests(grpc_request, body.n)]
+    tenant = request.state.tenant  # the API key's prefix cache namespace (`_answer`)
+    streams = [gateway.generate(r, None, tenant=tenant) for r in choice_requests(grpc_request, body.n)]
     chat = isinstance(body, ChatBody)
     if not body.stream:
         got = await until_disconnect(request, _collect(streams))

@@ -48,6 +48,8 @@ def generate_request(body: Body, tools: ToolPlan) -> Any:
             raise ApiError(400, f"speculation: {exc}", "speculation") from None
     _set_logprobs(request, body)
     _set_constraint(request, body, tools)
+    if body.cache_salt is not None:
+        request.cache_salt = body.cache_salt
     return request
 
 

@@ -50,14 +50,16 @@ def find_llama_server(explicit: str | None = None) -> Path | None:
 
 @contextlib.contextmanager
 def llama_server(
-    binary: Path, target: Path, draft: Path | None = None, threads: int | None = None, parallel: int = 1
-) -> Iterator[str]:
+    binary: Path, target: Path, draft: Path | None = None, threads: int | None = None, parallel: int = 1,
+    context: int = 4096,
+) -> Iterator[str]:  # fmt: skip
     """A running llama-server; yields its base URL once /health answers. parallel: its slots
-    (`--parallel`, continuous batching over them), each with a 4096-token context."""
+    (`--parallel`, continuous batching over them), each with a `context`-token context. Its prompt
+    cache is its default (on): what a request sends with `cache_prompt` says."""
     threads = threads or os.cpu_count() or 1
     port = free_port()
     argv = [str(binary), "-m", str(target), "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["-t", str(threads), "-c", str(4096 * parallel), "-np", str(parallel), "--no-webui"]
+    argv += ["-t", str(threads), "-c", str(context * parallel), "-np", str(parallel), "--no-webui"]
     if draft is not None:
         argv += ["-md", str(draft), "--spec-draft-n-max", "8", "--spec-draft-n-min", "3", "-td", str(threads)]
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in the finally below)

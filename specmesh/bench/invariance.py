@@ -12,6 +12,10 @@ bit:
   churned    alone, after its own session's rejected tree left holes where its cells go
   reordered  alone, after its last 8 prompt tokens were a tree path, each beside a rejected
              sibling: holes before their cells, where a reusing cache puts the row's
+  cached prefix   in a session that took its prompt's KV from a released session's, kept
+             (prefix caching: only the row is fed)
+  shared prefix   likewise from a live session's committed tokens
+  chunked 16 after its prompt was fed by prefill steps of 16 tokens (chunked prefill)
 
 k runs over 2, 4, 8 and 32. A row that equals the alone row in every case is batch invariant for
 that backend and dtype: the same seed gives the same text whatever else the server runs.
@@ -114,7 +118,31 @@ def probe(open_runner: Callable[[], ModelBackend], prompt: list[int], other: lis
     runner.forward([Step("reordered", node_tokens=tokens, node_parents=parents)])
     runner.commit("reordered", list(range(1, 16, 2)))
     cases.append(_compare("reordered", 1, _row(runner.forward([Step("reordered", [last])])[0]), reference))
+    cases += _prefix_cases(open_runner(), head, last, reference)
     return cases
+
+
+def _prefix_cases(runner: ModelBackend, head: list[int], last: int, reference: np.ndarray) -> list[Case]:
+    """The row after a prefix taken from another session's KV (kept, or live), and after its
+    prompt was fed in prefill chunks (a runner with the prefix cache on)."""
+    runner.enable_prefix_cache()  # type: ignore[attr-defined]
+    runner.forward([Step("kept", head)])
+    runner.release("kept")
+    cached = _row(runner.forward([Step("cached", [*head, last])])[0])
+    assert runner.reused_tokens("cached") == len(head), "the kept prefix was not taken"
+    runner.forward([Step("live", head, salt=b"live")])  # a salt of its own: "live"'s KV alone matches
+    shared = _row(runner.forward([Step("sharing", [*head, last], salt=b"live")])[0])
+    assert runner.reused_tokens("sharing") == len(head), "the live prefix was not taken"
+    fed = 0
+    while fed < len(head):  # fresh tokens (a salt of its own), 16 a step
+        runner.forward([Step("chunked", head[fed:], feed_limit=16, salt=b"chunked")])
+        fed = runner.committed_length("chunked") or 0
+    chunked = _row(runner.forward([Step("chunked", [last])])[0])
+    return [
+        _compare("cached prefix", 1, cached, reference),
+        _compare("shared prefix", 1, shared, reference),
+        _compare("chunked 16", 16, chunked, reference),
+    ]
 
 
 def markdown(title: str, cases: list[Case]) -> str:

@@ -26,6 +26,7 @@ class GenerationStats:
     verify_seconds: float = 0.0
     network_seconds: float = 0.0
     total_seconds: float = 0.0
+    cached_prompt_tokens: int = 0  # prompt tokens the target took from its prefix cache (first round)
 
     @classmethod
     def for_round(

@@ -12,6 +12,13 @@ result says what each holds afterwards. A replica that answers FAILED_PRECONDITI
 flag (restart, failover, eviction of its state) gets the session's full token list with position 0,
 once per call. Other errors are raised as `ReplicaFailure` naming the replica's role: choosing
 another replica is the caller's business.
+
+Chunked prefill: a call that would feed more tokens than its tick loop's budget
+(`TickLoop.max_tick_tokens`: a long prompt, a resync, a replica that never held the session) is
+preceded by prefill items, each fed in one tick beside the other sessions' work, until what is
+left fits in the call. Each chunk has a deadline of its own (the placement's timeout, within the
+client's deadline), and what the replica holds after each is the round's `held`: a failed chunk
+is retried from there, and a restart (position 0) takes back what the replica kept of it.
 """
 
 from __future__ import annotations
@@ -82,6 +89,7 @@ class Placement:
     timeout: float | None = 60.0
     per_try: Callable[[Role, int, int, int], float] | None = None
     spare: Callable[[Role], bool] = lambda role: False
+    deadline: float | None = None  # the client's, on the loop's clock: no chunk's deadline passes it
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,7 @@ class RoundResult:
     pre_draft_hit: bool | None = None  # a pre-draft was judged: it applied (True) or was dropped
     plain: list[int] = field(default_factory=list)  # plain steps: the tokens decoded before the verdict's
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of `tokens`, when the session asks
+    cached: int = 0  # the verifier started the session this round: tokens it took from a prefix
 
     @property
     def tokens(self) -> list[int]:
@@ -107,12 +116,16 @@ class ReplicaFailure(Exception):
     replica, `held` what each replica holds as far as the round got (a draft may have succeeded),
     `per_try` whether it ran out of its per-try timeout (not of the whole round's)."""
 
-    def __init__(self, role: Role, error: Any, held: Mapping[Role, int], per_try: bool = False) -> None:
+    def __init__(
+        self, role: Role, error: Any, held: Mapping[Role, int], per_try: bool = False, rows: int = 0
+    ) -> None:
+        """rows: the tokens and tree nodes the failed call fed (its forward's size)."""
         super().__init__(f"{role}: {error.code().name}: {error.details()}")
         self.role = role
         self.error = error
         self.held = dict(held)
         self.per_try = per_try
+        self.rows = rows
 
 
 class RoundClient:
@@ -133,15 +146,17 @@ class RoundClient:
         stop_token_ids: Sequence[int] = (),
         top_logprobs: int | None = None,
         grammar: Grammar | None = None,
+        salt: bytes = b"",
     ) -> None:
         """params: with the session's seed fixed. policy: adaptive speculation; `spec` is then only
         its family and first depth. key: the session's secret (replicas serve the session only to
         callers that know it). pipeline: whether rounds pre-draft (None: never); the gateway shares
         one among its sessions, so that what one learnt holds for all. stop_token_ids: where a
         plain call of several steps stops. top_logprobs: every round returns its tokens'
-        log-probabilities with this many alternatives (None: none). grammar: structured output."""
+        log-probabilities with this many alternatives (None: none). grammar: structured output.
+        salt: the replicas' prefix cache namespace of the session (TickSession.prefix_salt)."""
         self.id, self.params, self.spec, self.policy = session_id, params, spec, policy
-        self.session = Opened(session_id, key, params, frozenset(stop_token_ids), top_logprobs, grammar)
+        self.session = Opened(session_id, key, params, frozenset(stop_token_ids), top_logprobs, grammar, salt)
         self.pipeline = pipeline or PipelinePolicy(Pipelining.OFF)
         self._ahead: _Ahead | None = None  # the next round's pre-draft, in flight or done
         self._expected_by: TickLoop | None = None  # the drafter loop told to expect the next round
@@ -235,10 +250,10 @@ class _Round:
         self.start = time.perf_counter()
         self.committed = len(tokens)
         self.held = {role: placement.held.get(role, 0) for role in ROLES}
+        self.cached = dict.fromkeys(ROLES, 0)
         self.seconds: dict[Role, float] = {}
         self.resyncs = 0
-        now = asyncio.get_running_loop().time()
-        self.deadline = None if placement.timeout is None else now + placement.timeout
+        self.deadline = self._fresh_deadline()
         plan = client.policy.plan(tokens) if client.policy else RoundPlan(client.spec, plain_run=True)
         self.spec, self.plan = plan.spec, plan
         self.want = False  # a pre-draft beside this round's verification
@@ -371,8 +386,17 @@ class _Round:
                 self.hit,
                 plain,
                 verified.logprobs,
+                self.cached[Role.VERIFIER],
             )
         )
+
+    def _fresh_deadline(self) -> float | None:
+        """A call's deadline from now: the placement's timeout, within the client's deadline."""
+        timeout, client = self.placement.timeout, self.placement.deadline
+        if timeout is None:
+            return client
+        at = asyncio.get_running_loop().time() + timeout
+        return at if client is None else min(at, client)
 
     def _call(
         self,
@@ -396,6 +420,13 @@ class _Round:
             held = self.held[role]
             position = held if held < self.committed else 0
         started = time.perf_counter() if started is None else started
+        if loop.needs_prefill(position, self.committed):
+            # too much for one tick: prefill items first, then this call with what is left
+            go_on = functools.partial(
+                self._call, role, loop, submit, work, steps, then, started=started, name=name
+            )
+            self._prefill(role, loop, position, lambda held: go_on(position=held), started)
+            return
         per_try, spare = self.placement.per_try, self.placement.spare
         patience = per_try(role, self.committed - position, work, steps) if per_try is not None else None
         timing = Timing(self.deadline, patience, lambda: spare(role))
@@ -419,16 +450,62 @@ class _Round:
                     self.resyncs += 1
                     self._call(role, loop, submit, work, steps, then, position=0, started=started, name=name)
                     return
-                self._failed(
-                    role, ReplicaFailure(role, outcome, self.held, getattr(outcome, "per_try", False))
-                )
+                per_try_out = getattr(outcome, "per_try", False)
+                rows = self.committed - position + work
+                self._failed(role, ReplicaFailure(role, outcome, self.held, per_try_out, rows))
             elif isinstance(outcome, BaseException):
                 self._failed(role, outcome)
             else:
+                if position == 0:
+                    self.cached[role] = outcome.cached
                 self._took(role, time.perf_counter() - started)
                 then(outcome)
 
         self.work = (loop, submit(position, timing, answered))
+
+    def _prefill(
+        self, role: Role, loop: TickLoop, position: int, then: Callable[[int], None], since: float
+    ) -> None:
+        """Feed the committed tokens from `position` but the last (the call's own) in chunks, one
+        prefill item a tick, each with a deadline of its own; then(held) once what is left fits in
+        one call. A resync answer restarts it from position 0 (the replica takes back what it
+        kept); any other failure fails the round, `held` saying how far it got."""
+        tokens = self.tokens[position : self.committed - 1]
+        chunk = min(len(tokens), loop.max_tick_tokens)
+        per_try, spare = self.placement.per_try, self.placement.spare
+        patience = per_try(role, chunk, 0, 1) if per_try is not None else None
+        timing = Timing(self._fresh_deadline(), patience, lambda: spare(role))
+
+        def answered(outcome: Any) -> None:
+            self.work = None
+            if self.over:
+                return
+            if isinstance(outcome, ItemError | grpc.aio.AioRpcError):
+                if position != 0 and needs_resync(outcome):
+                    self.resyncs += 1
+                    self._prefill(role, loop, 0, then, since)
+                    return
+                per_try_out = getattr(outcome, "per_try", False)
+                self._failed(role, ReplicaFailure(role, outcome, self.held, per_try_out, chunk))
+                return
+            if isinstance(outcome, BaseException):
+                self._failed(role, outcome)
+                return
+            if outcome.held <= position:  # no progress: never loop on a replica that feeds nothing
+                error = ItemError(grpc.StatusCode.INTERNAL, f"{loop.name}: a prefill fed nothing")
+                self._failed(role, ReplicaFailure(role, error, self.held, rows=chunk))
+                return
+            self.held[role] = outcome.held
+            if position == 0:
+                self.cached[role] = outcome.cached
+            self.deadline = self._fresh_deadline()  # the call after the last chunk has its own
+            if loop.needs_prefill(outcome.held, self.committed):
+                self._prefill(role, loop, outcome.held, then, since)
+            else:
+                then(outcome.held)
+
+        work = loop.prefill(self.client.session, position, tokens, since=since, timing=timing, done=answered)
+        self.work = (loop, work)
 
     def _took(self, role: Role, seconds: float) -> None:
         """A call of `role` answered after `seconds` (a pre-draft's wait included): the replica now

@@ -13,6 +13,12 @@ and settings), then named by a handle; a tick carries only positions, new tokens
 columns. A drafted tree stays the drafter's columns (`TreeRef`) until a verify tick relays it:
 never decoded here (a gateway-only install has no torch).
 
+Chunked prefill: `prefill` queues a session's tokens to be fed without a round. A tick gives its
+prefill items what its token budget (`max_tick_tokens`) leaves after the other items' tokens (at
+least a quarter of it), the oldest prefill first; each item feeds at most its share and answers
+what the replica holds (`Prefilled`); the caller queues the rest again. An item the budget leaves
+nothing waits for the next tick.
+
 Failures: an item's own error is an `ItemError` (shaped like grpc.aio.AioRpcError: code(),
 details(), trailing_metadata(), so a resync answer reads the same); a stream that fails fails every
 item in flight with its error, and the next tick opens a new stream. Cancelling an item's future
@@ -45,11 +51,13 @@ from specmesh.rpc.ticks import (
     SPECULATIVE,
     SUPERSEDABLE,
     Opened,
+    Prefilled,
     column,
     item_failures,
     items_fields,
     opened_to_proto,
     packed,
+    prefills_from_proto,
     ragged_from_proto,
     trees_from_proto,
     trees_to_proto,
@@ -153,6 +161,7 @@ class Drafted:
     forwards: int = 0
     seconds: float = 0.0  # the tick's time on the drafter
     superseded: bool = False
+    cached: int = 0  # a draft that started its session: tokens its KV took from a prefix
 
     @property
     def tree_nodes(self) -> int:
@@ -177,6 +186,7 @@ class Verified:
     batch_tokens: int = 0
     forward_seconds: float = 0.0
     queue_seconds: float = 0.0
+    cached: int = 0  # a verification that started its session: tokens its KV took from a prefix
 
     @property
     def verdict(self) -> Verdict:
@@ -216,6 +226,9 @@ class _Work:
     lookup_depth: int = 0  # plain steps: the deepest n-gram ride (VerifyRequest.lookup_depth)
     lookup_min_ngram: int = 0  # ... of matches at least this long (VerifyRequest.lookup_min_ngram)
     max_tokens: int = 0  # plain steps: tokens the call may emit at most (VerifyRequest.max_tokens)
+    prefill: bool = False  # feed new_tokens (as much as the tick's budget gives), no round
+    feed: int = 0  # a prefill: what the tick it went in gave it
+    since: float = 0.0  # a prefill: when its session's prefill began (the oldest is fed first)
     handle: int = 0
     timing: Timing | None = None
     due: float = 0.0  # when its patience runs out next
@@ -235,10 +248,15 @@ class TickLoop:
         max_in_flight: int = 1,
         on_tick: Callable[[int], None] | None = None,
         max_hold: float = 0.25,
+        max_tick_tokens: int = 0,
+        on_result: Callable[[int, float], None] | None = None,
     ) -> None:
         """on_tick(items): told of every tick sent (the gateway's metrics); max_hold: the longest a
-        tick waits for sessions it expects (`expect`)."""
+        tick waits for sessions it expects (`expect`); max_tick_tokens: a tick's token budget for
+        prefill items (0: none, a prefill feeds all it has); on_result(prefix version, KV usage):
+        told of what the replica says of itself in every result."""
         self.role, self.name, self._on_tick = role, name, on_tick
+        self.max_tick_tokens, self._on_result = max_tick_tokens, on_result
         service = "Drafter" if role is Role.DRAFTER else "Verifier"
         message, result = (
             (pb2.DraftTick, pb2.DraftTickResult)
@@ -312,6 +330,35 @@ class TickLoop:
         )  # fmt: skip
         work.timing, work.then = timing, then
         return self._put(work, done is None)
+
+    def prefill(
+        self, session: Opened, position: int, tokens: Sequence[int], *, since: float,
+        timing: Timing | None = None, done: Done | None = None,
+    ) -> Any:  # fmt: skip
+        """Feed `tokens` from `position` (as much of them as a tick's budget gives, past the prefix
+        the replica holds) -> a future of `Prefilled` (or, with `done`, as `draft`). since: when the
+        session's prefill began (older prefills are fed first)."""
+        spec = TreeSpec() if self.role is Role.DRAFTER else None  # a drafter tick names a spec per item
+        work = _Work(
+            session, position, list(tokens), done or _no_answer, spec=spec, prefill=True, since=since
+        )
+        work.timing = timing
+        return self._put(work, done is None)
+
+    def needs_prefill(self, position: int, committed: int) -> bool:
+        """Whether a call from `position` to `committed` tokens feeds more than one tick's budget
+        (then prefill items go first, `fed`)."""
+        return bool(self.max_tick_tokens) and committed - position > self.max_tick_tokens
+
+    async def fed(self, session: Opened, position: int, tokens: Sequence[int], since: float) -> int:
+        """Prefill items for `tokens` (the session's committed tokens) from `position` until what
+        is left fits in one call -> the position to call from (what the replica holds)."""
+        while self.needs_prefill(position, len(tokens)):
+            prefilled = await self.prefill(session, position, tokens[position : len(tokens) - 1], since=since)
+            if prefilled.held <= position:
+                raise ItemError(grpc.StatusCode.INTERNAL, f"{self.name}: a prefill fed nothing")
+            position = prefilled.held
+        return position
 
     def cancel(self, work: Any) -> None:
         """The caller drops an item: out of the queue, or the replica stops it. Its `done` is not
@@ -490,7 +537,7 @@ class TickLoop:
 
     def _send(self) -> None:
         room = len(self._in_flight) < self.max_in_flight
-        work, self._queue = (self._queue, []) if room else ([], self._queue)
+        work, self._queue = self._budgeted(self._queue) if room else ([], self._queue)
         self._hold_since = None
         if self._hold_timer is not None:
             self._hold_timer.cancel()
@@ -525,6 +572,30 @@ class TickLoop:
         self.ticks += 1
         self._outbox.put_nowait(message)
 
+    def _budgeted(self, queue: list[_Work]) -> tuple[list[_Work], list[_Work]]:
+        """(what the next tick takes, what waits): every round item; the prefill items, oldest
+        first, while the token budget lasts (what the round items leave, at least a quarter)."""
+        fills = [w for w in queue if w.prefill]
+        if not fills:
+            return queue, []
+        budget = self.max_tick_tokens
+        if not budget:
+            for w in fills:
+                w.feed = len(w.new_tokens)
+            return queue, []
+        rounds = [w for w in queue if not w.prefill]
+        rows = sum(len(w.new_tokens) + (w.tree.nodes if w.tree is not None else 0) for w in rounds)
+        left = max(budget - rows, budget // 4, 1)
+        taken, waiting = [], []
+        for w in sorted(fills, key=lambda w: w.since):
+            if left > 0:
+                w.feed = min(left, len(w.new_tokens))
+                left -= w.feed
+                taken.append(w)
+            else:
+                waiting.append(w)
+        return rounds + taken, waiting
+
     def _ensure_stream(self) -> None:
         if self._call is not None:
             return
@@ -542,7 +613,7 @@ class TickLoop:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            error = exc if isinstance(exc, grpc.aio.AioRpcError) else ItemError(
+            error = exc if _said_by_the_replica(exc) else ItemError(
                 grpc.StatusCode.UNAVAILABLE, f"{self.name}: the tick stream is closed ({exc!r})"
             )  # fmt: skip
             self._stream_failed(call, error)
@@ -560,8 +631,9 @@ class TickLoop:
                 opens.append(opened_to_proto(handle, w.session))
             w.handle = handle
         fields = items_fields(
-            [w.handle for w in work], [w.position for w in work], [w.new_tokens for w in work]
-        )
+            [w.handle for w in work], [w.position for w in work], [w.new_tokens for w in work],
+            [w.feed if w.prefill else 0 for w in work],
+        )  # fmt: skip
         cancel, release = packed(self._cancel, "<u4"), packed(self._release, "<u4")
         self._cancel, self._release = [], []
         if self.role is Role.DRAFTER:
@@ -606,9 +678,17 @@ class TickLoop:
 
     def _resolve(self, message: Any, work: list[_Work]) -> None:
         n = len(work)
+        if self._on_result is not None:
+            self._on_result(message.prefix_version, message.kv_usage)
         try:
             failures = item_failures(message, n)
-            answers = _drafted(message, n) if self.role is Role.DRAFTER else _verified(message, n)
+            answers: list = _drafted(message, n) if self.role is Role.DRAFTER else _verified(message, n)
+            held, cached = prefills_from_proto(message, n)
+            for i, w in enumerate(work):
+                if w.prefill:
+                    answers[i] = Prefilled(held[i], cached[i])
+                else:
+                    answers[i].cached = cached[i]
         except Exception as exc:  # an answer we cannot read fails its items, as a broken stream would
             failures, answers = {i: exc for i in range(n)}, [None] * n  # type: ignore[misc]
         for i, w in enumerate(work):
@@ -661,6 +741,16 @@ class TickLoop:
         await asyncio.gather(*tasks, return_exceptions=True)
         if call is not None:
             call.cancel()
+
+
+def _said_by_the_replica(exc: BaseException) -> bool:
+    """A write's failure that carries the replica's own status. grpcio's aio client reports a write
+    to a stream its core has closed (the replica died, or ended the stream) as INTERNAL "Internal
+    error from Core", in place of the status the stream ended with (grpc/grpc#36066): a transport
+    failure, as a stream that broke under a read is, so the session fails over."""
+    if not isinstance(exc, grpc.aio.AioRpcError):
+        return False
+    return not (exc.code() == grpc.StatusCode.INTERNAL and exc.details() == "Internal error from Core")
 
 
 def _no_answer(outcome: Any) -> None:

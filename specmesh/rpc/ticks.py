@@ -110,6 +110,7 @@ class Opened:
     stop_token_ids: frozenset[int] = frozenset()
     top_logprobs: int | None = None
     grammar: Grammar | None = None
+    salt: bytes = b""  # the prefix cache's namespace (TickSession.prefix_salt)
 
 
 def opened_from_proto(msg: Any, vocab_size: int) -> Opened:
@@ -125,6 +126,7 @@ def opened_from_proto(msg: Any, vocab_size: int) -> Opened:
         stop_token_ids=frozenset(stops),
         top_logprobs=top,
         grammar=wire.grammar_from_proto(msg.grammar),
+        salt=msg.prefix_salt,
     )
 
 
@@ -136,6 +138,7 @@ def opened_to_proto(handle: int, o: Opened) -> pb2.TickSession:
         sampling=wire.sampling_to_proto(o.params),
         stop_token_ids=sorted(o.stop_token_ids),
         grammar=wire.grammar_to_proto(o.grammar),
+        prefix_salt=o.salt,
     )
     if o.top_logprobs is not None:
         msg.top_logprobs = o.top_logprobs
@@ -154,9 +157,18 @@ class TickItems:
     new_tokens: Ragged
     cancel: np.ndarray  # uint32 handles
     release: np.ndarray  # uint32 handles
+    feed: np.ndarray  # uint32 [n]: > 0, a prefill item feeding at most that many tokens
 
     def __len__(self) -> int:
         return len(self.handles)
+
+    def prefill(self, i: int, opened: Opened) -> wire.PrefillInput:
+        """Item i, a prefill, as its input."""
+        return wire.PrefillInput(
+            session_id=opened.session_id, position=int(self.positions[i]),
+            new_tokens=self.new_tokens.item(i).tolist(), params=opened.params,
+            limit=int(self.feed[i]), salt=opened.salt,
+        )  # fmt: skip
 
 
 def items_from_proto(msg: Any, vocab_size: int) -> TickItems:
@@ -173,16 +185,19 @@ def items_from_proto(msg: Any, vocab_size: int) -> TickItems:
         new_tokens=new,
         cancel=column(msg.cancel, "<u4", "cancel"),
         release=column(msg.release, "<u4", "release"),
+        feed=column(msg.feed, "<u4", "feed", n) if msg.feed else np.zeros(n, np.uint32),
     )
 
 
 def items_fields(
-    handles: Sequence[int], positions: Sequence[int], new_tokens: Sequence[Sequence[int]]
-) -> dict:
+    handles: Sequence[int], positions: Sequence[int], new_tokens: Sequence[Sequence[int]],
+    feed: Sequence[int] = (),
+) -> dict:  # fmt: skip
     return dict(
         handles=packed(handles, "<u4"),
         positions=packed(positions, "<i8"),
         new_tokens=ragged_to_proto(Ragged.from_lists(new_tokens)),
+        feed=packed(feed, "<u4") if any(feed) else b"",
     )
 
 
@@ -210,12 +225,22 @@ class ItemFailure:
 
 
 @dataclass
+class Prefilled:
+    """What a prefill item did: committed tokens the replica holds after it, of which `cached` it
+    took from a kept or shared prefix."""
+
+    held: int
+    cached: int = 0
+
+
+@dataclass
 class DraftAnswer:
     """What the drafter answers for one item."""
 
     tree: Any = None  # DraftTree | None
     likely: list[int] = field(default_factory=list)
     forwards: int = 0
+    cached: int = 0  # tokens the item's session took from a prefix when the item started it
 
 
 @dataclass
@@ -226,6 +251,24 @@ class VerifyAnswer:
     bonus: bool
     logprobs: list = field(default_factory=list)  # TokenLogprob, when asked
     rides: tuple[int, int] = (0, 0)  # plain steps' n-gram rides: nodes checked, accepted
+    cached: int = 0  # as DraftAnswer.cached
+
+
+def prefill_fields(outcomes: Sequence[Any]) -> dict:
+    """The result's `held` and `cached` columns (each absent when it says nothing)."""
+    held = [o.held if isinstance(o, Prefilled) else -1 for o in outcomes]
+    cached = [getattr(o, "cached", 0) for o in outcomes]
+    return dict(
+        held=packed(held, "<i8") if any(h >= 0 for h in held) else b"",
+        cached=packed(cached, "<u4") if any(cached) else b"",
+    )
+
+
+def prefills_from_proto(msg: Any, n: int) -> tuple[list[int], list[int]]:
+    """(held per item, -1 where it is no prefill; cached per item) of a result (the caller's side)."""
+    held = column(msg.held, "<i8", "held", n).tolist() if msg.held else [-1] * n
+    cached = column(msg.cached, "<u4", "cached", n).tolist() if msg.cached else [0] * n
+    return held, cached
 
 
 def status_fields(outcomes: Sequence[Any]) -> dict:
@@ -239,12 +282,16 @@ def status_fields(outcomes: Sequence[Any]) -> dict:
 
 
 def draft_result(
-    tick_id: int, outcomes: Sequence[DraftAnswer | ItemFailure], vocab_size: int, seconds: float
-):
+    tick_id: int, outcomes: Sequence[DraftAnswer | Prefilled | ItemFailure], vocab_size: int,
+    seconds: float, prefix_version: int = 0, kv_usage: float = 0.0,
+):  # fmt: skip
     trees = [o.tree if isinstance(o, DraftAnswer) else None for o in outcomes]
     return pb2.DraftTickResult(
         id=tick_id,
         **status_fields(outcomes),
+        **prefill_fields(outcomes),
+        prefix_version=prefix_version,
+        kv_usage=kv_usage,
         trees=trees_to_proto(TreeColumns.from_trees(trees, vocab_size)),
         likely=ragged_to_proto(
             Ragged.from_lists([o.likely if isinstance(o, DraftAnswer) else [] for o in outcomes])
@@ -254,12 +301,18 @@ def draft_result(
     )
 
 
-def verify_result(tick_id: int, outcomes: Sequence[VerifyAnswer | ItemFailure], **stats: float):
+def verify_result(
+    tick_id: int, outcomes: Sequence[VerifyAnswer | Prefilled | ItemFailure], prefix_version: int = 0,
+    kv_usage: float = 0.0, **stats: float,
+):  # fmt: skip
     ok = [o if isinstance(o, VerifyAnswer) else None for o in outcomes]
     logprobs = [t for o in ok if o is not None for t in o.logprobs]
     return pb2.VerifyTickResult(
         id=tick_id,
         **status_fields(outcomes),
+        **prefill_fields(outcomes),
+        prefix_version=prefix_version,
+        kv_usage=kv_usage,
         tokens=ragged_to_proto(Ragged.from_lists([o.tokens if o else [] for o in ok])),
         plain=packed([o.plain if o else 0 for o in ok], "<i4"),
         accepted_nodes=ragged_to_proto(Ragged.from_lists([o.accepted_nodes if o else [] for o in ok])),

@@ -51,5 +51,5 @@ def measure_forward_cost(
                 runner.commit(PROBE_SESSION, [])
                 used += 1
     finally:
-        runner.release(PROBE_SESSION)
+        runner.release(PROBE_SESSION, keep=False)  # not a prefix anyone will send
     return cost

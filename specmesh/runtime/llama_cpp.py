@@ -18,6 +18,14 @@ tree is pending, one *leaf* sequence per leaf of the nodes fed in one call:
 and removes every leaf sequence (`seq_rm`): cells no sequence holds any more are free. Positions
 are explicit: committed tokens get their index, a node `committed + depth - 1`.
 
+Prefixes (specmesh.runtime.backend): a kept prefix is the main sequence of the session it was. A
+session that starts from a prefix (kept, or a live session's committed tokens) shares its cells:
+`seq_cp` of positions [0, length) onto its own main sequence, metadata only. Committed cells are
+never written again, so sharing them is safe; a state that goes (or is cut back) leaves its cells
+to the sequences that share them. Counting cells, a state counts only the positions past what it
+shares (`own_cells`); when the state it shares from goes, it takes the shared part to its count
+(conservatively: two that shared the same cells then both count them).
+
 Sequence ids are a pool of `n_seq_max` (at most 256, llama.cpp's limit), shared by all sessions;
 KV cells are bounded by `n_ctx`. Both are budgets: when a call needs more than is free, the least
 recently used sessions not in the call lose their KV (their tokens and pending tree are kept) and
@@ -99,15 +107,42 @@ def _quiet(lib: Any) -> None:
     lib.llama_log_set(callback, ctypes.c_void_p(0))
 
 
-@dataclass
+@dataclass(eq=False)
 class _Session(SessionState):
     main: int | None = None  # the main sequence id; None: no KV (new or evicted)
     leaves: list[int] = field(default_factory=list)  # leaf sequence ids of the pending tree
     node_seq: list[int] = field(default_factory=list)  # per pending node: a sequence holding its path
+    source: _Session | None = None  # the state whose cells [0, shared) it shares
+    shared: int = 0
+    dependents: dict[int, _Session] = field(default_factory=dict)  # id -> a state sharing its cells
 
     @property
     def cached(self) -> int:
         return 0 if self.main is None else len(self.tokens) + len(self.pending_tokens)
+
+    @property
+    def own_cells(self) -> int:
+        return max(0, self.cached - self.shared)
+
+    def share(self, source: _Session | None, length: int) -> None:
+        """It shares cells [0, length) of `source` (None: none)."""
+        if self.source is not None:
+            self.source.dependents.pop(id(self), None)
+        self.source, self.shared = source, length if source is not None else 0
+        if source is not None:
+            source.dependents[id(self)] = self
+
+    def cut(self, length: int) -> None:
+        """Its cells past `length` go: what others shared of them becomes theirs."""
+        for d in self.dependents.values():
+            d.shared = min(d.shared, length)
+
+    def leave(self) -> None:
+        """Its cells go: those sharing them share its source's part, if any."""
+        for d in list(self.dependents.values()):
+            d.share(self.source, min(d.shared, self.shared))
+        self.dependents = {}
+        self.share(None, 0)
 
 
 @dataclass
@@ -123,10 +158,11 @@ class _Plan:
     first_node: int  # pending index of nodes[0]
     outputs: int  # rows of logits this step returns
     rebuild: bool
+    source: str | None = None  # the prefix it starts from: cells [0, causal_start) shared from there
 
     @property
     def feeds(self) -> bool:
-        return bool(self.causal or self.nodes)
+        return bool(self.causal or self.nodes) or self.source is not None
 
 
 _GGML_TYPE_BF16 = 30  # ggml.h's enum; the binding does not export it
@@ -235,12 +271,6 @@ class LlamaCppRunner(SessionTable[_Session]):
 
     # ---- mutations -----------------------------------------------------------------------------
 
-    def release(self, session_id: str) -> None:
-        with self._lock:
-            s = self._sessions.pop(session_id, None)
-            if s is not None:
-                self._drop_kv(s)
-
     def commit(self, session_id: str, keep_nodes: list[int]) -> None:
         with self._lock:
             s = self._get(session_id)
@@ -256,6 +286,11 @@ class LlamaCppRunner(SessionTable[_Session]):
         self._drop_leaves(s)
         if s.main is not None:
             self._forget(s.main, length, -1)
+            s.cut(length)
+            s.shared = min(s.shared, length)
+
+    def _drop_pending_kv(self, s: _Session) -> None:
+        self._drop_leaves(s)
 
     def _discard_failed(self, plans: list[_Plan]) -> None:
         for p in plans:  # whatever the failed decode left is not trusted
@@ -264,21 +299,23 @@ class LlamaCppRunner(SessionTable[_Session]):
     # ---- planning ------------------------------------------------------------------------------
 
     def _plan(self, step: Step) -> _Plan:
-        s, known, step = self._checked(step, _Session)
-        fresh = s.main is None  # new or evicted: re-feed everything it has
-        old_tokens = s.tokens if fresh else []
+        c = self._checked(step, _Session)
+        s, step = c.session, c.step
+        fresh = s.main is None  # new or evicted: re-feed everything it has past the prefix it takes
         old_nodes = list(zip(s.pending_tokens, s.pending_parents, strict=True)) if fresh else []
         new_nodes = list(zip(step.node_tokens, step.node_parents, strict=True))
+        prefill = step.feed_limit is not None
         return _Plan(
             session_id=step.session_id,
             session=s,
             step=step,
-            causal=old_tokens + step.new_tokens,
-            causal_start=len(s.tokens) - len(old_tokens),
+            causal=(s.tokens + step.new_tokens)[c.reused :] if fresh else step.new_tokens,
+            causal_start=c.reused if fresh else len(s.tokens),
             nodes=old_nodes + new_nodes,
             first_node=len(s.pending_tokens) - len(old_nodes),
-            outputs=(1 if step.new_tokens else 0) + len(new_nodes),
-            rebuild=fresh and known,
+            outputs=0 if prefill else (1 if step.new_tokens else 0) + len(new_nodes),
+            rebuild=fresh and c.known,
+            source=c.source,
         )
 
     # ---- budgets -------------------------------------------------------------------------------
@@ -292,13 +329,12 @@ class LlamaCppRunner(SessionTable[_Session]):
             rows = sum(len(p.causal) + len(p.nodes) for p in active)
         cells = self.cached_positions() + rows
         seqs = sum(self._seqs_needed(p) for p in active)
-        for sid, s in list(self._sessions.items()):
+        for key, s in self._victims(in_call):
             if cells <= self.max_cache_tokens and seqs <= len(self._free):
                 return
-            if sid not in in_call and s.main is not None:
-                cells -= s.cached
-                self._drop_kv(s)
-                self.stats["evictions"] += 1
+            if s.main is not None:
+                cells -= s.own_cells
+                self._evict(key, s)
         if seqs > len(self._free):
             raise RuntimeError(
                 f"this forward needs {seqs} sequences, {len(self._free)} are free "
@@ -326,6 +362,7 @@ class LlamaCppRunner(SessionTable[_Session]):
             self._forget(s.main)
             self._free.append(s.main)
             s.main = None
+        s.leave()
 
     def _forget(self, seq: int, p0: int = -1, p1: int = -1) -> None:
         """Remove `seq` from its cells in [p0, p1); deterministic: park them rather than free them."""
@@ -337,8 +374,9 @@ class LlamaCppRunner(SessionTable[_Session]):
         """Deterministic, when this call's rows would pass the cache's end: every session loses its
         KV (tokens and trees are kept), the cache empties, and this call's plans become rebuilds
         that re-feed their sessions from position 0, in order."""
-        for s in self._sessions.values():
-            self._drop_kv(s)
+        for key, s in [*self._sessions.items(), *self._kept.items()]:
+            self._lose_kv(key, s)
+        self._kept.clear()
         for p in active:
             self._drop_kv(p.session)  # a session new in this call is not in the table yet
         self._lib.llama_memory_clear(self._memory, False)
@@ -353,6 +391,10 @@ class LlamaCppRunner(SessionTable[_Session]):
         for p in plans:
             if p.session.main is None:
                 p.session.main = self._take_seq()
+                if p.source is not None:  # its prefix: the owner's cells, shared
+                    owner = self._state(p.source)
+                    self._lib.llama_memory_seq_cp(self._memory, owner.main, p.session.main, 0, p.causal_start)
+                    p.session.share(owner, p.causal_start)
         self._prefeed_long_prefixes(plans)
         rows: list[tuple[int, int, list[int], bool]] = []  # token, position, sequences, wants logits
         layouts = []
@@ -366,7 +408,7 @@ class LlamaCppRunner(SessionTable[_Session]):
                 end = -1 if anchor == -1 else len(s.tokens) + self._depth(s, anchor)
                 self._lib.llama_memory_seq_cp(self._memory, src, seq, -1, end)
             root_leaves = [seq for seq, anchor in layout.anchors.items() if anchor == -1]
-            last = len(p.causal) - 1
+            last = len(p.causal) - 1 if p.outputs else -1  # a prefill's last row wants no logits
             for i, tok in enumerate(p.causal):
                 want = i == last and bool(p.step.new_tokens)
                 rows.append((tok, p.causal_start + i, [s.main, *root_leaves], want))
@@ -374,7 +416,7 @@ class LlamaCppRunner(SessionTable[_Session]):
             for i, (tok, _) in enumerate(p.nodes):
                 want = p.first_node + i >= len(s.pending_tokens)  # this step's own nodes
                 rows.append((tok, committed + layout.depths[i] - 1, layout.node_leaves[i], want))
-        logits = self._decode(rows)
+        logits = self._decode(rows) if rows else np.zeros((0, self.vocab_size), dtype=np.float32)
         out, at = [], 0
         for p in plans:
             out.append(torch.from_numpy(logits[at : at + p.outputs]))

@@ -2,7 +2,10 @@
 drafter's level forwards and KV reuse, the verifier's verdict-then-commit, for every session of a
 tick at once.
 
-Both are step protocols (`Ticked`): a generator that yields the runner steps of its next forward
+A prefill (`prefill_steps`, chunked prefill) feeds a session's tokens in one forward, at most a
+chunk of them past the prefix it starts from, and decides nothing.
+
+All three are step protocols (`Ticked`): a generator that yields the runner steps of its next forward
 (one `Step` per session, all in ONE `forward`), is sent their logits (per step: a tensor, or the
 exception that failed that step alone), and returns one outcome per job. The engine drives them
 with `runner.forward`; the services through their ForwardBatcher, which merges concurrent ticks
@@ -68,6 +71,7 @@ class DraftJob:
     guess_next: bool = False  # also run the likely leaf: the next round's pre-draft guess
     allowed: Allowed | None = None  # structured output: every level's rows masked
     cancelled: bool = False  # set from outside: the job stops before its next forward
+    salt: bytes = b""  # the prefix cache's namespace of a session it starts
     nodes: dict[Path, int] = field(default_factory=dict)  # out: path -> the runner's pending node
     forwards: int = 0  # out: forwards the job took part in
 
@@ -122,7 +126,7 @@ def _level_step(job: DraftJob, paths: list[Path]) -> tuple[Step, list[int]]:
     feeds the new tokens; a level appends the paths' last tokens under their cached parents (i.i.d.
     siblings can repeat a path: each distinct path runs once)."""
     if paths == [()]:
-        return Step(job.session_id, new_tokens=list(job.feed)), [0]
+        return Step(job.session_id, new_tokens=list(job.feed), salt=job.salt), [0]
     unique = list(dict.fromkeys(paths))
     base = len(job.nodes)
     parents = [job.nodes[p[:-1]] if len(p) > 1 else -1 for p in unique]
@@ -210,6 +214,7 @@ class VerifyJob:
     ride: Callable[[int, list[int], int], DraftTree | None] | None = None
     lookup_depth: int = 0  # the deepest ride
     room: int | None = None  # tokens the call may emit: the model's context, the request's max_tokens
+    salt: bytes = b""  # the prefix cache's namespace of a session it starts
 
 
 @dataclass
@@ -241,7 +246,7 @@ def verify_steps(jobs: Sequence[VerifyJob], commit: Callable[[str, list[int]], N
         for b in live:
             tree = trees[b]
             nodes = (tree.tokens.tolist(), tree.parents.tolist()) if tree is not None else ([], [])
-            steps.append(Step(jobs[b].session_id, feed[b], *nodes))
+            steps.append(Step(jobs[b].session_id, feed[b], *nodes, salt=jobs[b].salt))
         results = yield steps
         ok = []
         for b, out in zip(live, results, strict=True):
@@ -352,6 +357,33 @@ def plain_room(plain_steps: int, committed_length: int, max_context: int | None)
     """Plain steps a call may take: no token past the model's context."""
     room = plain_steps if max_context is None else max_context - committed_length + 1
     return max(1, min(plain_steps, room))
+
+
+# ---- prefill -----------------------------------------------------------------------------------
+
+
+@dataclass
+class PrefillJob:
+    """One session's chunk of prefill in a tick: feed at most `limit` of `tokens` (its committed
+    tokens from where the runner holds it) past the prefix it starts from."""
+
+    session_id: str
+    tokens: list[int]
+    limit: int
+    salt: bytes = b""
+    cancelled: bool = False  # set from outside: taken back before its forward
+
+
+def prefill_steps(jobs: Sequence[PrefillJob], held: Callable[[str], tuple[int, int]]) -> Ticked:
+    """One forward of every job's chunk (`Step.feed_limit`); per job, on the model thread right
+    after it, held(session): (committed tokens the runner holds, of which taken from a prefix), or
+    the exception that failed its step."""
+    steps = [Step(j.session_id, new_tokens=list(j.tokens), feed_limit=j.limit, salt=j.salt) for j in jobs]
+    results = yield steps
+    return [
+        out if isinstance(out, BaseException) else held(j.session_id)
+        for j, out in zip(jobs, results, strict=True)
+    ]
 
 
 def run_ticked(ticked: Ticked, forward: Callable[[list[Step]], list[torch.Tensor]]) -> list:

@@ -29,11 +29,20 @@ Batch layout of one forward (B sessions, Q = longest query, L = longest past + q
                  LM head, gathered from the decoder's output: [sum of rows, V], no padding.
 
 Memory budget
-    `max_cache_tokens` bounds the cached positions (committed + pending, all sessions, layers
-    counted once). When a forward would exceed it, the least recently used sessions that are not in
-    the call lose their KV (their tokens and pending tree are kept). The next forward that names an
-    evicted session re-prefills its committed tokens and pending nodes inside that same batched
-    call. The store's unused capacity is not counted.
+    `max_cache_tokens` bounds the cached positions (committed + pending, all sessions and kept
+    prefixes, layers counted once). When a forward would exceed it, kept prefixes go first, then
+    the least recently used sessions that are not in the call lose their KV (their tokens and
+    pending tree are kept). The next forward that names an evicted session re-prefills its
+    committed tokens and pending nodes inside that same batched call. The store's unused capacity
+    is not counted.
+
+Kept prefixes (specmesh.runtime.backend) live in a second store of the same layout: a released
+session's committed positions are copied there and its slot is freed, so live sessions keep the
+front slots (a tick of every session is a view, not a gather). A session that starts from a
+prefix (kept, or a live session's) gets its positions copied into its own slot before the
+forward: one device copy of `length` positions per layer. The forward attends over a slot's
+contiguous positions, so a paged store shared in place would need a paged attention kernel that
+transformers' sdpa and eager paths do not have.
 
 A lock serialises `forward`, `commit` and `release`, so one runner may be shared by threads
 (the model runs one call at a time anyway). Logits come back on the model's device.
@@ -65,11 +74,12 @@ __all__ = ["ModelRunner", "Step", "UnknownSessionError"]  # the last two: runtim
 _CAPACITY_STEP = 64  # allocation granularity of the store's positions
 
 
-@dataclass
+@dataclass(eq=False)
 class _Session(SessionState):
     slot: int = -1  # its slot in the store; -1 = no KV (new or evicted)
     length: int = 0  # positions of the slot holding its KV (committed, then pending)
     chain: bool = True  # its pending nodes are a chain (each the child of the one before)
+    kept: bool = False  # a kept prefix: `slot` is in the kept store
 
     @property
     def cached(self) -> int:
@@ -93,10 +103,11 @@ class _Plan:
     rebuild: bool  # fresh because it was evicted
     chain: bool  # its pending nodes, this step's included, are a chain
     parents: list[int] = field(default_factory=list)  # its whole pending tree, this step's included
+    source: str | None = None  # the prefix it starts from: positions [0, past) copied from there
 
     @property
     def feeds(self) -> bool:
-        return bool(self.query)
+        return bool(self.query) or self.source is not None
 
 
 class _StoreLayer(CacheLayerMixin):
@@ -169,6 +180,8 @@ class ModelRunner(SessionTable[_Session]):
         super().__init__()
         self._kv: torch.Tensor | None = None  # the store [layers, 2, slots, kv_heads, capacity, head_dim]
         self._slots: list[str] = []  # slot -> the session in it; used slots are [0, len)
+        self._kept_kv: torch.Tensor | None = None  # the kept prefixes' store, the same layout
+        self._kept_slots: list[str] = []
         self.stats.update(
             over_budget=0,  # forwards that exceeded the budget even after evicting everything idle
             query_tokens=0,
@@ -181,12 +194,6 @@ class ModelRunner(SessionTable[_Session]):
         return 0 if s is None or s.slot < 0 else len(s.tokens)
 
     # ---- mutations -----------------------------------------------------------------------------
-
-    def release(self, session_id: str) -> None:
-        with self._lock, torch.inference_mode():  # the store is an inference tensor
-            s = self._sessions.pop(session_id, None)
-            if s is not None:
-                self._free(s)
 
     def commit(self, session_id: str, keep_nodes: list[int]) -> None:
         """Keep the pending nodes `keep_nodes` (a root-to-node path, in order) as committed tokens,
@@ -206,6 +213,22 @@ class ModelRunner(SessionTable[_Session]):
     def _truncate_kv(self, s: _Session, length: int) -> None:
         s.length, s.chain = min(s.length, length), True  # positional: later writes go over the rest
 
+    def _drop_kv(self, s: _Session) -> None:
+        self._free(s)
+
+    def _drop_pending_kv(self, s: _Session) -> None:
+        self._truncate_kv(s, len(s.tokens))
+
+    def _rekeyed(self, old: str, new: str) -> None:
+        """A released session's committed positions move to the kept store; its slot is freed."""
+        s = self._kept[new]
+        kept = self._reserve_kept(len(self._kept_slots) + 1, s.length)
+        kept[:, :, len(self._kept_slots), :, : s.length] = self._kv[:, :, s.slot, :, : s.length]  # type: ignore[index]
+        length = s.length
+        self._free(s)
+        s.slot, s.length, s.kept = len(self._kept_slots), length, True
+        self._kept_slots.append(new)
+
     def _discard_failed(self, plans: list[_Plan]) -> None:
         for p in plans:
             if p.fresh:  # a slot may have been taken, but it holds no valid KV
@@ -214,26 +237,30 @@ class ModelRunner(SessionTable[_Session]):
     # ---- planning ------------------------------------------------------------------------------
 
     def _plan(self, step: Step) -> _Plan:
-        s, known, step = self._checked(step, _Session)
-        # A session without KV (new or evicted) re-feeds everything it has; else only this step.
+        c = self._checked(step, _Session)
+        s, step = c.session, c.step
+        # A session without KV (new or evicted) re-feeds everything it has after the prefix it
+        # takes (copied into its slot); else only this step.
         fresh = s.slot < 0
-        old_tokens = s.tokens if fresh else []
+        causal = (s.tokens + step.new_tokens)[c.reused :] if fresh else list(step.new_tokens)
         old_nodes = s.pending_tokens if fresh else []
         base = len(s.pending_tokens)
         chain = s.chain and all(p == base + i - 1 for i, p in enumerate(step.node_parents))
+        prefill = step.feed_limit is not None
         return _Plan(
             session_id=step.session_id,
             session=s,
             step=step,
-            past=s.cached,
-            query=old_tokens + list(step.new_tokens) + old_nodes + list(step.node_tokens),
-            n_causal=len(old_tokens) + len(step.new_tokens),
+            past=c.reused if fresh else s.cached,
+            query=causal + old_nodes + list(step.node_tokens),
+            n_causal=len(causal),
             committed=len(s.tokens) + len(step.new_tokens),
-            rows=(1 if step.new_tokens else 0) + len(step.node_tokens),
+            rows=0 if prefill else (1 if step.new_tokens else 0) + len(step.node_tokens),
             fresh=fresh,
-            rebuild=fresh and known,
+            rebuild=fresh and c.known,
             chain=chain,
             parents=s.pending_parents + list(step.node_parents),
+            source=c.source,
         )
 
     # ---- memory --------------------------------------------------------------------------------
@@ -242,46 +269,47 @@ class ModelRunner(SessionTable[_Session]):
         """Evict least recently used idle sessions until the call fits in the budget."""
         if self.max_cache_tokens is None:
             return
-        need = self.cached_positions() + sum(len(p.query) for p in active)
-        for sid, s in list(self._sessions.items()):  # least recently used first
+        need = self.cached_positions() + sum(
+            p.past + len(p.query) if p.fresh else len(p.query) for p in active
+        )
+        for key, s in self._victims(in_call):
             if need <= self.max_cache_tokens:
                 break
-            if sid not in in_call and s.slot >= 0:
+            if s.slot >= 0:
                 need -= s.cached
-                self._free(s)
-                self.stats["evictions"] += 1
+                self._evict(key, s)
         if need > self.max_cache_tokens:
             self.stats["over_budget"] += 1
 
     def _free(self, s: _Session) -> None:
-        """Give the session's slot up; the last used slot moves into it (used slots stay in front)."""
+        """Give the state's slot up; the last used slot moves into it (used slots stay in front)."""
         if s.slot < 0:
             return
-        last = len(self._slots) - 1
+        kv, slots, states = (
+            (self._kept_kv, self._kept_slots, self._kept)
+            if s.kept
+            else (self._kv, self._slots, self._sessions)
+        )
+        last = len(slots) - 1
         if s.slot != last:
-            moved = self._sessions[self._slots[last]]
-            self._kv[:, :, s.slot] = self._kv[:, :, last]  # type: ignore[index]
+            moved = states[slots[last]]
+            kv[:, :, s.slot] = kv[:, :, last]  # type: ignore[index]
             moved.slot = s.slot
-            self._slots[s.slot] = self._slots[last]
-        self._slots.pop()
+            slots[s.slot] = slots[last]
+        slots.pop()
         s.slot, s.length = -1, 0
+
+    def _reserve_kept(self, slots: int, capacity: int) -> torch.Tensor:
+        self._kept_kv = _grown(self._kept_kv, slots, capacity, self._store_shape, self.dtype, self.device)
+        return self._kept_kv
 
     def _reserve(self, slots: int, capacity: int) -> torch.Tensor:
         """The store with room for `slots` sessions of `capacity` positions (what it held kept)."""
-        kv = self._kv
-        have_slots, have_cap = (0, 0) if kv is None else (kv.shape[2], kv.shape[4])
-        if slots <= have_slots and capacity <= have_cap:
-            return kv  # type: ignore[return-value]
-        new_slots = max(slots, 2 * have_slots, 8) if slots > have_slots else have_slots
-        new_cap = have_cap
-        if capacity > have_cap:
-            new_cap = -(-max(capacity, have_cap + have_cap // 2) // _CAPACITY_STEP) * _CAPACITY_STEP
-        shape = (self.num_layers, 2, new_slots, self.kv_heads, new_cap, self.head_dim)
-        grown = torch.zeros(shape, dtype=self.dtype, device=self.device)  # zeros: pads must be finite
-        if kv is not None:
-            grown[:, :, :have_slots, :, :have_cap] = kv
-        self._kv = grown
-        return grown
+        self._kv = _grown(self._kv, slots, capacity, self._store_shape, self.dtype, self.device)
+        return self._kv
+
+    def _store_shape(self, slots: int, capacity: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, slots, self.kv_heads, capacity, self.head_dim)
 
     # ---- the model call ------------------------------------------------------------------------
 
@@ -290,6 +318,19 @@ class ModelRunner(SessionTable[_Session]):
             if p.session.slot < 0:  # a slot at the end of the used ones
                 p.session.slot = len(self._slots)
                 self._slots.append(p.session_id)
+        self._copy_prefixes(plans)
+        if all(p.query for p in plans):
+            return self._forward_rows(plans)
+        for p in plans:  # the others only took a prefix
+            if not p.query:
+                p.session.length, p.session.chain = p.past, True
+        running = [p for p in plans if p.query]
+        ran = iter(self._forward_rows(running) if running else [])
+        empty = torch.zeros(0, self.vocab_size, device=self.device)
+        return [next(ran) if p.query else empty for p in plans]
+
+    def _forward_rows(self, plans: list[_Plan]) -> list[torch.Tensor]:
+        """The forward of plans that all have queries: per plan its returned rows."""
         order = sorted(range(len(plans)), key=lambda i: plans[i].session.slot)
         plans_sorted = [plans[i] for i in order]
         n_b = len(plans_sorted)
@@ -301,7 +342,7 @@ class ModelRunner(SessionTable[_Session]):
         slots = [p.session.slot for p in plans_sorted]
         dev = self.device
         ids, pos, allow, write = self._batch_inputs(plans_sorted, q_max, length)
-        every_slot = slots == list(range(n_b)) and n_b == len(self._slots)
+        every_slot = slots == list(range(n_b))  # the front slots in order: a view of the store
         slot_index = None if every_slot else torch.tensor(slots, device=dev)
         cache = Cache(layers=[_StoreLayer(kv[i], slot_index, write, length) for i in range(self.num_layers)])
         # the returned rows: each session's last `rows` queries, through the LM head together
@@ -324,6 +365,17 @@ class ModelRunner(SessionTable[_Session]):
         for k, i in enumerate(order):
             results[i] = out[k]
         return results
+
+    def _copy_prefixes(self, plans: list[_Plan]) -> None:
+        """Each plan that starts from a prefix gets its positions [0, past) from the owner's slot."""
+        taking = [p for p in plans if p.source is not None]
+        if not taking:
+            return
+        kv = self._reserve(len(self._slots), max(p.past + len(p.query) for p in plans))
+        for p in taking:
+            owner = self._state(p.source)  # type: ignore[arg-type]
+            store = self._kept_kv if owner.kept else kv
+            kv[:, :, p.session.slot, :, : p.past] = store[:, :, owner.slot, :, : p.past]  # type: ignore[index]
 
     def _batch_inputs(
         self, plans: list[_Plan], q_max: int, length: int
@@ -373,3 +425,21 @@ class ModelRunner(SessionTable[_Session]):
         self.stats["batch_sizes"][len(plans)] += 1
         self.stats["query_tokens"] += sum(len(p.query) for p in plans)
         self.stats["padded_query_tokens"] += q_max * len(plans)
+
+
+def _grown(
+    kv: torch.Tensor | None, slots: int, capacity: int, shape: Any, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A store [layers, 2, slots, kv_heads, capacity, head_dim] with room for `slots` of `capacity`
+    positions, what `kv` held kept (x2 slots, x1.5 capacity at least, when it grows)."""
+    have_slots, have_cap = (0, 0) if kv is None else (kv.shape[2], kv.shape[4])
+    if kv is not None and slots <= have_slots and capacity <= have_cap:
+        return kv
+    new_slots = max(slots, 2 * have_slots, 8) if slots > have_slots else have_slots
+    new_cap = have_cap
+    if capacity > have_cap:
+        new_cap = -(-max(capacity, have_cap + have_cap // 2) // _CAPACITY_STEP) * _CAPACITY_STEP
+    grown = torch.zeros(shape(new_slots, new_cap), dtype=dtype, device=device)  # zeros: pads must be finite
+    if kv is not None:
+        grown[:, :, :have_slots, :, :have_cap] = kv
+    return grown

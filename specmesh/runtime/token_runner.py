@@ -17,7 +17,7 @@ import torch
 from specmesh.runtime.backend import SessionState, SessionTable, Step, check_path, ints
 
 
-@dataclass
+@dataclass(eq=False)
 class _Session(SessionState):
     @property
     def cached(self) -> int:
@@ -30,6 +30,7 @@ class _Plan:
     session: _Session
     step: Step
     rebuild: bool = False
+    source: str | None = None  # never: no prefix cache without KV
 
     @property
     def feeds(self) -> bool:
@@ -47,10 +48,6 @@ class TokenRunner(SessionTable[_Session]):
         self.device = torch.device("cpu")
         super().__init__()
 
-    def release(self, session_id: str) -> None:
-        with self._lock:
-            self._sessions.pop(session_id, None)
-
     def commit(self, session_id: str, keep_nodes: list[int]) -> None:
         with self._lock:
             s = self._get(session_id)
@@ -59,11 +56,17 @@ class TokenRunner(SessionTable[_Session]):
             self._keep_path(session_id, s, keep)
 
     def _plan(self, step: Step) -> _Plan:
-        s, _, step = self._checked(step, _Session)
-        return _Plan(step.session_id, s, step)
+        c = self._checked(step, _Session)
+        return _Plan(step.session_id, c.session, c.step)
 
     def _truncate_kv(self, s: _Session, length: int) -> None:
         pass  # nothing but the tokens, which truncate cuts
+
+    def _drop_kv(self, s: _Session) -> None:
+        pass  # no KV: a released session's tokens go with it
+
+    def _drop_pending_kv(self, s: _Session) -> None:
+        pass
 
     def _make_room(self, active: list[_Plan], in_call: set[str]) -> None:
         if not self.max_cache_tokens:

@@ -83,7 +83,7 @@ class _Item:
     tokens: int = 0
 
     def __post_init__(self) -> None:
-        self.tokens = sum(len(st.new_tokens) + len(st.node_tokens) for st in self.steps)
+        self.tokens = sum(st.rows for st in self.steps)
 
 
 class ForwardBatcher:
@@ -134,6 +134,7 @@ class ForwardBatcher:
         item = _Item(list(steps), before or {}, finish, self._loop.create_future(), self._loop.time())
         self._queue.append(item)
         self._poke()
+        self._metrics.waiting.set(sum(len(i.steps) for i in self._queue))
         return item.future
 
     def withdraw(self, future: asyncio.Future) -> None:
@@ -191,6 +192,7 @@ class ForwardBatcher:
 
     def _dispatch(self, batch: list[_Item]) -> None:
         self._busy = True
+        self._metrics.waiting.set(sum(len(i.steps) for i in self._queue))
         dispatched = self._loop.time()
         job = self._loop.run_in_executor(self._model_thread, self._execute, batch)
         job.add_done_callback(functools.partial(self._finished, batch, dispatched))
@@ -237,7 +239,7 @@ class ForwardBatcher:
         forward_s = 0.0
         for chunk in self._chunks(batch, ready):
             steps = [batch[g].steps[k] for g, k in chunk]
-            rows = sum(len(st.new_tokens) + len(st.node_tokens) for st in steps)
+            rows = sum(st.rows for st in steps)
             start, cpu = time.perf_counter(), time.thread_time()
             logits = self._forward(steps)
             self._metrics.forward_cpu.inc(time.thread_time() - cpu)
@@ -271,7 +273,7 @@ class ForwardBatcher:
         tokens = 0
         for g, k in ready:
             st = batch[g].steps[k]
-            rows = len(st.new_tokens) + len(st.node_tokens)
+            rows = st.rows
             if current and (
                 len(current) >= self._limits.max_batch_size or tokens + rows > self._limits.max_batch_tokens
             ):

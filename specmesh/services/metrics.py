@@ -48,17 +48,45 @@ class ServiceMetrics(RpcMetrics):
             "--deterministic on llama.cpp: times the append-only KV cache reached its end, so that "
             "every session's KV was dropped and re-fed in order (docs/decisions.md, Batch invariance)",
         )
+        self.prefix_queries = self.counter(
+            f"{NS}prefix_cache_queries",
+            "tokens of the sessions that started without KV (new, resynced, evicted), looked up in the "
+            "prefix cache (vLLM's name)",
+        )
+        self.prefix_hits = self.counter(
+            f"{NS}prefix_cache_hits",
+            "of them, tokens whose KV a kept prefix or a live session's already held (vLLM's name)",
+        )
+        self.kept_prefixes = self.gauge(f"{NS}kept_prefixes", "released sessions' KV kept as prefixes")
+        self.kept_evictions = self.counter(
+            f"{NS}kept_prefix_evictions", "kept prefixes dropped for room (least recently used first)"
+        )
+        self.prefill_tokens = self.counter(
+            f"{NS}prefill_tokens", "tokens fed by prefill items (chunked prefill), past the prefixes taken"
+        )
+        self.waiting = self.gauge(
+            f"{NS}num_requests_waiting",
+            "sessions whose step waits for a forward (queued in the batcher): what an endpoint picker "
+            "scores a replica's queue by",
+        )
         # the runner's counts in `stats` (not part of the ModelBackend protocol) -> their counters
-        self._counted = {"evictions": self.preemptions, "log_restarts": self.log_restarts}
+        self._counted = {
+            "evictions": self.preemptions, "log_restarts": self.log_restarts,
+            "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
+            "kept_evictions": self.kept_evictions,
+        }  # fmt: skip
         self._seen = dict.fromkeys(self._counted, 0)  # each count at the last observation
+        self.kv_usage_now = 0.0
 
     def observe_runner(self, runner: ModelBackend) -> None:
         """Call on the model thread (the only thread that changes the runner)."""
         cached = runner.cached_positions()
         self.sessions.set(len(runner.sessions()))
+        self.kept_prefixes.set(getattr(runner, "kept_prefixes", lambda: 0)())
         self.cached_tokens.set(cached)
         budget = runner.max_cache_tokens
-        self.kv_usage.set(cached / budget if budget else 0.0)
+        self.kv_usage_now = cached / budget if budget else 0.0  # what tick results say (kv_usage)
+        self.kv_usage.set(self.kv_usage_now)
         stats = getattr(runner, "stats", {})
         for key, counter in self._counted.items():
             count = stats.get(key, 0)

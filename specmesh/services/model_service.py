@@ -21,6 +21,11 @@ benchmarks); on a mesh, mTLS keeps other callers out.
 Context: a request whose session would hold more committed tokens than the model's context
 (max_position_embeddings, llama.cpp's training context) is refused before any forward.
 
+Prefixes (--prefix-cache): a released session's KV stays as a kept prefix (at most
+--kept-prefixes), and a session that starts takes the longest prefix of its tokens a live session
+or a kept prefix holds, with its salt (specmesh.runtime.backend). A prefill item of a tick
+(`prefill_items`) feeds one chunk of a long prompt; `Prefixes` tells a router what is held.
+
 Errors, beyond specmesh.rpc.server's: resync -> FAILED_PRECONDITION; busy -> ABORTED; another
 caller's session -> PERMISSION_DENIED.
 """
@@ -33,6 +38,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import secrets
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,6 +51,7 @@ import grpc
 import torch
 from transformers.utils import logging as hf_logging
 
+from specmesh.core.prefix import BLOCK_TOKENS, ROUTE_EVERY
 from specmesh.rpc import decoding, wire
 from specmesh.rpc.proto import pb2
 from specmesh.rpc.server import (
@@ -56,12 +63,20 @@ from specmesh.rpc.server import (
     rpc_stream,
     serve,
 )
-from specmesh.rpc.ticks import ItemFailure, Opened, TickItems, items_from_proto, opened_from_proto
+from specmesh.rpc.ticks import (
+    ItemFailure,
+    Opened,
+    Prefilled,
+    TickItems,
+    items_from_proto,
+    opened_from_proto,
+    packed,
+)
 from specmesh.runtime.backend import Backend, UnknownSessionError
 from specmesh.runtime.costs import measure_forward_cost
 from specmesh.runtime.grammar import GrammarMasks, SessionGrammars
 from specmesh.runtime.models import LoadedModel, load_model
-from specmesh.runtime.rounds import Cancelled, Ticked
+from specmesh.runtime.rounds import Cancelled, PrefillJob, Ticked, prefill_steps
 from specmesh.services.batching import BatchInfo, BatchLimits, ForwardBatcher, ForwardFloor, More
 from specmesh.services.metrics import ServiceMetrics
 
@@ -123,6 +138,8 @@ class ServiceConfig(ServerConfig):
     forward_ms_per_row: float
     session_idle_seconds: float
     run_ahead: bool
+    prefix_cache: bool
+    kept_prefixes: int
 
     @property
     def forward_floor(self) -> ForwardFloor:
@@ -159,6 +176,16 @@ _FLAGS: dict[str, tuple[type, str]] = {
         bool,
         "verifier: a plain run's next step runs while its call's answer travels, and the next "
         'call that goes on from it takes it (docs/decisions.md, "Run-ahead")',
+    ),
+    "prefix_cache": (
+        bool,
+        "keep released sessions' KV as prefixes and start sessions from the longest prefix held "
+        '(docs/services.md, "Prefixes")',
+    ),
+    "kept_prefixes": (
+        int,
+        "kept prefixes at most (least recently used go first; 0: only live sessions' prefixes are "
+        "shared); all of them count in --max-cache-tokens",
     ),
     "session_idle_seconds": (
         float,
@@ -201,6 +228,8 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "forward_latency_ms": 0.0,
     "forward_ms_per_row": 0.0,
     "run_ahead": True,
+    "prefix_cache": True,
+    "kept_prefixes": 64,
     "session_idle_seconds": 900.0,  # longer than the gateway's --session-ttl: its keys go first
 }
 
@@ -215,7 +244,10 @@ def parse_config(prog: str, argv: list[str] | None, defaults: Mapping[str, Any])
     return parse_flags(
         prog, ServiceConfig, _FLAGS, {**COMMON_DEFAULTS, **defaults}, argv,
         at_least_one=_AT_LEAST_ONE,
-        non_negative=("max_wait_ms", "forward_latency_ms", "forward_ms_per_row", "session_idle_seconds"),
+        non_negative=(
+            "max_wait_ms", "forward_latency_ms", "forward_ms_per_row", "session_idle_seconds",
+            "kept_prefixes",
+        ),
     )  # fmt: skip
 
 
@@ -387,6 +419,9 @@ class ModelService(RpcService):
             config.max_cache_tokens or None, threads=config.torch_threads, deterministic=config.deterministic
         )
         self.vocab_size = self.runner.vocab_size
+        if config.prefix_cache and model.backend is not Backend.NGRAM:  # no KV, nothing to keep
+            self.runner.enable_prefix_cache(config.kept_prefixes)
+        self.incarnation = secrets.token_hex(8)  # Prefixes: this process's versions
         self.limits = config.limits
         self.loop = asyncio.get_running_loop()
         self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="model")
@@ -489,11 +524,11 @@ class ModelService(RpcService):
 
     def end(self, session_id: str, resume: Resume, failed: bool, abandoned: bool) -> None:
         """An item's work has really ended (a forward in flight may change its session until then):
-        free the session; forget it if the work failed (the caller resyncs), or if this item
-        (re)started the session and its caller went away (the caller's Release may have arrived
-        before the item began, found nothing to release, and will not come again)."""
+        free the session; forget it if the work failed (the caller resyncs; its KV is not kept), or
+        if this item (re)started the session and its caller went away (the caller's Release may have
+        arrived before the item began, found nothing to release, and will not come again)."""
         if failed or (resume is Resume.RESTART and abandoned):
-            self.forget(session_id)
+            self.forget(session_id, keep=not failed)
         self.slots.free(session_id)
 
     def failure(self, method: str, session: str, exc: BaseException) -> ItemFailure:
@@ -621,6 +656,102 @@ class ModelService(RpcService):
         """A service's tick: its result message."""
         raise NotImplementedError
 
+    # ---- prefill -------------------------------------------------------------------------------
+
+    def stream_prefills(self, stream: TickStream, items: TickItems, answers: list) -> tuple[list[int], Any]:
+        """A tick's prefill items (feed > 0): (their indexes, a coroutine that runs them and puts
+        each one's `Prefilled` or failure into `answers`). Run it beside the tick's other items:
+        they share its forward."""
+        where = [int(i) for i in items.feed.nonzero()[0]]
+        handles = items.handles.tolist()
+        fills, taken = [], []
+        for i in where:
+            try:
+                o = stream.session(handles[i])
+                p = items.prefill(i, o)
+                if not p.new_tokens:
+                    raise wire.WireError("new_tokens", "must not be empty (a prefill feeds them)")
+                fills.append((p, owner_hash(o.key)))
+                taken.append(i)
+            except Exception as exc:
+                answers[i] = self.failure(self.tick_method, "", exc)
+
+        async def run() -> None:
+            if not fills:
+                return
+            outcomes = await self.prefill_items(fills, on_start=stream.track(handles, taken))
+            for i, (p, _), out in zip(taken, fills, outcomes, strict=True):
+                stream.answered(handles[i])
+                answers[i] = (
+                    self.failure(self.tick_method, p.session_id, out)
+                    if isinstance(out, BaseException)
+                    else out
+                )
+
+        return where, run()
+
+    async def prefill_items(
+        self,
+        fills: Sequence[tuple[wire.PrefillInput, bytes]],
+        on_start: Callable[[Sequence[tuple[int, Any]], Tick], None] | None = None,
+    ) -> list[Prefilled | BaseException]:
+        """One chunk of each session's prefill ((input, its caller's key hash) each), all in one
+        forward: per item what the replica holds after it, or its exception."""
+        out: list = [None] * len(fills)
+        started: list[tuple[int, wire.PrefillInput, Resume, PrefillJob]] = []
+        befores: dict[str, Callable[[], None]] = {}
+        for k, (p, owner) in enumerate(fills):
+            try:
+                self.drop_own_work(p.session_id)  # a step run ahead of it is past its position
+                resume = self.begin(p, owner)
+            except Exception as exc:
+                out[k] = exc
+                continue
+            befores[p.session_id] = self.prefill_reset(p.session_id, resume, p.position)
+            started.append((k, p, resume, PrefillJob(p.session_id, list(p.new_tokens), p.limit, p.salt)))
+        if not started:
+            return out
+        jobs = [job for *_, job in started]
+        tick = Tick(self.batcher, jobs)
+        if on_start is not None:
+            on_start([(k, job) for k, _, _, job in started], tick)
+        try:
+            try:
+                ticked = prefill_steps(jobs, self._held)
+                outcomes = await self.run_tick(tick, lambda: self.drive(tick, ticked, befores))
+            except Withdrawn:
+                outcomes = [Cancelled("cancelled before its forward")] * len(jobs)
+        except BaseException:
+            for _, p, resume, _ in started:
+                self.end(p.session_id, resume, True, True)
+            raise
+        for (k, p, resume, job), outcome in zip(started, outcomes, strict=True):
+            failed = isinstance(outcome, BaseException)
+            nothing_ran = tick.withdrawn
+            self.end(p.session_id, resume, failed and not nothing_ran, tick.abandoned or job.cancelled)
+            if failed:
+                out[k] = outcome
+                continue
+            held, cached = outcome
+            self.metrics.prefill_tokens.inc(max(0, held - max(p.position, cached)))
+            out[k] = Prefilled(held, cached)
+        return out
+
+    def prefill_reset(self, session_id: str, resume: Resume, position: int) -> Callable[[], None]:
+        """What runs before a prefill's forward: `reset`, and a pending tree dropped (a drafter's
+        tree of its last round: a prefill is not its next draft)."""
+        reset = self.reset(session_id, resume, position)
+        return reset if reset is not None else functools.partial(self.runner.commit, session_id, [])
+
+    def _held(self, session_id: str) -> tuple[int, int]:
+        """On the model thread: (committed tokens the runner holds, of which taken from a prefix)."""
+        return self.runner.committed_length(session_id) or 0, self.runner.reused_tokens(session_id)
+
+    def prefix_version(self) -> int:
+        """The version of what `Prefixes` answers (0: no prefix cache)."""
+        index = getattr(self.runner, "prefix", None)
+        return index.version if index is not None else 0
+
     def _close(self, session_id: str, owner: bytes) -> None:
         """Remember that the caller with this key released the session. Keyed callers (the
         gateway) never use a session id again after its Release; key-less ones (tests,
@@ -658,18 +789,21 @@ class ModelService(RpcService):
         return Resume.CONTINUE if position == held else Resume.ROLLBACK
 
     def reset(self, session_id: str, resume: Resume, position: int) -> Callable[[], None] | None:
-        """What must run on the model thread before the request's first forward, if anything."""
+        """What must run on the model thread before the request's first forward, if anything (a
+        restart releases what the session held, kept as a prefix: the restart takes it back as far
+        as its tokens agree, so a resync or a retry feeds only what is new)."""
         if resume is Resume.RESTART:
             return functools.partial(self.runner.release, session_id)
         if resume is Resume.ROLLBACK:
             return functools.partial(self.runner.truncate, session_id, position)
         return None
 
-    def forget(self, session_id: str) -> None:
-        """Drop the session here; until the model thread has released it, it counts as unknown."""
+    def forget(self, session_id: str, keep: bool = True) -> None:
+        """Drop the session here; until the model thread has released it, it counts as unknown.
+        keep: its KV may stay as a kept prefix."""
         self.forget_local(session_id)
         self._releasing[session_id] += 1
-        job = self.model_thread.submit(self._release, session_id)
+        job = self.model_thread.submit(self._release, session_id, keep)
         job.add_done_callback(lambda _: self.loop.call_soon_threadsafe(self._released, session_id))
 
     def forget_local(self, session_id: str) -> None:
@@ -690,8 +824,8 @@ class ModelService(RpcService):
         except ValueError as exc:
             raise wire.WireError("grammar.text", str(exc).removeprefix("grammar: ")) from None
 
-    def _release(self, session_id: str) -> None:
-        self.runner.release(session_id)
+    def _release(self, session_id: str, keep: bool = True) -> None:
+        self.runner.release(session_id, keep)
         self.metrics.observe_runner(self.runner)
 
     def _released(self, session_id: str) -> None:
@@ -708,6 +842,17 @@ class ModelService(RpcService):
         session_id = wire.session_id_from_proto(request.session_id)
         key = wire.session_key(context.invocation_metadata())
         return pb2.ReleaseResponse(released=self.release_with_key(session_id, owner_hash(key), bool(key)))
+
+    @rpc
+    async def Prefixes(
+        self, request: pb2.PrefixesRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.PrefixesResponse:
+        # under the runner's lock, off the model thread's queue: it waits for one forward at most
+        version, hashes = await asyncio.to_thread(self.runner.prefix_summary)
+        return pb2.PrefixesResponse(
+            incarnation=self.incarnation, version=version, hashes=packed(hashes, "<u8"),
+            block_tokens=BLOCK_TOKENS, route_every=ROUTE_EVERY,
+        )  # fmt: skip
 
     @rpc
     async def Info(self, request: pb2.InfoRequest, context: grpc.aio.ServicerContext) -> pb2.InfoResponse:

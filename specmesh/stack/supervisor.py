@@ -396,6 +396,8 @@ class StackPlan:
     redis_url: str
     http: str = ""  # the gateway's OpenAI-compatible HTTP API, host:port ("" = off)
     metrics: dict[str, str] = field(default_factory=dict)  # child name -> its /metrics host:port
+    # every gateway (the first is `gateway`, `http`): gRPC and HTTP host:port each
+    gateways: list[tuple[str, str]] = field(default_factory=list)
     certs: CertFiles | None = None  # TLS on every hop (None: plaintext on loopback)
     redis_dir: str = ""  # the private Redis's config and AOF, for the stack's lifetime ("" = none)
 
@@ -430,15 +432,17 @@ def plan_stack(
     gateway_args: Sequence[str] = (),
     gateway_env: Mapping[str, str] | None = None,
     certs: CertFiles | None = None,
+    gateways: int = 1,
 ) -> StackPlan:
     """The command lines of the whole stack on loopback: redis (unless redis_url is given),
     `drafters` drafters, `ngram_drafters` model-free n-gram drafters (their --model names the
     draft's vocabulary), `verifiers` verifiers, and the gateway on `port` (gRPC) and `http_port`
     (its HTTP API and /metrics; 0 = off). Each replica serves /metrics on a free port. With
     `certs` every server listens with TLS, the replicas require the gateway's client certificate
-    (mutual TLS), and readiness is asked with the user's client certificate."""
-    if drafters < 0 or ngram_drafters < 0 or verifiers < 1:
-        raise ValueError("need drafters >= 0, ngram_drafters >= 0 and verifiers >= 1")
+    (mutual TLS), and readiness is asked with the user's client certificate. gateways: that many
+    gateways on the same replicas and Redis, gateway i on port + i and http_port + i."""
+    if drafters < 0 or ngram_drafters < 0 or verifiers < 1 or gateways < 1:
+        raise ValueError("need drafters >= 0, ngram_drafters >= 0, verifiers >= 1 and gateways >= 1")
     specs: list[ChildSpec] = []
     redis_dir = ""
     if redis_url is None:
@@ -488,22 +492,28 @@ def plan_stack(
         spec, addr = service("verifier", i, target, verifier_args)
         specs.append(dataclasses.replace(spec, expendable=verifiers > 1))
         verifier_addrs.append(addr)
-    gateway = f"{host}:{port}"
-    argv = [python, "-m", "gateway", "--port", str(port), "--http-port", str(http_port)]
-    http = f"{host}:{http_port}" if http_port else ""
-    if http:
-        metrics["gateway"] = http
-    if drafter_addrs:
-        argv += ["--drafters", ",".join(drafter_addrs)]
-    if ngram_addrs:
-        argv += ["--ngram-drafters", ",".join(ngram_addrs)]
-    argv += ["--verifiers", ",".join(verifier_addrs)]
-    argv += [*tls_flags, *gateway_tls_flags, *gateway_args]
-    ready = grpc_ready(gateway, tls=probe_tls)
+    replicas = ["--drafters", ",".join(drafter_addrs)] if drafter_addrs else []
+    replicas += ["--ngram-drafters", ",".join(ngram_addrs)] if ngram_addrs else []
+    replicas += ["--verifiers", ",".join(verifier_addrs)]
     env = {**(gateway_env or {}), "SPECMESH_REDIS_URL": redis_url}  # --redis-url: may hold a password
-    specs.append(ChildSpec("gateway", argv, ready, stage=3, env=env, ready_timeout=120.0))
+    served = []
+    for i in range(gateways):
+        name, grpc_port, web_port = (
+            "gateway" if i == 0 else f"gateway-{i}",
+            port + i,
+            http_port + i if http_port else 0,
+        )
+        address, http = f"{host}:{grpc_port}", f"{host}:{web_port}" if web_port else ""
+        argv = [python, "-m", "gateway", "--port", str(grpc_port), "--http-port", str(web_port), *replicas]
+        argv += [*tls_flags, *gateway_tls_flags, *gateway_args]
+        if http:
+            metrics[name] = http
+        ready = grpc_ready(address, tls=probe_tls)
+        specs.append(ChildSpec(name, argv, ready, stage=3, env=env, ready_timeout=120.0))
+        served.append((address, http))
+    gateway, http = served[0]
     plan = StackPlan(specs, gateway, drafter_addrs, verifier_addrs, redis_url, http, metrics, certs)
-    plan.redis_dir = redis_dir
+    plan.gateways, plan.redis_dir = served, redis_dir
     return plan
 
 
