@@ -46,6 +46,7 @@ from specmesh.rpc.ticks import (
     SUPERSEDABLE,
     DraftAnswer,
     ItemFailure,
+    Prefilled,
     TickItems,
     column,
     draft_result,
@@ -115,10 +116,6 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         super().forget_local(session_id)
         self._pending.pop(session_id, None)
 
-    def prefill_reset(self, session_id: str, resume: Resume, position: int) -> Callable[[], None]:
-        self._pending.pop(session_id, None)  # the tree it drops: no node of it is kept
-        return super().prefill_reset(session_id, resume, position)
-
     # ---- RPCs ----------------------------------------------------------------------------------
 
     @rpc
@@ -151,13 +148,9 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         specs, spec_index = draft_specs_from_proto(message, n, self.limits)
         flags = column(message.flags, "u1", "flags", n) if n else np.zeros(0, np.uint8)
         answers: list = [None] * n
-        fill_where, prefills = self.stream_prefills(stream, items, answers)
-        prefill = set(fill_where)
         drafts, where = [], []
-        positions, handles = items.positions.tolist(), items.handles.tolist()
+        positions, handles, feeds = items.positions.tolist(), items.handles.tolist(), items.feed.tolist()
         for i in range(n):
-            if i in prefill:
-                continue
             try:
                 o = stream.session(handles[i])
                 spec = specs[int(spec_index[i])]
@@ -173,15 +166,14 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
                     session_id=o.session_id, position=positions[i], new_tokens=new, params=o.params,
                     grammar=o.grammar, spec=spec, guess_next=bool(f & GUESS_NEXT),
                     speculative=bool(f & SPECULATIVE), supersedable=bool(f & SUPERSEDABLE), salt=o.salt,
+                    feed_limit=feeds[i] or None,
                 )  # fmt: skip
                 drafts.append((draft, owner_hash(o.key)))
                 where.append(i)
             except Exception as exc:
                 answers[i] = self.failure("Draft", "", exc)
 
-        outcomes, _ = await asyncio.gather(
-            self.draft_items(drafts, on_start=stream.track(handles, where)), prefills
-        )
+        outcomes = await self.draft_items(drafts, on_start=stream.track(handles, where))
         for k, out in enumerate(outcomes):
             i = where[k]
             stream.answered(handles[i])
@@ -189,6 +181,8 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
                 answers[i] = self.failure("Draft", drafts[k][0].session_id, out)
             elif out == SUPERSEDED:
                 answers[i] = ItemFailure(grpc.StatusCode.CANCELLED.value[0], "superseded by a later draft")
+            elif isinstance(out, Prefilled):  # a chunk of its prefill: the caller sends the rest
+                answers[i] = out
             else:
                 if positions[i] == 0:
                     out.cached = self.runner.reused_tokens(drafts[k][0].session_id)
@@ -251,7 +245,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
             allowed = functools.partial(masks.allowed, committed[d.grammar.start :])
         job = DraftJob(
             sid, list(d.new_tokens[fed:]), d.spec, d.params, d.params.seed or 0, d.committed_length,
-            guess_next=d.guess_next, allowed=allowed, salt=d.salt,
+            guess_next=d.guess_next, allowed=allowed, salt=d.salt, feed_limit=d.feed_limit,
         )  # fmt: skip
         return _Item(k, d, resume, pending, job, fed, before)
 
@@ -307,8 +301,10 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
                 self.end(sid, item.resume, True, gone)
             return outcome.error
         self._pending[sid] = item.job.nodes
-        self._drafted.append((outcome.tree, item.fed))
         self.end(sid, item.resume, False, gone)
+        if outcome.partial:  # a chunk of its prefill
+            return self.prefilled(sid, d.position)
+        self._drafted.append((outcome.tree, item.fed))
         return DraftAnswer(outcome.tree, outcome.likely, item.job.forwards)
 
     async def _supersede(self, session_ids: list[str]) -> None:

@@ -50,6 +50,7 @@ from specmesh.core.methods import Method
 from specmesh.core.stats import GenerationStats
 from specmesh.rpc.round_client import Role, needs_resync
 from specmesh.rpc.tick_client import ItemError
+from specmesh.rpc.ticks import Prefilled
 
 COOLDOWN_SECONDS = 0.02  # a replica that answered ABORTED still runs our cancelled call
 
@@ -304,12 +305,19 @@ class DsiRun(SessionRun):
     async def _after_prefill(
         self, loop: Any, address: str, position: int, context: list[int], call: Callable[..., Any]
     ) -> Any:
-        """call(position, new tokens), after prefill items where it would feed more than a tick's
-        budget (the prompt, a replica that lost the session): what they fed is held from then on."""
-        if loop.needs_prefill(position, len(context)):
-            position = await loop.fed(self.client.session, position, context, time.perf_counter())
+        """call(position, new tokens, limited=...): where it would feed more than a tick's budget
+        (the prompt, a replica that lost the session), limited, again from where the replica is
+        after each chunk (what it holds from then on)."""
+        since = time.perf_counter()
+        while True:
+            limited = since if loop.needs_prefill(position, len(context)) else None
+            answer = await call(position, context[position:], limited=limited)
+            if not isinstance(answer, Prefilled):
+                return answer
+            if answer.held <= position:
+                raise ItemError(grpc.StatusCode.INTERNAL, f"{loop.name}: a limited call fed nothing")
+            position = answer.held
             self.held[address] = context[:position]
-        return await call(position, context[position:])
 
     def _start(self, call: Any, what: _Call) -> None:
         self.calls[asyncio.ensure_future(call)] = what

@@ -486,6 +486,12 @@ class ReplicaPool:
         self._assign(session_id, choice)
         return choice
 
+    def prefill_chunk(self, tokens: int) -> None:
+        """Its tick loops' prefill budget from now on (chunked prefill; 0: none)."""
+        self.max_tick_tokens = tokens
+        for loop in self._loops.values():
+            loop.max_tick_tokens = tokens
+
     def load(self, address: str) -> int:
         """Sessions this pool has placed on the replica (its load, as this gateway sees it)."""
         replica = self._replicas.get(address)

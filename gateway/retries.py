@@ -20,7 +20,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["RetryBudget", "TryTimeouts", "forward_seconds"]
+__all__ = ["RetryBudget", "TryTimeouts", "forward_seconds", "prefill_chunk"]
+
+# --prefill-chunk auto: a chunk's forward costs about this many one-row forwards (a running
+# stream's step beside it waits that long), within these bounds (docs/decisions.md, "Chunked prefill")
+CHUNK_STEPS, MIN_CHUNK, MAX_CHUNK = 16, 64, 2048
 
 
 def forward_seconds(cost: Mapping[int, float], rows: int) -> float:
@@ -36,6 +40,19 @@ def forward_seconds(cost: Mapping[int, float], rows: int) -> float:
             return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
     r_last, s_last = points[-1]
     return s_last * rows / r_last  # past the table: proportional to rows (a prefill)
+
+
+def prefill_chunk(cost: Mapping[int, float], steps: float = CHUNK_STEPS) -> int:
+    """The prefill chunk whose forward costs `steps` one-row forwards of `cost` (rows -> seconds,
+    a replica's start-up measurement), by the table's slope past its last point (a CPU's forward
+    grows with every row, a GPU's hardly: its chunk is larger), within [MIN_CHUNK, MAX_CHUNK]."""
+    points = sorted(cost.items())
+    if len(points) < 2:
+        return MIN_CHUNK * 4
+    (r0, s0), (r1, s1) = points[-2], points[-1]
+    slope = max((s1 - s0) / (r1 - r0), 1e-9)
+    rows = r1 + (steps * points[0][1] - s1) / slope
+    return int(min(MAX_CHUNK, max(MIN_CHUNK, rows)))
 
 
 @dataclass

@@ -19,7 +19,7 @@ import functools
 import hashlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from gateway.requests import (
     parse_generate_request,
     plan_from_session,
 )
-from gateway.retries import RetryBudget, TryTimeouts
+from gateway.retries import RetryBudget, TryTimeouts, prefill_chunk
 from gateway.rounds import GatewayEnv, GatewayError, Piece, SessionRun
 from gateway.session_store import (
     NotOwner,
@@ -87,8 +87,6 @@ DSI_UNKNOWN_DRAFT_SHARE = 0.5  # a drafter's cost relative to the target's, befo
 ADAPTIVE_PRIOR = 0.7  # the draft model's acceptance per level assumed before a session's first round
 HANDOVER_SHARE = 0.8  # of --grace-seconds that running sessions may use to finish before a handover
 TAKE_SLACK_SECONDS = 0.5  # a resume waits for a dead owner's lease this much past its expiry
-# --prefill-chunk's default: tokens of prompts per tick (docs/decisions.md, "Chunked prefill")
-PREFILL_CHUNK = 256
 READY_RETRY_SECONDS = 5.0  # between attempts to learn the model (a verifier starting, a bad tokenizer)
 
 
@@ -117,7 +115,7 @@ class GatewayConfig(ServerConfig):
     pipeline: str
     call_overhead_ms: float
     plain_steps: int
-    prefill_chunk: int
+    prefill_chunk: str
     prefix_routing: bool
     prefix_balance: int
     http_port: int
@@ -148,6 +146,12 @@ class GatewayConfig(ServerConfig):
             raise ValueError(f"--plain-steps must be at most {MAX_PLAIN_STEPS}")
         if self.tool_call_parser not in ("auto", "none", *TOOL_PARSERS):
             raise ValueError(f"--tool-call-parser: one of auto, none, {', '.join(TOOL_PARSERS)}")
+        if self.prefill_chunk != "auto" and not (self.prefill_chunk.isdigit()):
+            raise ValueError(f"--prefill-chunk: auto or a number of tokens >= 0, got {self.prefill_chunk!r}")
+
+    def chunk(self, cost: Mapping[int, float]) -> int:
+        """--prefill-chunk for replicas of this forward cost (rows -> seconds)."""
+        return prefill_chunk(cost) if self.prefill_chunk == "auto" else int(self.prefill_chunk)
 
 
 _FLAGS: dict[str, tuple[type, str]] = {
@@ -229,10 +233,12 @@ _FLAGS: dict[str, tuple[type, str]] = {
         "token costs a round trip each; more per call streams in larger pieces), at most 64",
     ),
     "prefill_chunk": (
-        int,
+        str,
         "chunked prefill: the most tokens of prompts (or of any re-feed) one tick to a replica "
         "feeds, shared by the sessions prefilling (vLLM's max_num_batched_tokens); a longer prompt "
-        "takes several ticks, and the other sessions' rounds run in each (0 = a prompt in one call)",
+        "takes several ticks, and the other sessions' rounds run in each. auto: what costs the "
+        "replica about 16 one-row forwards, by its start-up measurement (64-2048); 0: a prompt in "
+        "one call",
     ),
     "prefix_routing": (
         bool,
@@ -303,7 +309,7 @@ DEFAULTS: dict[str, Any] = {
     "pipeline": "auto",
     "call_overhead_ms": 2.0,
     "plain_steps": 4,
-    "prefill_chunk": PREFILL_CHUNK,
+    "prefill_chunk": "auto",
     "prefix_routing": True,
     "prefix_balance": 8,
     "http_port": 8000,
@@ -331,7 +337,7 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         positive=("session_ttl", "lease_seconds", "round_timeout", "health_interval", "try_timeout_floor"),
         non_negative=(
             "http_port", "max_concurrent_requests", "try_timeout_factor", "retry_budget",
-            "redis_reconnect_seconds", "idle_health_interval", "prefill_chunk", "prefix_balance",
+            "redis_reconnect_seconds", "idle_health_interval", "prefix_balance",
         ),
     )  # fmt: skip
 
@@ -369,7 +375,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             """A model replica pool's options: chunked prefill, its prefix summaries."""
             if config.prefix_routing:
                 options["on_prefix_version"] = lambda a, v: routing[name].seen(a, v)
-            return {**options, "max_tick_tokens": config.prefill_chunk}
+            return options  # the prefill chunk is set once the replicas' costs are known
 
         drafters = None
         if config.drafters:
@@ -513,6 +519,14 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         forward_cost = {c.rows: c.seconds for c in info.forward_cost}
         draft_cost = await self._draft_cost()
         self.env.forward_costs = {Role.VERIFIER: forward_cost, Role.DRAFTER: draft_cost}
+        self.env.verifiers.prefill_chunk(c.chunk(forward_cost))
+        if self.env.drafters is not None:  # a drafter that did not answer: the verifier's chunk
+            self.env.drafters.prefill_chunk(c.chunk(draft_cost or forward_cost))
+        log.info(
+            "prefill chunk",
+            extra={"verifier": self.env.verifiers.max_tick_tokens,
+                   "drafter": self.env.drafters.max_tick_tokens if self.env.drafters else None},
+        )  # fmt: skip
         if c.try_timeout_factor > 0:
             floor, factor = c.try_timeout_floor, c.try_timeout_factor
             self.env.try_timeouts = TryTimeouts(floor, factor, draft_cost, forward_cost)

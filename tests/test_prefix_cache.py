@@ -180,18 +180,23 @@ def test_a_tenant_never_starts_from_another_tenants_prefix(make) -> None:
     assert runner.reused_tokens("c") == len(prompt)
 
 
-def test_a_prefill_feeds_at_most_its_limit_and_chunks_equal_one_feed(make) -> None:
+def test_a_limited_step_feeds_a_chunk_at_a_time_then_runs_whole(make) -> None:
+    """Chunked prefill: past its limit a step is partial (a chunk of its new tokens, no nodes, no
+    rows); within it, whole. The row after the prompt fed in chunks is the row fed at once."""
     runner, plain = make(), make(cache=False)
     prompt = tokens_for(runner, 70, 6)
     fed = 0
-    while fed < len(prompt) - 1:
-        out = runner.forward([Step("s", new_tokens=prompt[fed:-1], feed_limit=16)])[0]
-        assert out.shape[0] == 0  # a prefill returns no rows
-        held = runner.committed_length("s")
-        assert held == fed + min(16, len(prompt) - 1 - fed)
-        fed = held
-    row = runner.forward([Step("s", new_tokens=prompt[-1:])])[0][-1]
-    assert_close(row, plain.forward([Step("ref", new_tokens=prompt)])[0][-1])
+    while True:
+        out = runner.forward(
+            [Step("s", new_tokens=prompt[fed:], node_tokens=[5], node_parents=[-1], feed_limit=16)]
+        )
+        if out[0].shape[0]:  # whole: the root row and its node's
+            break
+        assert runner.committed_length("s") == fed + 16 and runner.pending_tokens("s") == []
+        fed += 16
+    assert fed == 64 and out[0].shape[0] == 2 and runner.committed_length("s") == 70
+    ref = plain.forward([Step("ref", new_tokens=prompt, node_tokens=[5], node_parents=[-1])])[0]
+    assert_close(out[0], ref)
 
 
 def test_a_prefill_restarted_from_nothing_takes_what_it_fed_back(make) -> None:
@@ -199,9 +204,9 @@ def test_a_prefill_restarted_from_nothing_takes_what_it_fed_back(make) -> None:
     restart feeds only what no chunk had fed."""
     runner = make()
     prompt = tokens_for(runner, 80, 7)
-    runner.forward([Step("s", new_tokens=prompt[:-1], feed_limit=48)])
+    runner.forward([Step("s", new_tokens=prompt, feed_limit=48)])
     runner.release("s")  # a restart (Resume.RESTART) releases the session first
-    runner.forward([Step("s", new_tokens=prompt[:-1], feed_limit=16)])
+    runner.forward([Step("s", new_tokens=prompt, feed_limit=16)])
     assert runner.reused_tokens("s") == 48
     assert runner.committed_length("s") == 64
 

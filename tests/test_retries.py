@@ -44,3 +44,16 @@ def test_the_retry_budget_forgets_what_left_its_window() -> None:
     assert budget.try_spend() and not budget.try_spend()
     time.sleep(0.06)
     assert budget.try_spend()
+
+
+def test_the_auto_prefill_chunk_costs_sixteen_one_row_forwards_within_bounds() -> None:
+    from gateway.retries import MAX_CHUNK, MIN_CHUNK, prefill_chunk
+
+    cpu = {1: 0.100, 8: 0.220, 16: 0.350}  # ~16 ms a row past 8 rows
+    chunk = prefill_chunk(cpu)
+    assert forward_seconds(cpu, 16) + (chunk - 16) * (0.350 - 0.220) / 8 == pytest.approx(
+        16 * 0.100, rel=0.02
+    )
+    assert prefill_chunk({1: 0.016, 8: 0.0168, 16: 0.0176}) == MAX_CHUNK  # nearly flat: a GPU's
+    assert prefill_chunk({1: 0.1, 16: 5.0}) == MIN_CHUNK  # every row costs more than one forward
+    assert prefill_chunk({}) == 4 * MIN_CHUNK  # nothing measured

@@ -147,13 +147,9 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             )
         )
         answers: list = [None] * n
-        fill_where, prefills = self.stream_prefills(stream, items, answers)
-        prefill = set(fill_where)
         verifies, where = [], []
-        positions, handles = items.positions.tolist(), items.handles.tolist()
+        positions, handles, feeds = items.positions.tolist(), items.handles.tolist(), items.feed.tolist()
         for i in range(n):
-            if i in prefill:
-                continue
             try:
                 o = stream.session(handles[i])
                 if problems[i] is not None:
@@ -172,6 +168,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
                     grammar=o.grammar, tree=tree, plain_steps=plain, stop_token_ids=o.stop_token_ids,
                     top_logprobs=o.top_logprobs, lookup_depth=int(lookups[i]),
                     lookup_min_ngram=int(min_ngrams[i]), max_tokens=int(max_tokens[i]), salt=o.salt,
+                    feed_limit=feeds[i] or None,
                 )  # fmt: skip
                 wire.check_verify_input(v, self.limits)
                 verifies.append((v, owner_hash(o.key)))
@@ -179,15 +176,17 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             except Exception as exc:
                 answers[i] = self.failure("Verify", "", exc)
 
-        (outcomes, tick), _ = await asyncio.gather(
-            self.verify_items(verifies, on_start=stream.track(handles, where), ahead=self.config.run_ahead),
-            prefills,
+        outcomes, tick = await self.verify_items(
+            verifies, on_start=stream.track(handles, where), ahead=self.config.run_ahead
         )
         for k, out in enumerate(outcomes):
             i = where[k]
             stream.answered(handles[i])
             if isinstance(out, BaseException):
                 answers[i] = self.failure("Verify", verifies[k][0].session_id, out)
+                continue
+            if out.partial:  # a chunk of its prefill: the caller sends the rest
+                answers[i] = self.prefilled(verifies[k][0].session_id, positions[i])
                 continue
             verdict = out.verdict
             answers[i] = VerifyAnswer(
@@ -292,7 +291,8 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
                 out[item.index] = outcome.error
                 continue
             whole = joined(item.first, outcome) if item.first is not None else outcome
-            rounds.append((item.verify.tree, whole))
+            if not outcome.partial:
+                rounds.append((item.verify.tree, whole))
             self.end(sid, item.resume, False, gone)
             out[item.index] = whole
             if ahead and verifies[item.index][0].plain_steps > 1 and not gone:
@@ -392,7 +392,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             plain_steps=plain_room(v.plain_steps, v.committed_length, max_context),
             stop_token_ids=v.stop_token_ids, top_logprobs=v.top_logprobs, allowed=allowed,
             ride=functools.partial(self._ride, v.session_id, v.lookup_min_ngram) if v.lookup_depth else None,
-            lookup_depth=v.lookup_depth, room=min(room, default=None), salt=v.salt,
+            lookup_depth=v.lookup_depth, room=min(room, default=None), salt=v.salt, feed_limit=v.feed_limit,
         )  # fmt: skip
 
     def _ride(

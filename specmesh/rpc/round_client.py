@@ -14,11 +14,13 @@ once per call. Other errors are raised as `ReplicaFailure` naming the replica's 
 another replica is the caller's business.
 
 Chunked prefill: a call that would feed more tokens than its tick loop's budget
-(`TickLoop.max_tick_tokens`: a long prompt, a resync, a replica that never held the session) is
-preceded by prefill items, each fed in one tick beside the other sessions' work, until what is
-left fits in the call. Each chunk has a deadline of its own (the placement's timeout, within the
-client's deadline), and what the replica holds after each is the round's `held`: a failed chunk
-is retried from there, and a restart (position 0) takes back what the replica kept of it.
+(`TickLoop.max_tick_tokens`: a long prompt, a resync, a replica that never held the session) goes
+`limited`: in each tick it feeds what the budget gives it, beside the other sessions' work, and
+answers what the replica holds (`Prefilled`) until the rest fits, then runs whole. A prompt whose
+prefix the replica holds often fits at once. Each chunk has a deadline of its own (the
+placement's timeout, within the client's deadline), and what the replica holds after each is the
+round's `held`: a failed chunk is retried from there, and a restart (position 0) takes back what
+the replica kept of it.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from specmesh.core.verification import Verdict
 from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.tick_client import ROLES, Drafted, ItemError, Role, TickLoop, Timing, Verified, to_future
-from specmesh.rpc.ticks import Opened
+from specmesh.rpc.ticks import Opened, Prefilled
 from specmesh.rpc.tls import ClientTls, aio_channel
 from specmesh.rpc.tracing import tracer
 
@@ -305,10 +307,10 @@ class _Round:
         )  # fmt: skip
         assert drafter is not None
 
-        def submit(position: int, timing: Timing, done: Callable) -> Any:
+        def submit(position: int, timing: Timing, done: Callable, limited: float | None) -> Any:
             return drafter.draft(  # its verification comes next: `then`
                 session, position, tokens[position:], spec, guess_next=self.want, timing=timing,
-                then=verifier, done=done,
+                then=verifier, done=done, limited=limited,
             )  # fmt: skip
 
         self._call(Role.DRAFTER, drafter, submit, spec.depth, 1, self._drafted_serially, name="draft")
@@ -337,10 +339,10 @@ class _Round:
         then = placement.drafter if self.spec.method.drafts and client._ahead is None else None
         client._expected_by = then
 
-        def submit(position: int, timing: Timing, done: Callable) -> Any:
+        def submit(position: int, timing: Timing, done: Callable, limited: float | None) -> Any:
             return verifier.verify(
                 session, position, tokens[position:], tree, steps, timing=timing, then=then, done=done,
-                max_tokens=max_tokens, **rides,
+                max_tokens=max_tokens, limited=limited, **rides,
             )  # fmt: skip
 
         nodes = self.drafted.tree_nodes if self.drafted is not None else 0
@@ -402,7 +404,7 @@ class _Round:
         self,
         role: Role,
         loop: TickLoop,
-        submit: Callable[[int, Timing, Callable], Any],
+        submit: Callable[[int, Timing, Callable, float | None], Any],
         work: int,
         steps: int,
         then: Callable[[Any], None],
@@ -410,9 +412,10 @@ class _Round:
         started: float | None = None,
         name: str = "",
     ) -> None:
-        """submit(position, timing, done); on a resync answer, once more with position 0 (all
-        tokens). work: the tree levels a draft builds / the nodes a verification checks, steps:
-        the plain steps it may decode (both for the per-try timeout, which the tick loop keeps).
+        """submit(position, timing, done, limited); on a resync answer, once more with position 0
+        (all tokens); after a chunk of a limited call (`Prefilled`), again from where the replica
+        is. work: the tree levels a draft builds / the nodes a verification checks, steps: the plain
+        steps it may decode (both for the per-try timeout, which the tick loop keeps).
 
         With nothing new for the replica (a round retried after its verification failed),
         restart the session there: new tokens may not be empty, they produce the root distribution."""
@@ -420,15 +423,13 @@ class _Round:
             held = self.held[role]
             position = held if held < self.committed else 0
         started = time.perf_counter() if started is None else started
-        if loop.needs_prefill(position, self.committed):
-            # too much for one tick: prefill items first, then this call with what is left
-            go_on = functools.partial(
-                self._call, role, loop, submit, work, steps, then, started=started, name=name
-            )
-            self._prefill(role, loop, position, lambda held: go_on(position=held), started)
-            return
+        fed = self.committed - position
+        limited = started if loop.needs_prefill(position, self.committed) else None
+        if limited is not None:  # chunked prefill: each chunk's call has a deadline of its own
+            self.deadline = self._fresh_deadline()
+            fed = loop.max_tick_tokens
         per_try, spare = self.placement.per_try, self.placement.spare
-        patience = per_try(role, self.committed - position, work, steps) if per_try is not None else None
+        patience = per_try(role, fed, work, steps) if per_try is not None else None
         timing = Timing(self.deadline, patience, lambda: spare(role))
         span = None
         if self.span is not None:
@@ -445,14 +446,24 @@ class _Round:
                 span.end()
             if self.over:
                 return
+            if isinstance(outcome, Prefilled):  # it fed a chunk: the rest from where the replica is
+                if outcome.held <= position:  # no progress: never loop on a replica that feeds nothing
+                    error = ItemError(grpc.StatusCode.INTERNAL, f"{loop.name}: a limited call fed nothing")
+                    self._failed(role, ReplicaFailure(role, error, self.held, rows=fed))
+                    return
+                self.held[role] = outcome.held
+                if position == 0:
+                    self.cached[role] = outcome.cached
+                self.deadline = self._fresh_deadline()
+                self._call(role, loop, submit, work, steps, then, outcome.held, started, name)
+                return
             if isinstance(outcome, ItemError | grpc.aio.AioRpcError):
                 if position != 0 and needs_resync(outcome):
                     self.resyncs += 1
                     self._call(role, loop, submit, work, steps, then, position=0, started=started, name=name)
                     return
                 per_try_out = getattr(outcome, "per_try", False)
-                rows = self.committed - position + work
-                self._failed(role, ReplicaFailure(role, outcome, self.held, per_try_out, rows))
+                self._failed(role, ReplicaFailure(role, outcome, self.held, per_try_out, fed + work))
             elif isinstance(outcome, BaseException):
                 self._failed(role, outcome)
             else:
@@ -461,51 +472,7 @@ class _Round:
                 self._took(role, time.perf_counter() - started)
                 then(outcome)
 
-        self.work = (loop, submit(position, timing, answered))
-
-    def _prefill(
-        self, role: Role, loop: TickLoop, position: int, then: Callable[[int], None], since: float
-    ) -> None:
-        """Feed the committed tokens from `position` but the last (the call's own) in chunks, one
-        prefill item a tick, each with a deadline of its own; then(held) once what is left fits in
-        one call. A resync answer restarts it from position 0 (the replica takes back what it
-        kept); any other failure fails the round, `held` saying how far it got."""
-        tokens = self.tokens[position : self.committed - 1]
-        chunk = min(len(tokens), loop.max_tick_tokens)
-        per_try, spare = self.placement.per_try, self.placement.spare
-        patience = per_try(role, chunk, 0, 1) if per_try is not None else None
-        timing = Timing(self._fresh_deadline(), patience, lambda: spare(role))
-
-        def answered(outcome: Any) -> None:
-            self.work = None
-            if self.over:
-                return
-            if isinstance(outcome, ItemError | grpc.aio.AioRpcError):
-                if position != 0 and needs_resync(outcome):
-                    self.resyncs += 1
-                    self._prefill(role, loop, 0, then, since)
-                    return
-                per_try_out = getattr(outcome, "per_try", False)
-                self._failed(role, ReplicaFailure(role, outcome, self.held, per_try_out, chunk))
-                return
-            if isinstance(outcome, BaseException):
-                self._failed(role, outcome)
-                return
-            if outcome.held <= position:  # no progress: never loop on a replica that feeds nothing
-                error = ItemError(grpc.StatusCode.INTERNAL, f"{loop.name}: a prefill fed nothing")
-                self._failed(role, ReplicaFailure(role, error, self.held, rows=chunk))
-                return
-            self.held[role] = outcome.held
-            if position == 0:
-                self.cached[role] = outcome.cached
-            self.deadline = self._fresh_deadline()  # the call after the last chunk has its own
-            if loop.needs_prefill(outcome.held, self.committed):
-                self._prefill(role, loop, outcome.held, then, since)
-            else:
-                then(outcome.held)
-
-        work = loop.prefill(self.client.session, position, tokens, since=since, timing=timing, done=answered)
-        self.work = (loop, work)
+        self.work = (loop, submit(position, timing, answered, limited))
 
     def _took(self, role: Role, seconds: float) -> None:
         """A call of `role` answered after `seconds` (a pre-draft's wait included): the replica now

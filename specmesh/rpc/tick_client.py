@@ -13,10 +13,12 @@ and settings), then named by a handle; a tick carries only positions, new tokens
 columns. A drafted tree stays the drafter's columns (`TreeRef`) until a verify tick relays it:
 never decoded here (a gateway-only install has no torch).
 
-Chunked prefill: `prefill` queues a session's tokens to be fed without a round. A tick gives its
-prefill items what its token budget (`max_tick_tokens`) leaves after the other items' tokens (at
-least a quarter of it), the oldest prefill first; each item feeds at most its share and answers
-what the replica holds (`Prefilled`); the caller queues the rest again. An item the budget leaves
+Chunked prefill: a draft or verification queued `limited` (its caller's choice: it would feed
+more than a tick's budget, `needs_prefill`) may feed a chunk only. A tick gives its limited items
+what its token budget (`max_tick_tokens`) leaves after the other items' tokens (at least a quarter
+of it), the oldest first, as each one's feed limit; an item whose tokens past the prefix its
+replica holds fit in it runs whole, one that does not feeds that many and answers what the replica
+holds (`Prefilled`), and its caller queues it again from there. A limited item the budget leaves
 nothing waits for the next tick.
 
 Failures: an item's own error is an `ItemError` (shaped like grpc.aio.AioRpcError: code(),
@@ -226,9 +228,9 @@ class _Work:
     lookup_depth: int = 0  # plain steps: the deepest n-gram ride (VerifyRequest.lookup_depth)
     lookup_min_ngram: int = 0  # ... of matches at least this long (VerifyRequest.lookup_min_ngram)
     max_tokens: int = 0  # plain steps: tokens the call may emit at most (VerifyRequest.max_tokens)
-    prefill: bool = False  # feed new_tokens (as much as the tick's budget gives), no round
-    feed: int = 0  # a prefill: what the tick it went in gave it
-    since: float = 0.0  # a prefill: when its session's prefill began (the oldest is fed first)
+    limited: bool = False  # it may feed only what the tick's budget gives it (chunked prefill)
+    feed: int = 0  # limited: what the tick it went in gave it
+    since: float = 0.0  # limited: when its session's prefill began (the oldest is fed first)
     handle: int = 0
     timing: Timing | None = None
     due: float = 0.0  # when its patience runs out next
@@ -253,7 +255,7 @@ class TickLoop:
     ) -> None:
         """on_tick(items): told of every tick sent (the gateway's metrics); max_hold: the longest a
         tick waits for sessions it expects (`expect`); max_tick_tokens: a tick's token budget for
-        prefill items (0: none, a prefill feeds all it has); on_result(prefix version, KV usage):
+        limited items (0: none, a limited item feeds all it has); on_result(prefix version, KV usage):
         told of what the replica says of itself in every result."""
         self.role, self.name, self._on_tick = role, name, on_tick
         self.max_tick_tokens, self._on_result = max_tick_tokens, on_result
@@ -303,62 +305,43 @@ class TickLoop:
         self, session: Opened, position: int, new_tokens: Sequence[int], spec: TreeSpec, *,
         guess_next: bool = False, speculative: bool = False, supersedable: bool = False,
         timing: Timing | None = None, then: TickLoop | None = None, done: Done | None = None,
+        limited: float | None = None,
     ) -> Any:  # fmt: skip
         """A draft in the next tick -> a future of Drafted (or ItemError / the stream's error); with
         `done`, that is called instead (on the event loop, as soon as the tick answers: the next
         step can be queued before any coroutine runs) and the item is returned (`cancel`). then:
         the loop the session goes to next (its verifier's), told to expect it (`expect`) once the
-        draft is sent."""
+        draft is sent. limited: the time its session's prefill began, for an item that may feed
+        only a chunk (module docstring; its answer may then be `Prefilled`); None: a whole one."""
         flags = (GUESS_NEXT if guess_next else 0) | (SPECULATIVE if speculative else 0)
         flags |= SUPERSEDABLE if supersedable else 0
         work = _Work(session, position, list(new_tokens), done or _no_answer, spec=spec, flags=flags)
         work.timing, work.then = timing, then
+        work.limited, work.since = limited is not None, limited or 0.0
         return self._put(work, done is None)
 
     def verify(
         self, session: Opened, position: int, new_tokens: Sequence[int], tree: TreeRef | None,
         plain_steps: int = 1, timing: Timing | None = None, then: TickLoop | None = None,
         done: Done | None = None, lookup_depth: int = 0, lookup_min_ngram: int = 0, max_tokens: int = 0,
+        limited: float | None = None,
     ) -> Any:  # fmt: skip
         """A verification -> a future of Verified (or, with `done`, as `draft`); tree None: plain
         decoding of up to `plain_steps` steps and `max_tokens` tokens (0: no bound), n-gram
         proposals of up to `lookup_depth` tokens that match at least `lookup_min_ngram` riding in
-        them. then: as `draft`'s (its drafter's, next round)."""
+        them. then, limited: as `draft`'s (its drafter's, next round)."""
         work = _Work(
             session, position, list(new_tokens), done or _no_answer, tree=tree, plain_steps=plain_steps,
             lookup_depth=lookup_depth, lookup_min_ngram=lookup_min_ngram, max_tokens=max_tokens,
         )  # fmt: skip
         work.timing, work.then = timing, then
-        return self._put(work, done is None)
-
-    def prefill(
-        self, session: Opened, position: int, tokens: Sequence[int], *, since: float,
-        timing: Timing | None = None, done: Done | None = None,
-    ) -> Any:  # fmt: skip
-        """Feed `tokens` from `position` (as much of them as a tick's budget gives, past the prefix
-        the replica holds) -> a future of `Prefilled` (or, with `done`, as `draft`). since: when the
-        session's prefill began (older prefills are fed first)."""
-        spec = TreeSpec() if self.role is Role.DRAFTER else None  # a drafter tick names a spec per item
-        work = _Work(
-            session, position, list(tokens), done or _no_answer, spec=spec, prefill=True, since=since
-        )
-        work.timing = timing
+        work.limited, work.since = limited is not None, limited or 0.0
         return self._put(work, done is None)
 
     def needs_prefill(self, position: int, committed: int) -> bool:
         """Whether a call from `position` to `committed` tokens feeds more than one tick's budget
-        (then prefill items go first, `fed`)."""
+        (then it goes `limited`, and may take several ticks)."""
         return bool(self.max_tick_tokens) and committed - position > self.max_tick_tokens
-
-    async def fed(self, session: Opened, position: int, tokens: Sequence[int], since: float) -> int:
-        """Prefill items for `tokens` (the session's committed tokens) from `position` until what
-        is left fits in one call -> the position to call from (what the replica holds)."""
-        while self.needs_prefill(position, len(tokens)):
-            prefilled = await self.prefill(session, position, tokens[position : len(tokens) - 1], since=since)
-            if prefilled.held <= position:
-                raise ItemError(grpc.StatusCode.INTERNAL, f"{self.name}: a prefill fed nothing")
-            position = prefilled.held
-        return position
 
     def cancel(self, work: Any) -> None:
         """The caller drops an item: out of the queue, or the replica stops it. Its `done` is not
@@ -573,9 +556,9 @@ class TickLoop:
         self._outbox.put_nowait(message)
 
     def _budgeted(self, queue: list[_Work]) -> tuple[list[_Work], list[_Work]]:
-        """(what the next tick takes, what waits): every round item; the prefill items, oldest
-        first, while the token budget lasts (what the round items leave, at least a quarter)."""
-        fills = [w for w in queue if w.prefill]
+        """(what the next tick takes, what waits): every whole item; the limited items, oldest
+        first, while the token budget lasts (what the whole items leave, at least a quarter)."""
+        fills = [w for w in queue if w.limited]
         if not fills:
             return queue, []
         budget = self.max_tick_tokens
@@ -583,7 +566,7 @@ class TickLoop:
             for w in fills:
                 w.feed = len(w.new_tokens)
             return queue, []
-        rounds = [w for w in queue if not w.prefill]
+        rounds = [w for w in queue if not w.limited]
         rows = sum(len(w.new_tokens) + (w.tree.nodes if w.tree is not None else 0) for w in rounds)
         left = max(budget - rows, budget // 4, 1)
         taken, waiting = [], []
@@ -632,7 +615,7 @@ class TickLoop:
             w.handle = handle
         fields = items_fields(
             [w.handle for w in work], [w.position for w in work], [w.new_tokens for w in work],
-            [w.feed if w.prefill else 0 for w in work],
+            [w.feed if w.limited else 0 for w in work],
         )  # fmt: skip
         cancel, release = packed(self._cancel, "<u4"), packed(self._release, "<u4")
         self._cancel, self._release = [], []
@@ -684,8 +667,8 @@ class TickLoop:
             failures = item_failures(message, n)
             answers: list = _drafted(message, n) if self.role is Role.DRAFTER else _verified(message, n)
             held, cached = prefills_from_proto(message, n)
-            for i, w in enumerate(work):
-                if w.prefill:
+            for i in range(n):
+                if held[i] >= 0:  # a limited item that fed a chunk only
                     answers[i] = Prefilled(held[i], cached[i])
                 else:
                     answers[i].cached = cached[i]

@@ -157,18 +157,10 @@ class TickItems:
     new_tokens: Ragged
     cancel: np.ndarray  # uint32 handles
     release: np.ndarray  # uint32 handles
-    feed: np.ndarray  # uint32 [n]: > 0, a prefill item feeding at most that many tokens
+    feed: np.ndarray  # uint32 [n]: > 0, the item's feed limit (chunked prefill)
 
     def __len__(self) -> int:
         return len(self.handles)
-
-    def prefill(self, i: int, opened: Opened) -> wire.PrefillInput:
-        """Item i, a prefill, as its input."""
-        return wire.PrefillInput(
-            session_id=opened.session_id, position=int(self.positions[i]),
-            new_tokens=self.new_tokens.item(i).tolist(), params=opened.params,
-            limit=int(self.feed[i]), salt=opened.salt,
-        )  # fmt: skip
 
 
 def items_from_proto(msg: Any, vocab_size: int) -> TickItems:

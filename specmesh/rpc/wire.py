@@ -313,19 +313,11 @@ class DraftInput(RoundInput):
     speculative: bool = False  # a pre-draft: not committed yet, and a later Draft supersedes it
     supersedable: bool = False  # a later Draft of the session supersedes it (DSI's drafts)
     salt: bytes = b""  # the prefix cache's namespace of a session it starts (TickSession.prefix_salt)
+    feed_limit: int | None = None  # chunked prefill: past it, the call feeds a chunk only (partial)
 
     @property
     def superseded_by_next(self) -> bool:
         return self.speculative or self.supersedable
-
-
-@dataclass(frozen=True)
-class PrefillInput(RoundInput):
-    """A prefill item (chunked prefill): feed at most `limit` of new_tokens past the prefix the
-    session starts from; nothing is drafted or verified."""
-
-    limit: int = 1
-    salt: bytes = b""  # the prefix cache's namespace (TickSession.prefix_salt)
 
 
 @dataclass(frozen=True)
@@ -338,6 +330,7 @@ class VerifyInput(RoundInput):
     lookup_min_ngram: int = 0  # ... those whose match has at least this many tokens (0: any)
     max_tokens: int = 0  # no tree: tokens the call may emit at most, rides included (0: no bound)
     salt: bytes = b""  # the prefix cache's namespace of a session it starts (TickSession.prefix_salt)
+    feed_limit: int | None = None  # chunked prefill: past it, the call feeds a chunk only (partial)
 
 
 def session_id_from_proto(value: str, field: str = "session_id") -> str:

@@ -55,10 +55,11 @@ class Step:
     committed tokens), else the index of a pending node (earlier calls' nodes first, then this
     call's, in order). New tokens are only allowed when the session has no pending nodes.
 
-    feed_limit: a prefill step (chunked prefill): of the tokens the session must feed (those no
-    prefix covers), at most this many; the new tokens past them are not taken (the session then
-    holds fewer: `committed_length` says how many). It returns no rows. salt: the prefix cache's
-    namespace of a session this step starts (specmesh.core.prefix)."""
+    feed_limit (chunked prefill): the step may feed at most this many tokens past the prefix its
+    session starts from. Within it, the step runs whole; past it, it is *partial*: it feeds that
+    many of its new tokens (never its nodes) and returns no rows, and the session holds fewer
+    committed tokens (`committed_length` says how many). salt: the prefix cache's namespace of a
+    session this step starts (specmesh.core.prefix)."""
 
     session_id: str
     new_tokens: list[int] = field(default_factory=list)
@@ -69,9 +70,9 @@ class Step:
 
     @property
     def rows(self) -> int:
-        """What it feeds at most: its new tokens (a prefill's, to its limit) and nodes."""
-        new = len(self.new_tokens) if self.feed_limit is None else min(self.feed_limit, len(self.new_tokens))
-        return new + len(self.node_tokens)
+        """What it feeds at most: its new tokens and nodes, or its limit."""
+        rows = len(self.new_tokens) + len(self.node_tokens)
+        return rows if self.feed_limit is None else min(rows, self.feed_limit)
 
 
 class ModelBackend(Protocol):
@@ -97,7 +98,7 @@ class ModelBackend(Protocol):
     def forward(self, steps: list[Step]) -> list[torch.Tensor]:
         """ONE model call for all steps; per step fp32 logits [R, V] with R = (1 if new_tokens
         else 0) + len(node_tokens): the row after the last new token (the root distribution),
-        then one row per new node (a prefill step, `feed_limit`: none)."""
+        then one row per new node (a partial step, `feed_limit`: none)."""
         ...
 
     def reused_tokens(self, session_id: str) -> int:
@@ -152,14 +153,15 @@ MAX_KEPT = 64  # kept prefixes at most, by default (the llama.cpp backend: one s
 @dataclass
 class Checked:
     """A step checked against its session: the session (a new one for a first step), whether it
-    was known, the step with plain ints (a prefill's new tokens cut to its limit), and the prefix
-    a session without KV starts from: its owner's key (None: none) and length."""
+    was known, the step with plain ints (a partial one cut to its limit), the prefix a session
+    without KV starts from (its owner's key, None: none; its length), and whether it is partial."""
 
     session: Any
     known: bool
     step: Step
     source: str | None = None
     reused: int = 0
+    partial: bool = False
 
 
 class StepPlan(Protocol):
@@ -407,8 +409,7 @@ class SessionTable(Generic[S]):
         source, reused = None, 0
         if not s.cached and self.prefix is not None and (s.tokens or step.new_tokens):
             tokens = s.tokens + step.new_tokens
-            # the last new token is fed for its row; a prefill returns none
-            limit = len(tokens) - (1 if step.new_tokens and step.feed_limit is None else 0)
+            limit = len(tokens) - (1 if step.new_tokens else 0)  # the last new token is fed: its row
             match = self.prefix.match(tokens, s.salt, limit, exclude=step.session_id)
             self.stats["prefix_queries"] += len(tokens)
             if match is not None:
@@ -416,14 +417,17 @@ class SessionTable(Generic[S]):
                 self.stats["prefix_hits"] += reused
         if not s.cached:
             s.reused = reused
+        partial = False
         if step.feed_limit is not None:
             if s.cached:
                 take = step.feed_limit
             else:  # the committed tokens no prefix covers are fed first, whatever the limit
                 behind = max(0, len(s.tokens) - reused)
                 take = max(0, reused - len(s.tokens)) + max(0, step.feed_limit - behind)
-            step.new_tokens = step.new_tokens[:take]
-        return Checked(s, known is not None, step, source, reused)
+            partial = take < len(step.new_tokens)  # its nodes, if any, ride only in a whole step
+            if partial:  # the rest in later steps: no nodes, no rows now
+                step.new_tokens, step.node_tokens, step.node_parents = step.new_tokens[:take], [], []
+        return Checked(s, known is not None, step, source, reused, partial)
 
     def _get(self, session_id: str) -> S:
         s = self._sessions.get(session_id)

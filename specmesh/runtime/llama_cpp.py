@@ -304,7 +304,6 @@ class LlamaCppRunner(SessionTable[_Session]):
         fresh = s.main is None  # new or evicted: re-feed everything it has past the prefix it takes
         old_nodes = list(zip(s.pending_tokens, s.pending_parents, strict=True)) if fresh else []
         new_nodes = list(zip(step.node_tokens, step.node_parents, strict=True))
-        prefill = step.feed_limit is not None
         return _Plan(
             session_id=step.session_id,
             session=s,
@@ -313,7 +312,7 @@ class LlamaCppRunner(SessionTable[_Session]):
             causal_start=c.reused if fresh else len(s.tokens),
             nodes=old_nodes + new_nodes,
             first_node=len(s.pending_tokens) - len(old_nodes),
-            outputs=0 if prefill else (1 if step.new_tokens else 0) + len(new_nodes),
+            outputs=0 if c.partial else (1 if step.new_tokens else 0) + len(new_nodes),
             rebuild=fresh and c.known,
             source=c.source,
         )

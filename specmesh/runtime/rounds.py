@@ -2,10 +2,11 @@
 drafter's level forwards and KV reuse, the verifier's verdict-then-commit, for every session of a
 tick at once.
 
-A prefill (`prefill_steps`, chunked prefill) feeds a session's tokens in one forward, at most a
-chunk of them past the prefix it starts from, and decides nothing.
+Chunked prefill: a job with a `feed_limit` whose first step would feed more tokens than that past
+the prefix its session starts from is *partial*: that step feeds as many and the job ends there,
+deciding nothing (`partial` in its outcome); its caller sends the rest in a later tick.
 
-All three are step protocols (`Ticked`): a generator that yields the runner steps of its next forward
+Both are step protocols (`Ticked`): a generator that yields the runner steps of its next forward
 (one `Step` per session, all in ONE `forward`), is sent their logits (per step: a tensor, or the
 exception that failed that step alone), and returns one outcome per job. The engine drives them
 with `runner.forward`; the services through their ForwardBatcher, which merges concurrent ticks
@@ -72,6 +73,7 @@ class DraftJob:
     allowed: Allowed | None = None  # structured output: every level's rows masked
     cancelled: bool = False  # set from outside: the job stops before its next forward
     salt: bytes = b""  # the prefix cache's namespace of a session it starts
+    feed_limit: int | None = None  # chunked prefill: the most tokens its root step feeds
     nodes: dict[Path, int] = field(default_factory=dict)  # out: path -> the runner's pending node
     forwards: int = 0  # out: forwards the job took part in
 
@@ -81,6 +83,7 @@ class DraftOutcome:
     tree: DraftTree | None = None
     likely: list[int] = field(default_factory=list)  # guess_next: the likely path, then the guess
     error: BaseException | None = None
+    partial: bool = False  # its root step fed a chunk of its tokens only: no tree
 
 
 def draft_steps(jobs: Sequence[DraftJob]) -> Ticked:
@@ -97,15 +100,19 @@ def draft_steps(jobs: Sequence[DraftJob]) -> Ticked:
         for b, paths in enumerate(wants):
             if paths and jobs[b].cancelled and outcomes[b].error is None:
                 outcomes[b].error = Cancelled("the caller cancelled the draft")
-        live = [b for b, paths in enumerate(wants) if paths and outcomes[b].error is None]
+        done = [outcomes[b].error is not None or outcomes[b].partial for b in range(len(jobs))]
+        live = [b for b, paths in enumerate(wants) if paths and not done[b]]
         logits: list[torch.Tensor | None] = [None] * len(jobs)  # None: the tree is dropped
         if live:
             rows = [_level_step(jobs[b], wants[b]) for b in live]
             results = yield [step for step, _ in rows]
-            for b, (_, pick), out in zip(live, rows, results, strict=True):
+            for b, (step, pick), out in zip(live, rows, results, strict=True):
                 jobs[b].forwards += 1
                 if isinstance(out, BaseException):
                     outcomes[b].error = out
+                    continue
+                if _partial(step, out):
+                    outcomes[b].partial = True
                     continue
                 out = out[pick]
                 allowed = jobs[b].allowed
@@ -115,7 +122,7 @@ def draft_steps(jobs: Sequence[DraftJob]) -> Ticked:
         except StopIteration as done:
             trees = done.value
     for b, tree in enumerate(trees):
-        if outcomes[b].error is None:
+        if outcomes[b].error is None and not outcomes[b].partial:
             outcomes[b].tree = tree
     yield from _guess_next(jobs, outcomes)
     return outcomes
@@ -126,7 +133,7 @@ def _level_step(job: DraftJob, paths: list[Path]) -> tuple[Step, list[int]]:
     feeds the new tokens; a level appends the paths' last tokens under their cached parents (i.i.d.
     siblings can repeat a path: each distinct path runs once)."""
     if paths == [()]:
-        return Step(job.session_id, new_tokens=list(job.feed), salt=job.salt), [0]
+        return Step(job.session_id, new_tokens=list(job.feed), feed_limit=job.feed_limit, salt=job.salt), [0]
     unique = list(dict.fromkeys(paths))
     base = len(job.nodes)
     parents = [job.nodes[p[:-1]] if len(p) > 1 else -1 for p in unique]
@@ -215,6 +222,7 @@ class VerifyJob:
     lookup_depth: int = 0  # the deepest ride
     room: int | None = None  # tokens the call may emit: the model's context, the request's max_tokens
     salt: bytes = b""  # the prefix cache's namespace of a session it starts
+    feed_limit: int | None = None  # chunked prefill: the most tokens its first step feeds
 
 
 @dataclass
@@ -226,6 +234,7 @@ class VerifyOutcome:
     steps: int = 0  # forwards it took part in
     emitted: int = 0  # tokens its verdicts emitted (plain_tokens and the last verdict's)
     checked: list[tuple[int, int]] = field(default_factory=list)  # per step: (tree nodes, accepted)
+    partial: bool = False  # its first step fed a chunk of its tokens only: no verdict
 
     @property
     def rides(self) -> tuple[int, int]:
@@ -246,13 +255,16 @@ def verify_steps(jobs: Sequence[VerifyJob], commit: Callable[[str, list[int]], N
         for b in live:
             tree = trees[b]
             nodes = (tree.tokens.tolist(), tree.parents.tolist()) if tree is not None else ([], [])
-            steps.append(Step(jobs[b].session_id, feed[b], *nodes, salt=jobs[b].salt))
+            limit = jobs[b].feed_limit if outcomes[b].steps == 0 else None
+            steps.append(Step(jobs[b].session_id, feed[b], *nodes, feed_limit=limit, salt=jobs[b].salt))
         results = yield steps
         ok = []
-        for b, out in zip(live, results, strict=True):
+        for b, step, out in zip(live, steps, results, strict=True):
             outcomes[b].steps += 1
             if isinstance(out, BaseException):
                 outcomes[b].error = out
+            elif _partial(step, out):
+                outcomes[b].partial = True
             else:
                 ok.append((b, out))
         if ok:
@@ -302,6 +314,11 @@ def _continues(job: VerifyJob, out: VerifyOutcome) -> bool:
     """Whether a plain job takes another step in this call: its steps are not all taken, and
     `_goes_on` (whatever a cancelled job's run could do, it takes no further step)."""
     return out.steps < job.plain_steps and not job.cancelled and _goes_on(job, out)
+
+
+def _partial(step: Step, logits: torch.Tensor) -> bool:
+    """Whether a step with a feed limit came back partial: no rows where a whole one has some."""
+    return step.feed_limit is not None and logits.shape[0] == 0 and bool(step.new_tokens)
 
 
 def _goes_on(job: VerifyJob, out: VerifyOutcome) -> bool:
@@ -357,33 +374,6 @@ def plain_room(plain_steps: int, committed_length: int, max_context: int | None)
     """Plain steps a call may take: no token past the model's context."""
     room = plain_steps if max_context is None else max_context - committed_length + 1
     return max(1, min(plain_steps, room))
-
-
-# ---- prefill -----------------------------------------------------------------------------------
-
-
-@dataclass
-class PrefillJob:
-    """One session's chunk of prefill in a tick: feed at most `limit` of `tokens` (its committed
-    tokens from where the runner holds it) past the prefix it starts from."""
-
-    session_id: str
-    tokens: list[int]
-    limit: int
-    salt: bytes = b""
-    cancelled: bool = False  # set from outside: taken back before its forward
-
-
-def prefill_steps(jobs: Sequence[PrefillJob], held: Callable[[str], tuple[int, int]]) -> Ticked:
-    """One forward of every job's chunk (`Step.feed_limit`); per job, on the model thread right
-    after it, held(session): (committed tokens the runner holds, of which taken from a prefix), or
-    the exception that failed its step."""
-    steps = [Step(j.session_id, new_tokens=list(j.tokens), feed_limit=j.limit, salt=j.salt) for j in jobs]
-    results = yield steps
-    return [
-        out if isinstance(out, BaseException) else held(j.session_id)
-        for j, out in zip(jobs, results, strict=True)
-    ]
 
 
 def run_ticked(ticked: Ticked, forward: Callable[[list[Step]], list[torch.Tensor]]) -> list:

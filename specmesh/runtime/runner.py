@@ -246,7 +246,6 @@ class ModelRunner(SessionTable[_Session]):
         old_nodes = s.pending_tokens if fresh else []
         base = len(s.pending_tokens)
         chain = s.chain and all(p == base + i - 1 for i, p in enumerate(step.node_parents))
-        prefill = step.feed_limit is not None
         return _Plan(
             session_id=step.session_id,
             session=s,
@@ -255,7 +254,7 @@ class ModelRunner(SessionTable[_Session]):
             query=causal + old_nodes + list(step.node_tokens),
             n_causal=len(causal),
             committed=len(s.tokens) + len(step.new_tokens),
-            rows=0 if prefill else (1 if step.new_tokens else 0) + len(step.node_tokens),
+            rows=0 if c.partial else (1 if step.new_tokens else 0) + len(step.node_tokens),
             fresh=fresh,
             rebuild=fresh and c.known,
             chain=chain,

@@ -23,8 +23,9 @@ Context: a request whose session would hold more committed tokens than the model
 
 Prefixes (--prefix-cache): a released session's KV stays as a kept prefix (at most
 --kept-prefixes), and a session that starts takes the longest prefix of its tokens a live session
-or a kept prefix holds, with its salt (specmesh.runtime.backend). A prefill item of a tick
-(`prefill_items`) feeds one chunk of a long prompt; `Prefixes` tells a router what is held.
+or a kept prefix holds, with its salt (specmesh.runtime.backend). An item with a feed limit (a
+tick's `feed` column) that would feed more than that is partial: it feeds one chunk of a long
+prompt and answers what the replica holds (`prefilled`). `Prefixes` tells a router what is held.
 
 Errors, beyond specmesh.rpc.server's: resync -> FAILED_PRECONDITION; busy -> ABORTED; another
 caller's session -> PERMISSION_DENIED.
@@ -76,7 +77,7 @@ from specmesh.runtime.backend import Backend, UnknownSessionError
 from specmesh.runtime.costs import measure_forward_cost
 from specmesh.runtime.grammar import GrammarMasks, SessionGrammars
 from specmesh.runtime.models import LoadedModel, load_model
-from specmesh.runtime.rounds import Cancelled, PrefillJob, Ticked, prefill_steps
+from specmesh.runtime.rounds import Cancelled, Ticked
 from specmesh.services.batching import BatchInfo, BatchLimits, ForwardBatcher, ForwardFloor, More
 from specmesh.services.metrics import ServiceMetrics
 
@@ -656,96 +657,13 @@ class ModelService(RpcService):
         """A service's tick: its result message."""
         raise NotImplementedError
 
-    # ---- prefill -------------------------------------------------------------------------------
-
-    def stream_prefills(self, stream: TickStream, items: TickItems, answers: list) -> tuple[list[int], Any]:
-        """A tick's prefill items (feed > 0): (their indexes, a coroutine that runs them and puts
-        each one's `Prefilled` or failure into `answers`). Run it beside the tick's other items:
-        they share its forward."""
-        where = [int(i) for i in items.feed.nonzero()[0]]
-        handles = items.handles.tolist()
-        fills, taken = [], []
-        for i in where:
-            try:
-                o = stream.session(handles[i])
-                p = items.prefill(i, o)
-                if not p.new_tokens:
-                    raise wire.WireError("new_tokens", "must not be empty (a prefill feeds them)")
-                fills.append((p, owner_hash(o.key)))
-                taken.append(i)
-            except Exception as exc:
-                answers[i] = self.failure(self.tick_method, "", exc)
-
-        async def run() -> None:
-            if not fills:
-                return
-            outcomes = await self.prefill_items(fills, on_start=stream.track(handles, taken))
-            for i, (p, _), out in zip(taken, fills, outcomes, strict=True):
-                stream.answered(handles[i])
-                answers[i] = (
-                    self.failure(self.tick_method, p.session_id, out)
-                    if isinstance(out, BaseException)
-                    else out
-                )
-
-        return where, run()
-
-    async def prefill_items(
-        self,
-        fills: Sequence[tuple[wire.PrefillInput, bytes]],
-        on_start: Callable[[Sequence[tuple[int, Any]], Tick], None] | None = None,
-    ) -> list[Prefilled | BaseException]:
-        """One chunk of each session's prefill ((input, its caller's key hash) each), all in one
-        forward: per item what the replica holds after it, or its exception."""
-        out: list = [None] * len(fills)
-        started: list[tuple[int, wire.PrefillInput, Resume, PrefillJob]] = []
-        befores: dict[str, Callable[[], None]] = {}
-        for k, (p, owner) in enumerate(fills):
-            try:
-                self.drop_own_work(p.session_id)  # a step run ahead of it is past its position
-                resume = self.begin(p, owner)
-            except Exception as exc:
-                out[k] = exc
-                continue
-            befores[p.session_id] = self.prefill_reset(p.session_id, resume, p.position)
-            started.append((k, p, resume, PrefillJob(p.session_id, list(p.new_tokens), p.limit, p.salt)))
-        if not started:
-            return out
-        jobs = [job for *_, job in started]
-        tick = Tick(self.batcher, jobs)
-        if on_start is not None:
-            on_start([(k, job) for k, _, _, job in started], tick)
-        try:
-            try:
-                ticked = prefill_steps(jobs, self._held)
-                outcomes = await self.run_tick(tick, lambda: self.drive(tick, ticked, befores))
-            except Withdrawn:
-                outcomes = [Cancelled("cancelled before its forward")] * len(jobs)
-        except BaseException:
-            for _, p, resume, _ in started:
-                self.end(p.session_id, resume, True, True)
-            raise
-        for (k, p, resume, job), outcome in zip(started, outcomes, strict=True):
-            failed = isinstance(outcome, BaseException)
-            nothing_ran = tick.withdrawn
-            self.end(p.session_id, resume, failed and not nothing_ran, tick.abandoned or job.cancelled)
-            if failed:
-                out[k] = outcome
-                continue
-            held, cached = outcome
-            self.metrics.prefill_tokens.inc(max(0, held - max(p.position, cached)))
-            out[k] = Prefilled(held, cached)
-        return out
-
-    def prefill_reset(self, session_id: str, resume: Resume, position: int) -> Callable[[], None]:
-        """What runs before a prefill's forward: `reset`, and a pending tree dropped (a drafter's
-        tree of its last round: a prefill is not its next draft)."""
-        reset = self.reset(session_id, resume, position)
-        return reset if reset is not None else functools.partial(self.runner.commit, session_id, [])
-
-    def _held(self, session_id: str) -> tuple[int, int]:
-        """On the model thread: (committed tokens the runner holds, of which taken from a prefix)."""
-        return self.runner.committed_length(session_id) or 0, self.runner.reused_tokens(session_id)
+    def prefilled(self, session_id: str, position: int) -> Prefilled:
+        """A partial item's answer (chunked prefill): what the replica holds of its session now, and
+        what it took from a prefix if the item started it. Loop thread, its work done."""
+        held = self.runner.committed_length(session_id) or 0
+        cached = self.runner.reused_tokens(session_id) if position == 0 else 0
+        self.metrics.prefill_tokens.inc(max(0, held - max(position, cached)))
+        return Prefilled(held, cached)
 
     def prefix_version(self) -> int:
         """The version of what `Prefixes` answers (0: no prefix cache)."""
