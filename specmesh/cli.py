@@ -261,7 +261,9 @@ def _bench_default(args: argparse.Namespace) -> int:
 def _bench_conversation(args: argparse.Namespace) -> int:
     from specmesh.bench.conversation import PHASES, bench_conversation, markdown
 
-    result = bench_conversation(tuple(args.phases or PHASES), args.llama_server, args.target, args.draft)
+    result = bench_conversation(
+        tuple(args.phases or PHASES), args.llama_server, args.target, args.draft, args.repeats
+    )
     print(markdown(result), flush=True)
     return _write_json(args.json, result)
 
@@ -1007,6 +1009,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--llama-server",
         help="llama.cpp's llama-server binary: the same phases through it (default: skip it)",
     )
+    conversation.add_argument("--repeats", type=int, default=3, help="conversations of the turns phase")
     _add_pair_flags(conversation, draft="the stack's draft model", target="the stack's target model")
     _add_output_flags(conversation)
     conversation.set_defaults(func=_bench_conversation)

@@ -3,13 +3,15 @@ llama.cpp's `llama-server` with its prompt cache on, the same GGUF, through the 
 
     specmesh bench conversation --llama-server PATH --json docs/benchmarks/conversation.json
 
-Each phase starts what it measures itself, one engine at a time on the machine's cores: the stack
-as `specmesh up` starts it (a drafter, an n-gram drafter, a verifier, the gateway; no flags), then
-llama-server (`-c 8192` per slot, the slots the phase needs).
+It starts what it measures itself: the stack as `specmesh up` starts it (a drafter, an n-gram
+drafter, a verifier, the gateway; no flags), and for each phase a fresh llama-server (`-c 8192`
+per slot, the slots the phase needs) beside it; one engine's requests run at a time.
 
-  turns     one conversation of 6 turns: a system prompt of ~1.5k tokens (a module's documentation,
-            pydoc's, from this Python), then six short questions, 48 tokens an answer, greedy, each
-            turn sending the conversation so far. Per turn: time to first token, the request's time
+  turns     conversations of 6 turns: a system prompt of ~1.5k tokens (a module's documentation,
+            pydoc's, from this Python), then six short questions, 48 tokens an answer at most,
+            greedy, each turn sending the conversation so far; the engines take turns, turn by
+            turn, so that a machine whose speed drifts weighs on both alike; `--repeats`
+            conversations (the questions rotated), per turn the median time to first token
   parallel  the same, 4 conversations at once (each its own order of the questions)
   long      one ~4k-token prompt (more of the documentation): its time to first token, no error
   hol       head of line: one stream decodes; 4 s later a ~1.3k-token prompt arrives. The running
@@ -30,8 +32,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import pydoc
 import secrets
+import statistics
 import threading
 import time
 import urllib.request
@@ -142,20 +146,6 @@ class Engine:
         return turn
 
 
-def converse(
-    engine: Engine, system: str, questions: Sequence[str], max_tokens: int = ANSWER_TOKENS
-) -> list[Turn]:
-    """One conversation: each turn sends the conversation so far and the next question."""
-    messages = [{"role": "system", "content": system}]
-    turns = []
-    for question in questions:
-        messages.append({"role": "user", "content": question})
-        turn = engine.chat(messages, max_tokens)
-        turns.append(turn)
-        messages.append({"role": "assistant", "content": turn.text})
-    return turns
-
-
 def conversations(
     engine: Engine, system: str, n: int, route: Callable[[int, int], Engine] | None = None
 ) -> list[list[Turn]]:
@@ -180,11 +170,14 @@ def conversations(
 def head_of_line(engine: Engine, long_text: str, alone_text: str) -> dict:
     """A stream decodes; HOL_DELAY later a long prompt arrives (module docstring)."""
     stop = threading.Event()
-    streamed: dict[str, Turn] = {}
+    streamed: dict[str, Any] = {}
 
     def running() -> None:
         messages = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
-        streamed["turn"] = engine.chat(messages, max_tokens=2048, stop=stop)
+        try:  # 1000: within the gateway's default --max-new-tokens-limit
+            streamed["turn"] = engine.chat(messages, max_tokens=1000, stop=stop)
+        except Exception as exc:
+            streamed["error"] = exc
 
     thread = threading.Thread(target=running)
     thread.start()
@@ -193,6 +186,8 @@ def head_of_line(engine: Engine, long_text: str, alone_text: str) -> dict:
     time.sleep(2.0)  # the stream goes on a little after the long prompt's first token
     stop.set()
     thread.join()
+    if "error" in streamed:
+        raise streamed["error"]
     stream = streamed["turn"]
     window = (long_turn.start, long_turn.start + long_turn.ttft + 2.0)
     gaps = [g for when, g in stream.gaps if window[0] <= when <= window[1] + 60]
@@ -223,10 +218,10 @@ def _turns_summary(turns: list[Turn]) -> dict:
     }
 
 
-def run_phases(engine: Engine, phases: Sequence[str], texts: dict[str, str]) -> dict:
+def _run_phase(engine: Engine, phase: str, texts: dict[str, str]) -> dict:
+    """One engine's phase (not `turns`, which `run_phase` interleaves)."""
+    phases = (phase,)
     out: dict[str, Any] = {}
-    if "turns" in phases:
-        out["turns"] = _turns_summary(converse(engine, texts["system"], QUESTIONS))
     if "parallel" in phases:
         start = time.perf_counter()
         runs = conversations(engine, texts["system"], 4)
@@ -366,8 +361,12 @@ def bench_conversation(
     llama_server_binary: str | None = None,
     target: str = "default-target",
     draft: str = "default-draft",
+    repeats: int = 3,
 ) -> dict:
-    """Every phase asked, specmesh then llama-server (module docstring)."""
+    """Every phase asked (module docstring): the stack and llama-server both up, the engines'
+    requests in turn (the `turns` phase: turn by turn, the first engine alternating, `repeats`
+    conversations with the questions rotated), so that a machine whose speed drifts weighs on
+    both alike."""
     from specmesh.runtime.tokenizers import gguf_file, load_tokenizer
 
     tokenizer, _ = load_tokenizer(gguf_file(target) or target)
@@ -382,25 +381,69 @@ def bench_conversation(
         "hol": cut_to_tokens(doc, HOL_TOKENS, count),
         "hol_alone": cut_to_tokens(doc[len(doc) // 2 :], HOL_TOKENS, count),  # the same length, other text
     }
-    result: dict[str, Any] = {"phases": list(phases), "system_tokens": count(texts["system"])}
+    result: dict[str, Any] = {
+        "phases": list(phases),
+        "system_tokens": count(texts["system"]),
+        "repeats": repeats,
+    }
     local = [p for p in phases if p != "routing"]
     if local:
+        result["specmesh"], result["llama_server"] = {}, {}
         with specmesh_stack(target=target, draft=draft) as stack:
             url = f"http://{stack.http}/v1"
-            engine = Engine("specmesh", url, _model_id(url), secrets.token_hex(8))
-            result["specmesh"] = run_phases(engine, local, texts)
-        if llama_server_binary:
-            gguf = gguf_file(target)
-            result["llama_server"] = {}
-            for phase in local:  # a fresh server each phase: nothing cached from the one before
-                slots = {"parallel": 4, "hol": 2}.get(phase, 1)
-                with llama_server(Path(llama_server_binary), gguf, parallel=slots, context=8192) as base:
-                    engine = Engine("llama_server", f"{base}/v1", _model_id(f"{base}/v1"))
-                    result["llama_server"].update(run_phases(engine, [phase], texts))
+            ours = Engine("specmesh", url, _model_id(url), secrets.token_hex(8))
+            for phase in local:  # a fresh llama-server each phase: nothing cached from the one before
+                ours_now = dataclasses.replace(ours, salt=f"{ours.salt}-{phase}")
+                with _llama(llama_server_binary, gguf_file(target), phase) as theirs:
+                    engines = [e for e in (ours_now, theirs) if e is not None]
+                    for name, measured in run_phase(engines, phase, texts, repeats).items():
+                        result[name].update(measured)
         result["ratios"] = _ratios(result)
     if "routing" in phases:
         result["routing"] = [routing_run(target, draft, on, texts["system"]) for on in (True, False)]
     return result
+
+
+@contextlib.contextmanager
+def _llama(binary: str | None, gguf: Any, phase: str) -> Iterator[Engine | None]:
+    if not binary:
+        yield None
+        return
+    slots = {"parallel": 4, "hol": 2}.get(phase, 1)
+    with llama_server(Path(binary), gguf, parallel=slots, context=8192) as base:
+        yield Engine("llama_server", f"{base}/v1", _model_id(f"{base}/v1"))
+
+
+def run_phase(engines: Sequence[Engine], phase: str, texts: dict[str, str], repeats: int) -> dict:
+    """One phase on every engine -> {engine name: {phase: what it measured}}."""
+    if phase == "turns":  # interleaved turn by turn
+        runs: dict[str, list[list[Turn]]] = {e.name: [] for e in engines}
+        for r in range(repeats):
+            questions = QUESTIONS[r:] + QUESTIONS[:r]
+            histories = {e.name: [{"role": "system", "content": texts["system"]}] for e in engines}
+            turns: dict[str, list[Turn]] = {e.name: [] for e in engines}
+            for k, question in enumerate(questions):
+                order = engines if (r + k) % 2 == 0 else list(reversed(engines))
+                for e in order:
+                    messages = histories[e.name]
+                    messages.append({"role": "user", "content": question})
+                    turn = e.chat(messages)
+                    turns[e.name].append(turn)
+                    messages.append({"role": "assistant", "content": turn.text})
+            for name, t in turns.items():
+                runs[name].append(t)
+        return {name: {"turns": _repeats_summary(r)} for name, r in runs.items()}
+    return {e.name: _run_phase(e, phase, texts) for e in engines}
+
+
+def _repeats_summary(runs: list[list[Turn]]) -> dict:
+    """Per turn, the median over the repeated conversations; and each conversation's."""
+    per_turn = list(zip(*runs, strict=True))
+    return {
+        "ttft_seconds": [round(statistics.median(t.ttft for t in turns), 3) for turns in per_turn],
+        "total_seconds": round(statistics.median(sum(t.seconds for t in run) for run in runs), 3),
+        "conversations": [_turns_summary(run) for run in runs],
+    }
 
 
 def _ratios(result: dict) -> dict:

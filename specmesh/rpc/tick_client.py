@@ -13,6 +13,12 @@ and settings), then named by a handle; a tick carries only positions, new tokens
 columns. A drafted tree stays the drafter's columns (`TreeRef`) until a verify tick relays it:
 never decoded here (a gateway-only install has no torch).
 
+A session's start or a prefill chunk is urgent (`_urgent`): it goes at once, in a tick of its own
+beside the one in flight if there is one (the replica's next forward takes both ticks' steps), and
+a tick that carries one asks one plain step of every plain run in it (`_plain_steps`): the new
+session's first token waits for no run of 4 steps, as vLLM's chunked-prefill steps give each
+running request one token beside the prefill chunk.
+
 Chunked prefill: a draft or verification queued `limited` (its caller's choice: it would feed
 more than a tick's budget, `needs_prefill`) may feed a chunk only. A tick gives its limited items
 what its token budget (`max_tick_tokens`) leaves after the other items' tokens (at least a quarter
@@ -493,8 +499,12 @@ class TickLoop:
         room = self._queue and len(self._in_flight) < self.max_in_flight
         if room and not control and self._hold():
             return
-        if room or control:
+        if room or control or self._urgent_room():
             self._send()
+
+    def _urgent_room(self) -> bool:
+        """Whether a tick of urgent items may go beside the ticks in flight (`_urgent`): one more."""
+        return len(self._in_flight) == self.max_in_flight and any(_urgent(w) for w in self._queue)
 
     def _hold(self) -> bool:
         """Whether a tick that could go waits for expected sessions (`expect`): at most
@@ -519,8 +529,13 @@ class TickLoop:
         self._schedule(now=True)
 
     def _send(self) -> None:
-        room = len(self._in_flight) < self.max_in_flight
-        work, self._queue = self._budgeted(self._queue) if room else ([], self._queue)
+        if len(self._in_flight) < self.max_in_flight:
+            work, self._queue = self._budgeted(self._queue)
+        elif self._urgent_room():  # beside the tick in flight: its next forward takes them too
+            work, waiting = self._budgeted([w for w in self._queue if _urgent(w)])
+            self._queue = [w for w in self._queue if not _urgent(w) or w in waiting]
+        else:
+            work = []
         self._hold_since = None
         if self._hold_timer is not None:
             self._hold_timer.cancel()
@@ -630,7 +645,7 @@ class TickLoop:
             )  # fmt: skip
         return pb2.VerifyTick(
             id=tick_id, open=opens, **fields, trees=trees_to_proto(_relay([w.tree for w in work])),
-            plain_steps=packed([min(w.plain_steps, 255) for w in work], "u1"), cancel=cancel, release=release,
+            plain_steps=packed(_plain_steps(work), "u1"), cancel=cancel, release=release,
             lookup_depth=_optional([w.lookup_depth for w in work], "u1"),
             lookup_min_ngram=_optional([w.lookup_min_ngram for w in work], "u1"),
             max_tokens=_optional([w.max_tokens for w in work], "<u4"),
@@ -818,6 +833,23 @@ def _verified(message: Any, n: int) -> list[Verified]:
         )
         at += counts[i]
     return out
+
+
+def _urgent(work: _Work) -> bool:
+    """A session's start (position 0: its first token, or a resync) or a chunk of a prefill: it goes
+    in a tick of its own beside the one in flight rather than after it (the replica's next forward
+    takes both ticks' steps), and its tick asks one plain step of each plain run (`_plain_steps`)."""
+    return work.position == 0 or work.limited
+
+
+def _plain_steps(work: list[_Work]) -> list[int]:
+    """Each item's plain steps in this tick: as asked, but one each in a tick that starts a session
+    (position 0) or feeds a chunk of a prefill (limited): a tick answers once all its items are
+    done, so a session's first token (or the next chunk of a long prompt) waits for the plain runs
+    beside it. One step each, as vLLM's chunked-prefill steps do: a decode token per running
+    request beside the prefill chunk."""
+    first = any(_urgent(w) for w in work)
+    return [1 if first else min(w.plain_steps, 255) for w in work]
 
 
 def _optional(values: list[int], dtype: str) -> bytes:
