@@ -457,6 +457,18 @@ def _ratios(result: dict) -> dict:
             round(x / y, 3) for x, y in zip(a["ttft_seconds"][1:], b["ttft_seconds"][1:], strict=True)
         ]
         out["conversation_seconds"] = round(a["total_seconds"] / b["total_seconds"], 3)
+        # greedy answers may differ in length between engines (numerics): whole conversations
+        # compared where each turn's answer has the same length, and decoding per token
+        same = [
+            (x["total_seconds"], y["total_seconds"])
+            for x, y in zip(a["conversations"], b["conversations"], strict=True)
+            if x["completion_tokens"] == y["completion_tokens"]
+        ]
+        if same:
+            out["conversation_seconds_same_answers"] = round(
+                sum(x for x, _ in same) / sum(y for _, y in same), 3
+            )
+        out["decode_seconds_per_token"] = round(_per_token(a) / _per_token(b), 3)
     if "parallel" in ours and "parallel" in theirs:
         a, b = ours["parallel"], theirs["parallel"]
         ttft = lambda runs: [t for r in runs["conversations"] for t in r["ttft_seconds"][1:]]  # noqa: E731
@@ -467,6 +479,15 @@ def _ratios(result: dict) -> dict:
             ours["hol"]["longest_gap_seconds"] / theirs["hol"]["longest_gap_seconds"], 3
         )
     return out
+
+
+def _per_token(turns: dict) -> float:
+    """Seconds a decoded token took after each answer's first, over the conversations."""
+    seconds = tokens = 0.0
+    for run in turns["conversations"]:
+        for total, ttft, n in zip(run["seconds"], run["ttft_seconds"], run["completion_tokens"], strict=True):
+            seconds, tokens = seconds + total - ttft, tokens + max(0, n - 1)
+    return seconds / tokens if tokens else 0.0
 
 
 def markdown(result: dict) -> str:
