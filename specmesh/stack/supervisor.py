@@ -512,9 +512,18 @@ def plan_stack(
         specs.append(ChildSpec(name, argv, ready, stage=3, env=env, ready_timeout=120.0))
         served.append((address, http))
     gateway, http = served[0]
-    plan = StackPlan(specs, gateway, drafter_addrs, verifier_addrs, redis_url, http, metrics, certs)
-    plan.gateways, plan.redis_dir = served, redis_dir
-    return plan
+    return StackPlan(
+        specs,
+        gateway,
+        drafter_addrs,
+        verifier_addrs,
+        redis_url,
+        http,
+        metrics,
+        gateways=served,
+        certs=certs,
+        redis_dir=redis_dir,
+    )
 
 
 def _tls_plan(certs: CertFiles | None) -> tuple[list[str], list[str], list[str], ClientTls | None]:
