@@ -153,7 +153,7 @@ def test_a_prompt_whose_prefill_cannot_fit_in_a_round_answers_in_chunks(stack, t
     fed = total(stack.verifiers, "specmesh:prefill_tokens_total")
     out = generate(stack.chunked, request(prompt, 8, TreeSpec("none")))
     assert list(out.token_ids) == greedy(target, prompt, 8)
-    # fed by prefill items in chunks of at most 32 (the last tokens ride in the round's own call)
+    # fed in chunks of at most 32 by the limited call (its last chunk runs whole, the round's tokens)
     assert total(stack.verifiers, "specmesh:prefill_tokens_total") - fed >= LONG - CHUNK - 1
 
 

@@ -218,8 +218,8 @@ class ItemFailure:
 
 @dataclass
 class Prefilled:
-    """What a prefill item did: committed tokens the replica holds after it, of which `cached` it
-    took from a kept or shared prefix."""
+    """What a partial item did (it fed a chunk only): committed tokens the replica holds after it,
+    of which `cached` it took from a kept or shared prefix."""
 
     held: int
     cached: int = 0

@@ -62,7 +62,7 @@ class ServiceMetrics(RpcMetrics):
             f"{NS}kept_prefix_evictions", "kept prefixes dropped for room (least recently used first)"
         )
         self.prefill_tokens = self.counter(
-            f"{NS}prefill_tokens", "tokens fed by prefill items (chunked prefill), past the prefixes taken"
+            f"{NS}prefill_tokens", "tokens fed by partial items (chunked prefill), past the prefixes taken"
         )
         self.waiting = self.gauge(
             f"{NS}num_requests_waiting",
