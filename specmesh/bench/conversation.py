@@ -498,6 +498,21 @@ def markdown(result: dict) -> str:
         if turns:
             ttft = ", ".join(f"{t:.2f}" for t in turns["ttft_seconds"])
             lines.append(f"- {name}: TTFT per turn {ttft} s; conversation {turns['total_seconds']:.1f} s")
+    for name in ("specmesh", "llama_server"):
+        got = result.get(name, {})
+        if "parallel" in got:
+            lines.append(f"- {name}, 4 conversations at once: {got['parallel']['wall_seconds']:.1f} s")
+        if "long" in got:
+            long = got["long"]
+            said = long["error"] or f"{long['prompt_tokens']} tokens, TTFT {long['ttft_seconds']:.1f} s"
+            lines.append(f"- {name}, long prompt: {said}")
+        if "hol" in got:
+            hol = got["hol"]
+            lines.append(
+                f"- {name}, head of line: longest gap {hol['longest_gap_seconds']:.2f} s (typical "
+                f"{hol['typical_gap_seconds']} s); the long prompt's TTFT {hol['long_ttft_seconds']:.1f} s, "
+                f"alone {hol['alone_ttft_seconds']:.1f} s ({hol['ttft_over_alone']}x)"
+            )
     if result.get("ratios"):
         lines.append(f"- ratios (specmesh / llama-server): {result['ratios']}")
     for run in result.get("routing", []):
