@@ -199,6 +199,19 @@ def test_api_keys_and_cache_salts_never_share_a_prefix(stack) -> None:
     assert list(other_key.token_ids) == list(salted.token_ids) == list(same.token_ids)
 
 
+def test_each_turn_of_a_conversation_goes_to_the_verifier_that_holds_its_history(stack) -> None:
+    """Six conversations of three turns, each turn a new session: the gateway places it on the
+    verifier whose kept prefix holds the turn before (without routing by prefix, the least loaded
+    replica, ties broken by a hash of the session: half of them would miss)."""
+    histories = [prompt_of(140, 80 + c) for c in range(6)]
+    for turn in range(3):
+        for c, history in enumerate(histories):
+            out = generate(stack.chunked, request(history, 6, TreeSpec("none"), cache_salt="routing"))
+            if turn:  # all it held of the turn before: the prompt and the answer but its last token
+                assert out.stats.cached_prompt_tokens >= len(history) - 8 - 1, (turn, c)
+            history += [*out.token_ids, *prompt_of(8, 90 + 10 * c + turn)]
+
+
 def test_the_http_usage_says_the_cached_prompt_tokens(stack) -> None:
     body = {"model": "x", "prompt": " ".join(f"w{t - 4}" for t in prompt_of(90, 40)), "max_tokens": 3,
             "temperature": 0}  # fmt: skip
