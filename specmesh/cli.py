@@ -262,7 +262,12 @@ def _bench_conversation(args: argparse.Namespace) -> int:
     from specmesh.bench.conversation import PHASES, bench_conversation, markdown
 
     result = bench_conversation(
-        tuple(args.phases or PHASES), args.llama_server, args.target, args.draft, args.repeats
+        tuple(args.phases or PHASES),
+        args.llama_server,
+        args.target,
+        args.draft,
+        args.repeats,
+        on_phase=functools.partial(_write_json, args.json),
     )
     print(markdown(result), flush=True)
     return _write_json(args.json, result)

@@ -6,6 +6,7 @@ drafter, two verifiers whose forwards cost 4 ms a row (`--forward-ms-per-row`: a
 fed in one call takes 1.2 s, in chunks of 32 0.13 s each), and three gateways on them:
   chunked   --prefill-chunk 32, a round timeout of 0.8 s, API keys "ka" and "kb"
   whole     --prefill-chunk 0 (a prompt in one call), the same round timeout
+  patient   --prefill-chunk 32, a per-try timeout of 0.5 s (floor; factor 1), no round timeout to speak of
 References: the target's own greedy decode (HF generate) of the same saved model.
 """
 
@@ -40,6 +41,7 @@ CHUNK = 32
 ROUND_TIMEOUT = 0.8
 LONG = 300  # a prompt whose one-call prefill (1.2 s) cannot fit in the round timeout
 KEYS = ("ka", "kb")
+PER_TRY = 0.5  # the patient gateway's per-try timeout: 4 chunks' forwards; a prefill takes 10
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Stack:
     verifiers: list[Server]
     chunked: Server
     whole: Server
+    patient: Server
 
     def http(self, gateway: Server) -> str:
         port = gateway.args[gateway.args.index("--http-port") + 1]
@@ -99,10 +102,16 @@ def stack(pair, tmp_path_factory) -> Iterator[Stack]:
             logs / "chunked.log",
         )
         whole = Server("gateway", [*common, "--prefill-chunk", "0"], logs / "whole.log")
-        servers = [drafter, ngram, *verifiers, chunked, whole]
+        per_try = ["--try-timeout-floor", str(PER_TRY), "--try-timeout-factor", "1"]
+        patient = Server(
+            "gateway",
+            [*common, "--round-timeout", "30", "--prefill-chunk", str(CHUNK), *per_try],
+            logs / "patient.log",
+        )
+        servers = [drafter, ngram, *verifiers, chunked, whole, patient]
         try:
             start_all(*servers)
-            yield Stack(redis_server, drafter, ngram, verifiers, chunked, whole)
+            yield Stack(redis_server, drafter, ngram, verifiers, chunked, whole, patient)
         finally:
             stop_all(*servers)
 
@@ -169,6 +178,29 @@ def test_a_call_that_cannot_fit_fails_at_once_saying_why(stack) -> None:
 # ---- prefixes kept across requests --------------------------------------------------------------
 
 METHODS = ["none", "chain", "mcsd_wor", "rsd_s", "mtad", "ngram"]
+
+
+def test_a_prefill_waiting_behind_another_is_not_taken_for_a_slow_replica(stack, target) -> None:
+    """Three long prompts at once on two verifiers: two share one, and the second waits for the
+    first's 10 chunks (1.3 s; the oldest prefill is fed first). Its per-try timeout (0.5 s) runs
+    from each chunk's send, not from its queueing: no failover, where it used to move the session
+    to the other verifier (a prefill started over there) with every chunk it waited for."""
+    prompts = [prompt_of(LONG, 100 + i) for i in range(3)]
+    moved = stack.patient.metrics().get(("specmesh:failovers_total", (("role", "verifier"),)), 0.0)
+    outs: dict[int, gateway_pb2.GenerateResponse] = {}
+
+    def run(i: int) -> None:
+        outs[i] = generate(stack.patient, request(prompts[i], 4))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for i, prompt in enumerate(prompts):
+        assert list(outs[i].token_ids) == greedy(target, prompt, 4)
+    now = stack.patient.metrics().get(("specmesh:failovers_total", (("role", "verifier"),)), 0.0)
+    assert now == moved
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -246,10 +246,15 @@ def _run_phase(engine: Engine, phase: str, texts: dict[str, str]) -> dict:
 @contextlib.contextmanager
 def specmesh_stack(**plan: Any) -> Iterator[Any]:
     """The stack `specmesh up` starts (its defaults, `plan` overriding them), in a thread of its
-    own; yields the StackPlan once every child is ready."""
-    stack = plan_stack(**{"ngram_drafters": 1, "http_port": _free_http(), **plan})
+    own; yields the StackPlan once every child is ready. Its children's output goes to a file
+    whose end a failed start says."""
+    import tempfile
+
+    gateways = plan.get("gateways", 1)
+    stack = plan_stack(**{"ngram_drafters": 1, "http_port": _free_ports(gateways), **plan})
+    log = tempfile.NamedTemporaryFile("w+", prefix="specmesh-bench-stack-", suffix=".log")  # noqa: SIM115
     loop = asyncio.new_event_loop()
-    supervisor = Supervisor(stack.specs, output=open("/dev/null", "w"))  # noqa: SIM115
+    supervisor = Supervisor(stack.specs, output=log)
     started = threading.Event()
     failure: list[BaseException] = []
 
@@ -259,6 +264,7 @@ def specmesh_stack(**plan: Any) -> Iterator[Any]:
             loop.run_until_complete(supervisor.start())
         except BaseException as exc:
             failure.append(exc)
+            loop.run_until_complete(supervisor.stop())  # the children already started
         started.set()
         if not failure:
             loop.run_forever()
@@ -268,19 +274,28 @@ def specmesh_stack(**plan: Any) -> Iterator[Any]:
     started.wait()
     try:
         if failure:
-            raise RuntimeError(f"the stack did not start: {failure[0]!r}")
+            log.flush()
+            tail = Path(log.name).read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"the stack did not start: {failure[0]!r}; its output ended:\n{tail}")
         yield stack
     finally:
-        asyncio.run_coroutine_threadsafe(supervisor.stop(), loop).result(timeout=120)
-        loop.call_soon_threadsafe(loop.stop)
+        if not failure:
+            asyncio.run_coroutine_threadsafe(supervisor.stop(), loop).result(timeout=120)
+            loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=30)
         stack.cleanup()
+        log.close()
 
 
-def _free_http() -> int:
+def _free_ports(n: int) -> int:
+    """The first of n consecutive free ports (the gateways' HTTP ports: gateway i on port + i),
+    taken from this process's walk (`free_port`), so that no replica's port is picked among them."""
     from specmesh.stack.ports import free_port
 
-    return free_port()
+    while True:
+        first = free_port()
+        if all(free_port() == first + i for i in range(1, n)):
+            return first
 
 
 def _model_id(base_url: str) -> str:
@@ -362,11 +377,12 @@ def bench_conversation(
     target: str = "default-target",
     draft: str = "default-draft",
     repeats: int = 3,
+    on_phase: Callable[[dict], object] = lambda result: None,
 ) -> dict:
     """Every phase asked (module docstring): the stack and llama-server both up, the engines'
     requests in turn (the `turns` phase: turn by turn, the first engine alternating, `repeats`
     conversations with the questions rotated), so that a machine whose speed drifts weighs on
-    both alike."""
+    both alike. on_phase(result so far): after each phase (a later phase's failure loses none)."""
     from specmesh.runtime.tokenizers import gguf_file, load_tokenizer
 
     tokenizer, _ = load_tokenizer(gguf_file(target) or target)
@@ -398,9 +414,13 @@ def bench_conversation(
                     engines = [e for e in (ours_now, theirs) if e is not None]
                     for name, measured in run_phase(engines, phase, texts, repeats).items():
                         result[name].update(measured)
-        result["ratios"] = _ratios(result)
+                result["ratios"] = _ratios(result)
+                on_phase(result)
     if "routing" in phases:
-        result["routing"] = [routing_run(target, draft, on, texts["system"]) for on in (True, False)]
+        result["routing"] = []
+        for on in (True, False):
+            result["routing"].append(routing_run(target, draft, on, texts["system"]))
+            on_phase(result)
     return result
 
 

@@ -211,7 +211,9 @@ class Verified:
 class Timing:
     """How long an item may take. deadline: the loop's time by which it fails (DEADLINE_EXCEEDED);
     patience: every such period without an answer, spare() is asked whether a spare replica could
-    take it, and if so it fails (per_try), so that the caller moves it there."""
+    take it, and if so it fails (per_try), so that the caller moves it there. A limited item's
+    patience runs from when it is sent: its wait in the queue is for this loop's own budget (the
+    oldest prefill is fed first), which no other replica would shorten."""
 
     deadline: float | None = None
     patience: float | None = None
@@ -433,9 +435,18 @@ class TickLoop:
         timing = work.timing
         assert timing is not None
         now = asyncio.get_running_loop().time()
-        work.due = now + timing.patience if timing.patience is not None else float("inf")
+        patient = timing.patience is not None and not work.limited  # limited: from its send (`_sent`)
+        work.due = now + timing.patience if patient else float("inf")  # type: ignore[operator]
         self._timed.add(work)
         self._arm(min(work.due, timing.deadline if timing.deadline is not None else float("inf")))
+
+    def _sent(self, limited: list[_Work]) -> None:
+        """Limited items just sent: their patience starts now."""
+        now = asyncio.get_running_loop().time()
+        for work in limited:
+            if work.timing is not None and work.timing.patience is not None and not work.settled:
+                work.due = now + work.timing.patience
+                self._arm(work.due)
 
     def _arm(self, at: float) -> None:
         if at == float("inf") or (self._timer is not None and self._timer_at <= at):
@@ -563,6 +574,7 @@ class TickLoop:
             for w in work:  # only what is sent is surely coming back: a queued item may wait on us
                 if w.then is not None:
                     w.then.expect(w.session.session_id)
+            self._sent([w for w in work if w.limited])
             held = 0.0 if self._hold_since is None else asyncio.get_running_loop().time() - self._hold_since
             log.debug(
                 "tick",
