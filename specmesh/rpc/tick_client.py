@@ -514,16 +514,8 @@ class TickLoop:
             self._send()
 
     def _urgent_room(self) -> bool:
-        """Whether a tick of urgent items may go beside the ticks in flight (`_urgent`): one more,
-        with what may go now (`_goes_beside`)."""
-        return len(self._in_flight) == self.max_in_flight and any(self._goes_beside(w) for w in self._queue)
-
-    def _goes_beside(self, work: _Work) -> bool:
-        """An urgent item that may go beside the ticks in flight: a limited one only while none of
-        them feeds a chunk (the replica's forward takes one tick budget of chunks, not two)."""
-        if not _urgent(work):
-            return False
-        return not work.limited or not any(w.limited for ws in self._in_flight.values() for w in ws)
+        """Whether a tick of urgent items may go beside the ticks in flight (`_urgent`): one more."""
+        return len(self._in_flight) == self.max_in_flight and any(_urgent(w) for w in self._queue)
 
     def _hold(self) -> bool:
         """Whether a tick that could go waits for expected sessions (`expect`): at most
@@ -551,7 +543,7 @@ class TickLoop:
         if len(self._in_flight) < self.max_in_flight:
             work, self._queue = self._budgeted(self._queue)
         elif self._urgent_room():  # beside the tick in flight: its next forward takes them too
-            work, _ = self._budgeted([w for w in self._queue if self._goes_beside(w)])
+            work, _ = self._budgeted([w for w in self._queue if _urgent(w)])
             sent = set(map(id, work))
             self._queue = [w for w in self._queue if id(w) not in sent]
         else:
