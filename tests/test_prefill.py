@@ -180,17 +180,21 @@ def test_a_call_that_cannot_fit_fails_at_once_saying_why(stack) -> None:
 METHODS = ["none", "chain", "mcsd_wor", "rsd_s", "mtad", "ngram"]
 
 
-def test_a_prefill_waiting_behind_another_is_not_taken_for_a_slow_replica(stack, target) -> None:
+@pytest.mark.parametrize("gateway", ["patient", "chunked"])
+def test_a_prefill_waiting_behind_another_is_not_taken_for_a_slow_replica(stack, target, gateway) -> None:
     """Three long prompts at once on two verifiers: two share one, and the second waits for the
-    first's chunks (the oldest prefill is fed first). Its per-try timeout (1 s) runs
-    from each chunk's send, not from its queueing: no failover, where it used to move the session
-    to the other verifier (a prefill started over there) with every chunk it waited for."""
-    prompts = [prompt_of(LONG, 100 + i) for i in range(3)]
-    moved = stack.patient.metrics().get(("specmesh:failovers_total", (("role", "verifier"),)), 0.0)
+    first's chunks (the oldest prefill is fed first). Its per-try timeout (1 s, patient) and its
+    round timeout (0.8 s, chunked) run from each chunk's send, not from its queueing: no failover,
+    where it used to move the session to the other verifier (a prefill started over there) with
+    every chunk it waited for, or take its verifier out of the pool as hung (the routing
+    benchmark's first turns: 8 system prompts of 1.5k tokens on two verifiers, 60 s timeouts)."""
+    server = getattr(stack, gateway)
+    prompts = [prompt_of(LONG, 100 + i + (10 if gateway == "chunked" else 0)) for i in range(3)]
+    moved = server.metrics().get(("specmesh:failovers_total", (("role", "verifier"),)), 0.0)
     outs: dict[int, gateway_pb2.GenerateResponse] = {}
 
     def run(i: int) -> None:
-        outs[i] = generate(stack.patient, request(prompts[i], 4))
+        outs[i] = generate(server, request(prompts[i], 4))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for t in threads:
@@ -199,7 +203,7 @@ def test_a_prefill_waiting_behind_another_is_not_taken_for_a_slow_replica(stack,
         t.join(timeout=60)
     for i, prompt in enumerate(prompts):
         assert list(outs[i].token_ids) == greedy(target, prompt, 4)
-    now = stack.patient.metrics().get(("specmesh:failovers_total", (("role", "verifier"),)), 0.0)
+    now = server.metrics().get(("specmesh:failovers_total", (("role", "verifier"),)), 0.0)
     assert now == moved
 
 

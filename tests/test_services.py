@@ -36,7 +36,7 @@ from specmesh.rpc.round_client import (
     needs_resync,
     open_channel,
 )
-from specmesh.rpc.tick_client import Role, TickLoop
+from specmesh.rpc.tick_client import ItemError, Role, TickLoop, Timing, Verified
 from specmesh.rpc.ticks import Opened as TickOpened
 from specmesh.rpc.ticks import items_fields, opened_to_proto, packed, trees_to_proto
 from specmesh.runtime.costs import PROBE_ROWS
@@ -691,6 +691,70 @@ def test_a_cancelled_round_cancels_its_replica_call(slow) -> None:
 
     asyncio.run(run())
     assert slow.verifier.metrics()[("specmesh:num_sessions", ())] == 0
+
+
+def test_a_try_waits_for_a_replica_that_answers_at_its_usual_pace(slow) -> None:
+    """A replica that is slow because the whole host is (replicas sharing two cores, a prefill
+    chunk in its forward) was left for a spare every per-try timeout: in the routing benchmark 59
+    failovers, each one starting a session's prefill over elsewhere. A try now waits PACE_TRIPS of
+    the replica's recent round trips; one that has given no answer yet still leaves after the
+    per-try timeout (the replica may be stuck)."""
+    patience = 0.3  # against an 800 ms forward
+    timing = Timing(patience=patience, spare=lambda: True)
+
+    async def verify(loop: TickLoop, session: str, timed: bool) -> object:
+        opened = TickOpened(session, session, GREEDY)
+        try:
+            return await loop.verify(opened, 0, PROMPT, None, timing=timing if timed else None)
+        except ItemError as error:
+            return error
+
+    async def run() -> tuple[object, object]:
+        async with open_channel(slow.verifier.address) as channel:
+            loop = TickLoop(channel, Role.VERIFIER, slow.verifier.address)
+            unknown = await verify(loop, "pace-0", True)  # no round trip seen yet: the floor
+            await verify(loop, "pace-1", False)  # one answered tick: the pace is ~0.8 s
+            assert loop.pace > 2 * patience
+            known = await verify(loop, "pace-2", True)
+            for session in ("pace-0", "pace-1", "pace-2"):
+                loop.release(session)
+            await asyncio.sleep(1.0)
+            await loop.close()
+            return unknown, known
+
+    unknown, known = asyncio.run(run())
+    assert isinstance(unknown, ItemError) and unknown.per_try, unknown
+    assert isinstance(known, Verified), known
+
+
+def test_a_session_start_ends_the_plain_runs_in_flight_after_their_step(slow) -> None:
+    """Head of line: a plain run of 4 steps that a prefill chunk joins would hold its stream's
+    tokens for 4 chunk forwards (6.1 s on this CPU for a 1.3k-token prompt's chunks). A tick that
+    starts a session or feeds a chunk now ends the runs in flight after their current step; the
+    run's tokens are those 4 steps would have begun with."""
+
+    async def run() -> tuple[list[int], list[int]]:
+        async with open_channel(slow.verifier.address) as channel:
+            loop = TickLoop(channel, Role.VERIFIER, slow.verifier.address)
+            runs = {}
+            for session in ("yields", "alone"):
+                opened = TickOpened(session, session, GREEDY)
+                first = await loop.verify(opened, 0, PROMPT, None)
+                position = len(PROMPT)
+                run = asyncio.ensure_future(loop.verify(opened, position, first.tokens, None, plain_steps=4))
+                if session == "yields":
+                    await asyncio.sleep(0.3)  # inside the run's first step
+                    await loop.verify(TickOpened("starts", "starts", GREEDY), 0, PROMPT, None)
+                runs[session] = (await run).tokens
+            for session in ("yields", "alone", "starts"):
+                loop.release(session)
+            await asyncio.sleep(1.0)
+            await loop.close()
+            return runs["yields"], runs["alone"]
+
+    yielded, alone = asyncio.run(run())
+    assert len(alone) == 4
+    assert 1 <= len(yielded) < 4 and yielded == alone[: len(yielded)]
 
 
 async def refused_after_sigterm(stub: pb2_grpc.VerifierStub) -> grpc.aio.AioRpcError:

@@ -98,6 +98,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         super().__init__(config, model, metrics)
         self._lookups: dict[str, NgramIndex] = {}  # sessions' n-gram indexes (plain steps' rides)
         self._aheads: dict[str, _Ahead] = {}  # session -> the step run ahead of its next call
+        self._runs: dict[int, VerifyJob] = {}  # id -> a plain run of several steps, running (`_yield_runs`)
         self._ahead_steps = metrics.counter(
             "specmesh:verifier_ahead_steps",
             "plain steps run ahead of their call (--run-ahead), by whether the next call took them",
@@ -272,6 +273,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         if on_start is not None:
             on_start([(item.index, item.job) for item in items], tick)
         jobs = [item.job for item in items]
+        runs = self._yield_runs(items)
         try:
             try:
                 ticked = verify_steps(jobs, self.runner.commit)
@@ -282,6 +284,9 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             for item in items:
                 self.end(item.verify.session_id, item.resume, True, True)
             raise
+        finally:
+            for job in runs:
+                self._runs.pop(id(job), None)
         for item, outcome in zip(items, outcomes, strict=True):
             sid = item.verify.session_id
             gone = abandoned() or tick.abandoned or item.job.cancelled  # its caller dropped it
@@ -295,11 +300,25 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
                 rounds.append((item.verify.tree, whole))
             self.end(sid, item.resume, False, gone)
             out[item.index] = whole
-            if ahead and verifies[item.index][0].plain_steps > 1 and not gone:
+            # not a yielded run: its next step would take a forward of its own before the chunk's
+            if ahead and verifies[item.index][0].plain_steps > 1 and not gone and not item.job.yielded:
                 goes_on.append((item.verify, item.job, outcome))
         self._record(rounds)
         await self._run_ahead(goes_on)
         return out, tick
+
+    def _yield_runs(self, items: Sequence[_Item]) -> list[VerifyJob]:
+        """A tick that starts a session or feeds a prefill chunk ends the plain runs already
+        running after their current step (VerifyJob.yielded): the forwards from here on carry the
+        chunk, and a run of 4 steps would hold its stream's tokens for 4 chunk forwards. Their
+        callers' next ticks ask one step each beside the chunk (the tick loop's `_plain_steps`).
+        -> this tick's own plain runs, now running."""
+        if any(item.job.feed_limit is not None or item.verify.position == 0 for item in items):
+            for job in self._runs.values():
+                job.yielded = True
+        runs = [item.job for item in items if item.job.plain_steps > 1]
+        self._runs.update((id(job), job) for job in runs)
+        return runs
 
     # ---- run-ahead: a plain run's next step while its answer travels ---------------------------
 

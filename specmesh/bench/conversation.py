@@ -153,18 +153,30 @@ def conversations(
     engine of conversation c's turn k (default: `engine`)."""
 
     def one(c: int) -> list[Turn]:
-        questions = QUESTIONS[c % len(QUESTIONS) :] + QUESTIONS[: c % len(QUESTIONS)]
         messages = [{"role": "system", "content": system}]
-        turns = []
-        for k, question in enumerate(questions):
-            messages.append({"role": "user", "content": question})
-            turn = (route(c, k) if route else engine).chat(messages)
-            turns.append(turn)
-            messages.append({"role": "assistant", "content": turn.text})
-        return turns
+        return converse(messages, rotated(c), lambda k: route(c, k) if route else engine)
 
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         return list(pool.map(one, range(n)))
+
+
+def rotated(c: int) -> tuple[str, ...]:
+    """Conversation c's questions: QUESTIONS rotated by c."""
+    return QUESTIONS[c % len(QUESTIONS) :] + QUESTIONS[: c % len(QUESTIONS)]
+
+
+def converse(
+    messages: list[dict], questions: Sequence[str], engine: Callable[[int], Engine], first: int = 0
+) -> list[Turn]:
+    """Ask `questions` in turn after `messages` (which grows by each question and its answer);
+    engine(k): the engine of turn k, counted from `first`."""
+    turns = []
+    for k, question in enumerate(questions, start=first):
+        messages.append({"role": "user", "content": question})
+        turn = engine(k).chat(messages)
+        turns.append(turn)
+        messages.append({"role": "assistant", "content": turn.text})
+    return turns
 
 
 def head_of_line(engine: Engine, long_text: str, alone_text: str) -> dict:
@@ -190,6 +202,9 @@ def head_of_line(engine: Engine, long_text: str, alone_text: str) -> dict:
         raise streamed["error"]
     stream = streamed["turn"]
     window = (long_turn.start, long_turn.start + long_turn.ttft + 2.0)
+    long_gaps = [
+        [round(when - window[0], 2), round(g, 2)] for when, g in stream.gaps if g > 1.0 and window[0] <= when
+    ]
     gaps = [g for when, g in stream.gaps if window[0] <= when <= window[1] + 60]
     before = [g for when, g in stream.gaps if when < window[0]]
     alone = engine.chat([{"role": "user", "content": alone_text + "\n\nSummarise this in one line."}], 8)
@@ -201,6 +216,8 @@ def head_of_line(engine: Engine, long_text: str, alone_text: str) -> dict:
         "alone_ttft_seconds": round(alone.ttft, 3),
         "ttft_over_alone": round(long_turn.ttft / alone.ttft, 3) if alone.ttft else None,
         "stream_tokens_before_stop": len(stream.gaps) + 1,
+        # the stream's gaps of over a second, at their time from the long prompt's start: where they fall
+        "long_gaps": long_gaps,
     }
 
 
@@ -327,7 +344,7 @@ def routing_run(target: str, draft: str, routing: bool, system: str) -> dict:
         engines = [Engine(f"gateway-{i}", url, _model_id(url), salt) for i, url in enumerate(urls)]
         verifiers = [a for name, a in stack.metrics.items() if name.startswith("verifier")]
         # turn 1 of every conversation first: the hit rate is measured over turns 2-6
-        first_turns = [QUESTIONS[c % len(QUESTIONS)] for c in range(8)]
+        first_turns = [rotated(c)[0] for c in range(8)]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             firsts = list(pool.map(lambda c: engines[c % 2].chat(
                 [{"role": "system", "content": system}, {"role": "user", "content": first_turns[c]}]
@@ -335,16 +352,10 @@ def routing_run(target: str, draft: str, routing: bool, system: str) -> dict:
         before = [_metrics(a) for a in verifiers]
 
         def rest(c: int) -> list[Turn]:
-            questions = QUESTIONS[c % len(QUESTIONS) :] + QUESTIONS[: c % len(QUESTIONS)]
+            questions = rotated(c)
             messages = [{"role": "system", "content": system}, {"role": "user", "content": questions[0]},
                         {"role": "assistant", "content": firsts[c].text}]  # fmt: skip
-            turns = []
-            for k, question in enumerate(questions[1:], start=1):
-                messages.append({"role": "user", "content": question})
-                turn = engines[(c + k) % 2].chat(messages)
-                turns.append(turn)
-                messages.append({"role": "assistant", "content": turn.text})
-            return turns
+            return converse(messages, questions[1:], lambda k: engines[(c + k) % 2], first=1)
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             later = list(pool.map(rest, range(8)))

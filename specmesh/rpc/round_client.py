@@ -18,7 +18,8 @@ Chunked prefill: a call that would feed more tokens than its tick loop's budget
 `limited`: in each tick it feeds what the budget gives it, beside the other sessions' work, and
 answers what the replica holds (`Prefilled`) until the rest fits, then runs whole. A prompt whose
 prefix the replica holds often fits at once. Each chunk has a deadline of its own (the
-placement's timeout, within the client's deadline), and what the replica holds after each is the
+placement's timeout from its send, within the client's deadline: a prefill that waits for the
+budget behind others' is not late), and what the replica holds after each is the
 round's `held`: a failed chunk is retried from there, and a restart (position 0) takes back what
 the replica kept of it.
 """
@@ -425,12 +426,15 @@ class _Round:
         started = time.perf_counter() if started is None else started
         fed = self.committed - position
         limited = started if loop.needs_prefill(position, self.committed) else None
-        if limited is not None:  # chunked prefill: each chunk's call has a deadline of its own
-            self.deadline = self._fresh_deadline()
-            fed = loop.max_tick_tokens
         per_try, spare = self.placement.per_try, self.placement.spare
+        if limited is not None:  # chunked prefill: each chunk's call has a deadline from its send
+            self.deadline = self._fresh_deadline()  # (and the round's next call from here)
+            fed = loop.max_tick_tokens
         patience = per_try(role, fed, work, steps) if per_try is not None else None
-        timing = Timing(self.deadline, patience, lambda: spare(role))
+        if limited is not None:
+            timing = Timing(self.placement.deadline, patience, lambda: spare(role), self.placement.timeout)
+        else:
+            timing = Timing(self.deadline, patience, lambda: spare(role))
         span = None
         if self.span is not None:
             parent = trace.set_span_in_context(self.span)

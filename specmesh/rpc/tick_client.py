@@ -13,11 +13,14 @@ and settings), then named by a handle; a tick carries only positions, new tokens
 columns. A drafted tree stays the drafter's columns (`TreeRef`) until a verify tick relays it:
 never decoded here (a gateway-only install has no torch).
 
-A session's start or a prefill chunk is urgent (`_urgent`): it goes at once, in a tick of its own
-beside the one in flight if there is one (the replica's next forward takes both ticks' steps), and
-a tick that carries one asks one plain step of every plain run in it (`_plain_steps`): the new
-session's first token waits for no run of 4 steps, as vLLM's chunked-prefill steps give each
-running request one token beside the prefill chunk.
+A session's start goes at once, in a tick of its own beside the ones in flight if there are any
+(`_starts`: the replica's next forward takes both ticks' steps; that tick takes no room). A start or
+a prefill chunk is urgent (`_urgent`): a tick that carries one asks one plain step of every plain
+run in it (`_plain_steps`), and the replica ends the plain runs already running after their step,
+so that the new session's first token, or the next chunk, waits for no run of 4 steps, and each
+running stream gets a token per chunk forward, as vLLM's chunked-prefill steps give each running
+request one token beside the prefill chunk. A later chunk goes with the running sessions' next
+steps, in the next tick (`_starts` says why).
 
 Chunked prefill: a draft or verification queued `limited` (its caller's choice: it would feed
 more than a tick's budget, `needs_prefill`) may feed a chunk only. A tick gives its limited items
@@ -80,6 +83,13 @@ FLUSH_TURNS = 4  # event-loop turns a tick waits at most for more sessions to qu
 # the tick would then take turns (two half-full ticks instead of one full one) for the rest of the
 # run. Answers handed to callbacks (a gateway round's) queue the next item at once: no wait.
 SETTLE_TURNS = 3
+# A try's patience is at least this many of the replica's recent tick round trips (`TickLoop.pace`):
+# an item waits for the tick in flight, then for its own, and a forward may carry another's chunk.
+# A replica that is slow because the whole host is (replicas sharing cores, a long prefill beside)
+# would be as slow after a move, which starts the session's prefill over; one that stops answering
+# adds no round trips, and its items still leave after the floor that the caller's `Timing` sets.
+PACE_TRIPS = 4
+PACE_WEIGHT = 0.2  # the newest round trip's weight in `pace` (an exponential moving average)
 
 
 class Role(StrEnum):
@@ -211,13 +221,16 @@ class Verified:
 class Timing:
     """How long an item may take. deadline: the loop's time by which it fails (DEADLINE_EXCEEDED);
     patience: every such period without an answer, spare() is asked whether a spare replica could
-    take it, and if so it fails (per_try), so that the caller moves it there. A limited item's
-    patience runs from when it is sent: its wait in the queue is for this loop's own budget (the
-    oldest prefill is fed first), which no other replica would shorten."""
+    take it, and if so it fails (per_try), so that the caller moves it there. timeout: a limited
+    item's deadline is this long from when it is sent (within `deadline`, then the client's), and
+    so is its patience: its wait in the queue is for this loop's own budget (the oldest prefill is
+    fed first), which no other replica would shorten; a prefill queued behind three others is not
+    late, and its replica is not hung."""
 
     deadline: float | None = None
     patience: float | None = None
     spare: Callable[[], bool] = lambda: False
+    timeout: float | None = None
 
 
 Done = Callable[[Any], None]  # an item's answer, or the exception it failed with
@@ -242,6 +255,8 @@ class _Work:
     handle: int = 0
     timing: Timing | None = None
     due: float = 0.0  # when its patience runs out next
+    deadline: float = float("inf")  # when it fails (Timing)
+    trying: float = 0.0  # when its current period of patience began
     then: TickLoop | None = None  # where the session goes next: told to expect it once this is sent
     settled: bool = False  # answered, failed or cancelled: `done` was called (or never will be)
     awaited: bool = False  # answered through a future that a task awaits (not a callback)
@@ -305,6 +320,9 @@ class TickLoop:
         self._hold_since: float | None = None  # when a tick that could go began to wait
         self._hold_timer: asyncio.TimerHandle | None = None
         self._queued_since = 0.0  # when the oldest queued item was queued
+        self._sent_at: dict[int, float] = {}  # tick id -> when it was sent (ticks with items)
+        self._beside: set[int] = set()  # the tick of session starts in flight beside the others (one)
+        self.pace = 0.0  # seconds from a tick's send to its answer, averaged (PACE_WEIGHT)
         self.ticks = 0  # sent, for tests and metrics
 
     # ---- the caller's side ---------------------------------------------------------------------
@@ -436,17 +454,29 @@ class TickLoop:
         assert timing is not None
         now = asyncio.get_running_loop().time()
         patient = timing.patience is not None and not work.limited  # limited: from its send (`_sent`)
-        work.due = now + timing.patience if patient else float("inf")  # type: ignore[operator]
+        work.trying = now
+        work.due = now + self._patience(timing) if patient else float("inf")
+        work.deadline = timing.deadline if timing.deadline is not None else float("inf")
         self._timed.add(work)
-        self._arm(min(work.due, timing.deadline if timing.deadline is not None else float("inf")))
+        self._arm(min(work.due, work.deadline))
 
     def _sent(self, limited: list[_Work]) -> None:
-        """Limited items just sent: their patience starts now."""
+        """Limited items just sent: their patience and timeout start now (Timing)."""
         now = asyncio.get_running_loop().time()
         for work in limited:
-            if work.timing is not None and work.timing.patience is not None and not work.settled:
-                work.due = now + work.timing.patience
-                self._arm(work.due)
+            timing = work.timing
+            if timing is None or work.settled:
+                continue
+            if timing.patience is not None:
+                work.trying, work.due = now, now + self._patience(timing)
+            if timing.timeout is not None:
+                work.deadline = min(work.deadline, now + timing.timeout)
+            self._arm(min(work.due, work.deadline))
+
+    def _patience(self, timing: Timing) -> float:
+        """An item's per-try timeout: its caller's, or PACE_TRIPS of the replica's recent round
+        trips if that is longer (PACE_TRIPS)."""
+        return max(timing.patience or 0.0, PACE_TRIPS * self.pace)
 
     def _arm(self, at: float) -> None:
         if at == float("inf") or (self._timer is not None and self._timer_at <= at):
@@ -463,18 +493,20 @@ class TickLoop:
             assert timing is not None
             if work.settled:
                 self._timed.discard(work)
-            elif timing.deadline is not None and now >= timing.deadline:
+            elif now >= work.deadline:
                 self._give_up(
                     work, ItemError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the round's timeout")
                 )
             elif now >= work.due:
-                if timing.spare():
-                    message = f"no answer within the per-try timeout of {timing.patience:.2f} s"
+                patience = self._patience(timing)
+                if now < work.trying + patience:  # the replica's pace slowed meanwhile
+                    work.due = work.trying + patience
+                elif timing.spare():
+                    message = f"no answer within the per-try timeout of {patience:.2f} s"
                     self._give_up(work, ItemError(grpc.StatusCode.DEADLINE_EXCEEDED, message, per_try=True))
                 else:  # a slow replica is better than none: wait another period
-                    work.due = now + (timing.patience or 0.0)
-        inf = float("inf")
-        self._arm(min((min(w.due, w.timing.deadline or inf) for w in self._timed), default=inf))  # type: ignore[union-attr]
+                    work.trying, work.due = now, now + patience
+        self._arm(min((min(w.due, w.deadline) for w in self._timed), default=float("inf")))
 
     def _give_up(self, work: _Work, error: ItemError) -> None:
         """Fail an item (out of the queue, or cancelled on the replica)."""
@@ -507,15 +539,19 @@ class TickLoop:
             return
         self._settle_turns = 0
         control = bool(self._cancel or self._release)
-        room = self._queue and len(self._in_flight) < self.max_in_flight
+        room = self._queue and self._rounds_in_flight() < self.max_in_flight
         if room and not control and self._hold():
             return
         if room or control or self._urgent_room():
             self._send()
 
+    def _rounds_in_flight(self) -> int:
+        """Ticks in flight, but the one beside them: it takes no room."""
+        return len(self._in_flight) - len(self._beside)
+
     def _urgent_room(self) -> bool:
-        """Whether a tick of urgent items may go beside the ticks in flight (`_urgent`): one more."""
-        return len(self._in_flight) == self.max_in_flight and any(_urgent(w) for w in self._queue)
+        """Whether a tick of session starts may go beside the ticks in flight (`_starts`): one."""
+        return not self._beside and any(_starts(w) for w in self._queue)
 
     def _hold(self) -> bool:
         """Whether a tick that could go waits for expected sessions (`expect`): at most
@@ -540,12 +576,14 @@ class TickLoop:
         self._schedule(now=True)
 
     def _send(self) -> None:
-        if len(self._in_flight) < self.max_in_flight:
+        beside = False
+        if self._rounds_in_flight() < self.max_in_flight:
             work, self._queue = self._budgeted(self._queue)
-        elif self._urgent_room():  # beside the tick in flight: its next forward takes them too
-            work, _ = self._budgeted([w for w in self._queue if _urgent(w)])
+        elif self._urgent_room():  # beside the ticks in flight: the replica's next forward takes it too
+            work, _ = self._budgeted([w for w in self._queue if _starts(w)])
             sent = set(map(id, work))
             self._queue = [w for w in self._queue if id(w) not in sent]
+            beside = True
         else:
             work = []
         self._hold_since = None
@@ -563,6 +601,9 @@ class TickLoop:
             return
         if work:
             self._in_flight[tick_id] = work
+            self._sent_at[tick_id] = asyncio.get_running_loop().time()
+            if beside:
+                self._beside.add(tick_id)
             for w in work:  # only what is sent is surely coming back: a queued item may wait on us
                 if w.then is not None:
                     w.then.expect(w.session.session_id)
@@ -675,7 +716,10 @@ class TickLoop:
                         grpc.StatusCode.UNAVAILABLE, f"{self.name}: the replica ended the tick stream"
                     )
                 work = self._in_flight.pop(message.id, None)
+                self._beside.discard(message.id)
                 if work is not None:
+                    trip = asyncio.get_running_loop().time() - self._sent_at.pop(message.id)
+                    self.pace += PACE_WEIGHT * (trip - self.pace) if self.pace else trip
                     log.debug(
                         "tick answered", extra={"replica": self.name, "tick": message.id, "items": len(work)}
                     )
@@ -731,7 +775,7 @@ class TickLoop:
         if not isinstance(error, grpc.aio.AioRpcError | ItemError):
             error = ItemError(grpc.StatusCode.UNAVAILABLE, f"{self.name}: tick stream failed: {error!r}")
         in_flight, self._in_flight = self._in_flight, {}
-        self._cancel, self._release = [], []
+        self._sent_at, self._cancel, self._release, self._beside = {}, [], [], set()
         for work in in_flight.values():
             for w in work:
                 self._finish(w, error)
@@ -740,7 +784,7 @@ class TickLoop:
 
     def _fail_all(self, error: BaseException) -> None:
         everything = [*self._queue, *(w for work in self._in_flight.values() for w in work)]
-        self._queue, self._in_flight = [], {}
+        self._queue, self._in_flight, self._sent_at, self._beside = [], {}, {}, set()
         for w in everything:
             self._finish(w, error)
 
@@ -849,10 +893,20 @@ def _verified(message: Any, n: int) -> list[Verified]:
 
 
 def _urgent(work: _Work) -> bool:
-    """A session's start (position 0: its first token, or a resync) or a chunk of a prefill: it goes
-    in a tick of its own beside the one in flight rather than after it (the replica's next forward
-    takes both ticks' steps), and its tick asks one plain step of each plain run (`_plain_steps`)."""
+    """A session's start (`_starts`) or a chunk of a prefill: its tick asks one plain step of each
+    plain run (`_plain_steps`), and on the replica it ends the plain runs in flight after their
+    step (verifier_service's `_yield_runs`)."""
     return work.position == 0 or work.limited
+
+
+def _starts(work: _Work) -> bool:
+    """A session's start (position 0: its first token, its first chunk, or a resync): it goes in a
+    tick of its own beside the ones in flight rather than after them (the replica's next forward
+    takes both ticks' steps). A prefill's later chunks do not: they go in the next tick with the
+    running sessions' next steps, one forward for all. Beside a running stream's tick, a chunk
+    takes the replica's next forward alone, the stream's step comes after it and then waits for
+    the next chunk's: two chunk forwards between the stream's tokens instead of one."""
+    return work.position == 0
 
 
 def _plain_steps(work: list[_Work]) -> list[int]:

@@ -216,6 +216,7 @@ class VerifyJob:
     top_logprobs: int | None = None
     allowed: Allowed | None = None  # grammar: paths below the runner's committed tokens -> rows
     cancelled: bool = False  # set from outside: no further plain step
+    yielded: bool = False  # set from outside: a prefill chunk came; the run answers after this step
     # plain steps: (committed tokens before `after`, after = the step's fed tokens, depth) -> the
     # lookup's chain of at most depth nodes, or None; called on the thread that builds the step
     ride: Callable[[int, list[int], int], DraftTree | None] | None = None
@@ -312,8 +313,8 @@ def _ride(job: VerifyJob, feed: list[int], emitted: int) -> DraftTree | None:
 
 def _continues(job: VerifyJob, out: VerifyOutcome) -> bool:
     """Whether a plain job takes another step in this call: its steps are not all taken, and
-    `_goes_on` (whatever a cancelled job's run could do, it takes no further step)."""
-    return out.steps < job.plain_steps and not job.cancelled and _goes_on(job, out)
+    `_goes_on` (whatever a cancelled or yielded job's run could do, it takes no further step)."""
+    return out.steps < job.plain_steps and not (job.cancelled or job.yielded) and _goes_on(job, out)
 
 
 def _partial(step: Step, logits: torch.Tensor) -> bool:
@@ -343,7 +344,8 @@ def next_plain_job(job: VerifyJob, out: VerifyOutcome) -> VerifyJob | None:
     assert out.verdict is not None
     return replace(
         job, new_tokens=[out.verdict.next_token], committed_length=job.committed_length + out.emitted,
-        plain_steps=1, room=None if job.room is None else job.room - out.emitted, cancelled=False,
+        plain_steps=1, room=None if job.room is None else job.room - out.emitted,
+        cancelled=False, yielded=False,
     )  # fmt: skip
 
 
