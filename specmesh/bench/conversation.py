@@ -19,9 +19,10 @@ per slot, the slots the phase needs) beside it; one engine's requests run at a t
             token, and that prompt's prefill alone (the same length, the engine idle)
   routing   `specmesh up --verifiers 2 --drafters 2` with two gateways: 8 conversations of 6 turns,
             turn k of conversation c sent to gateway (c + k) % 2; how often turns 2-6 started from
-            the previous turn's cached prefix (their usage's cached_tokens), and the verifiers'
-            prefix-cache hit rate over turns 2-6 (their metrics), with routing by cached prefix on
-            and off (--no-prefix-routing)
+            the previous turn's whole prompt (their usage's cached_tokens at least its prompt
+            tokens: the system prompt, which every replica holds, is not a hit), the verifiers'
+            prefix-cache hit rate over turns 2-6 (their metrics) and the gateways' failovers, with
+            routing by cached prefix on and off (--no-prefix-routing)
 
 Every specmesh request carries a `cache_salt` of its run, so that no run starts from another's
 prefixes; llama-server is started afresh for every phase.
@@ -360,17 +361,18 @@ def routing_run(target: str, draft: str, routing: bool, system: str) -> dict:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             later = list(pool.map(rest, range(8)))
         after = [_metrics(a) for a in verifiers]
+        gateways = [a for name, a in stack.metrics.items() if name.startswith("gateway")]
+        failovers = sum(_metrics(a).get("specmesh:failovers_total", 0.0) for a in gateways)
 
     def grown(name: str) -> float:
         return sum(a.get(name, 0.0) - b.get(name, 0.0) for a, b in zip(after, before, strict=True))
 
     queries, hits = grown("specmesh:prefix_cache_queries_total"), grown("specmesh:prefix_cache_hits_total")
-    # a turn hit its history when it started from (nearly) all the previous turn's prompt
+    # a turn hit its history when it started from all the previous turn's prompt (and so its
+    # answer): the system prompt that every conversation shares is not enough
     previous = {c: [firsts[c], *later[c][:-1]] for c in range(8)}
-    hit = sum(
-        1 for c in range(8) for turn, prev in zip(later[c], previous[c], strict=True)
-        if turn.cached_tokens >= prev.prompt_tokens - 64
-    )  # fmt: skip
+    pairs = [(turn, prev) for c in range(8) for turn, prev in zip(later[c], previous[c], strict=True)]
+    hit = sum(1 for turn, prev in pairs if turn.cached_tokens >= prev.prompt_tokens)
     total = sum(len(t) for t in later)
     return {
         "prefix_routing": routing,
@@ -378,7 +380,11 @@ def routing_run(target: str, draft: str, routing: bool, system: str) -> dict:
         "turns_that_hit_their_history": hit,
         "hit_share": round(hit / total, 3),
         "verifier_token_hit_rate": round(hits / queries, 3) if queries else None,
+        "failovers": int(failovers),  # the gateways', over the whole run: sessions moved off a replica
         "ttft_seconds_turns_2_6": sorted(round(t.ttft, 3) for turns in later for t in turns),
+        # per turn 2-6, conversation by conversation: its prompt, what it took from a cache, the
+        # previous turn's prompt
+        "turns": [[turn.prompt_tokens, turn.cached_tokens, prev.prompt_tokens] for turn, prev in pairs],
     }
 
 
