@@ -235,6 +235,30 @@ def test_api_keys_and_cache_salts_never_share_a_prefix(stack) -> None:
     assert list(other_key.token_ids) == list(salted.token_ids) == list(same.token_ids)
 
 
+def test_prompts_that_start_together_take_the_first_ones_prefill(stack, target) -> None:
+    """Three requests with one long prompt at once: the oldest prefill is fed first, so the later
+    two wait for its chunks and start from its live session (a conversation's shared system
+    prompt, 4 users at once). When a prompt's first chunk went beside the ticks in flight as a
+    session's start, all three prefilled it side by side (cached: a chunk or two each)."""
+    prompt = prompt_of(LONG, 7)
+    outs: dict[int, gateway_pb2.GenerateResponse] = {}
+
+    def run(i: int) -> None:
+        outs[i] = generate(stack.chunked, request(prompt, 4, TreeSpec("none"), cache_salt="together"))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    threads[0].start()
+    time.sleep(0.2)  # its placement is in Redis: the others are routed to its verifier
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    cached = sorted(outs[i].stats.cached_prompt_tokens for i in range(3))
+    assert cached[0] < CHUNK and cached[1] >= LONG - CHUNK, cached  # one prefilled it, the others took it
+    for i in range(3):
+        assert list(outs[i].token_ids) == greedy(target, prompt, 4)
+
+
 def test_each_turn_of_a_conversation_goes_to_the_verifier_that_holds_its_history(stack) -> None:
     """Six conversations of three turns, each turn a new session: the gateway places it on the
     verifier whose kept prefix holds the turn before (without routing by prefix, the least loaded

@@ -13,14 +13,15 @@ and settings), then named by a handle; a tick carries only positions, new tokens
 columns. A drafted tree stays the drafter's columns (`TreeRef`) until a verify tick relays it:
 never decoded here (a gateway-only install has no torch).
 
-A session's start goes at once, in a tick of its own beside the ones in flight if there are any
-(`_starts`: the replica's next forward takes both ticks' steps; that tick takes no room). A start or
+A session's start that runs whole goes at once, in a tick of its own beside the ones in flight if
+there are any (`_starts`: the replica's next forward takes both ticks' steps; that tick takes no
+room). A start or
 a prefill chunk is urgent (`_urgent`): a tick that carries one asks one plain step of every plain
 run in it (`_plain_steps`), and the replica ends the plain runs already running after their step,
 so that the new session's first token, or the next chunk, waits for no run of 4 steps, and each
 running stream gets a token per chunk forward, as vLLM's chunked-prefill steps give each running
-request one token beside the prefill chunk. A later chunk goes with the running sessions' next
-steps, in the next tick (`_starts` says why).
+request one token beside the prefill chunk. A chunk, a prompt's first one too, goes with the
+running sessions' next steps, in the next tick (`_starts` says why).
 
 Chunked prefill: a draft or verification queued `limited` (its caller's choice: it would feed
 more than a tick's budget, `needs_prefill`) may feed a chunk only. A tick gives its limited items
@@ -900,13 +901,16 @@ def _urgent(work: _Work) -> bool:
 
 
 def _starts(work: _Work) -> bool:
-    """A session's start (position 0: its first token, its first chunk, or a resync): it goes in a
+    """A session's start that runs whole (position 0: its first token, or a resync): it goes in a
     tick of its own beside the ones in flight rather than after them (the replica's next forward
-    takes both ticks' steps). A prefill's later chunks do not: they go in the next tick with the
-    running sessions' next steps, one forward for all. Beside a running stream's tick, a chunk
-    takes the replica's next forward alone, the stream's step comes after it and then waits for
-    the next chunk's: two chunk forwards between the stream's tokens instead of one."""
-    return work.position == 0
+    takes both ticks' steps). A prefill's chunks do not, its first included: they go in the next
+    tick with the running sessions' next steps, one forward for all, the oldest prefill first.
+    Beside a running stream's tick, a chunk took the replica's next forward alone, the stream's step
+    came after it and then waited for the next chunk's: two chunk forwards between the stream's
+    tokens instead of one. And a first chunk let beside jumped the oldest-first order: 4
+    conversations starting at once each prefilled their system prompt, where the later ones had
+    waited for the first's and taken it from its live session (turn 1 wall 1.3x llama-server's)."""
+    return work.position == 0 and not work.limited
 
 
 def _plain_steps(work: list[_Work]) -> list[int]:
