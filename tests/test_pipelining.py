@@ -156,3 +156,24 @@ def test_the_policy_pre_drafts_only_when_it_pays_and_keeps_measuring_the_other_s
     for _ in range(20):
         policy.observe(verify=0.016, beside=True, hit=False)
     assert not policy.pays()
+
+
+def test_a_round_that_waits_for_a_late_pre_draft_drafts_itself() -> None:
+    """A pre-draft not in after its patience wakes the round that waits for it, with None (the
+    round then drafts itself). `_late` used to cancel the pre-draft, which forgets the waiter,
+    before waking it: nobody was woken, and a gateway's request waited for good, with no timer
+    left and nothing logged (two routing runs of `bench conversation` on a busy 2-core host)."""
+    import asyncio
+
+    from specmesh.rpc.round_client import _Ahead
+
+    woken: list[object] = []
+
+    async def run() -> None:
+        ahead = _Ahead(PreDraft(base=4, assumed=(1, 2)), TreeSpec("chain", depth=2), loop=None)  # type: ignore[arg-type]
+        ahead.wait(woken.append, patience=0.01)
+        await asyncio.sleep(0.1)
+        ahead.answered(RuntimeError("failed late"))  # after the round moved on: nobody is woken twice
+
+    asyncio.run(run())
+    assert woken == [None]

@@ -549,9 +549,14 @@ class _Ahead:
             self._timer = asyncio.get_running_loop().call_later(patience, self._late)
 
     def _late(self) -> None:
+        """Past its patience: the round drafts itself. The waiter is taken before `cancel` clears
+        it (the other order woke nobody, and the round waited for good: the routing benchmark's
+        hangs, a busy drafter's pre-draft late by its per-try timeout)."""
         self._timer = None
+        waiter, self._waiter = self._waiter, None
         self.cancel()
-        self._wake(None)
+        if waiter is not None:
+            waiter(None)
 
     def _wake(self, answer: Drafted | None) -> None:
         if self._timer is not None:
