@@ -15,13 +15,12 @@ never decoded here (a gateway-only install has no torch).
 
 A session's start that runs whole goes at once, in a tick of its own beside the ones in flight if
 there are any (`_starts`: the replica's next forward takes both ticks' steps; that tick takes no
-room). A start or
-a prefill chunk is urgent (`_urgent`): a tick that carries one asks one plain step of every plain
-run in it (`_plain_steps`), and the replica ends the plain runs already running after their step,
-so that the new session's first token, or the next chunk, waits for no run of 4 steps, and each
-running stream gets a token per chunk forward, as vLLM's chunked-prefill steps give each running
-request one token beside the prefill chunk. A chunk, a prompt's first one too, goes with the
-running sessions' next steps, in the next tick (`_starts` says why).
+room). A start or a prefill chunk is urgent (`_urgent`): a tick that carries one asks one plain
+step of every plain run in it (`_plain_steps`), and the replica ends the plain runs already running
+after their step, so that the new session's first token, or the next chunk, waits for no run of 4
+steps, and each running stream gets a token per chunk forward, as vLLM's chunked-prefill steps give
+each running request one token beside the prefill chunk. A chunk, a prompt's first one too, goes
+with the running sessions' next steps, in the next tick (`_starts` says why).
 
 Chunked prefill: a draft or verification queued `limited` (its caller's choice: it would feed
 more than a tick's budget, `needs_prefill`) may feed a chunk only. A tick gives its limited items
