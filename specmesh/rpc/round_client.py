@@ -426,15 +426,14 @@ class _Round:
         started = time.perf_counter() if started is None else started
         fed = self.committed - position
         limited = started if loop.needs_prefill(position, self.committed) else None
-        per_try, spare = self.placement.per_try, self.placement.spare
+        deadline, timeout = self.deadline, None
         if limited is not None:  # chunked prefill: each chunk's call has a deadline from its send
-            self.deadline = self._fresh_deadline()  # (and the round's next call from here)
+            self.deadline = self._fresh_deadline()  # (the round's next call's, from here)
+            deadline, timeout = self.placement.deadline, self.placement.timeout
             fed = loop.max_tick_tokens
+        per_try, spare = self.placement.per_try, self.placement.spare
         patience = per_try(role, fed, work, steps) if per_try is not None else None
-        if limited is not None:
-            timing = Timing(self.placement.deadline, patience, lambda: spare(role), self.placement.timeout)
-        else:
-            timing = Timing(self.deadline, patience, lambda: spare(role))
+        timing = Timing(deadline, patience, lambda: spare(role), timeout)
         span = None
         if self.span is not None:
             parent = trace.set_span_in_context(self.span)
