@@ -40,6 +40,12 @@ class GatewayMetrics(RpcMetrics):
             "the gateway's healthy verifiers' mean KV cache usage (positions held / budget, 0-1), as "
             "their tick results said: what an endpoint picker scores a gateway's KV by",
         )
+        self.prefill_chunk = self.gauge(
+            f"{NS}prefill_chunk_tokens",
+            "the most prompt tokens one tick to a replica feeds (--prefill-chunk; auto: from the replicas' "
+            "start-up measurement), by role",
+            "role",
+        )
         self.prompt_tokens = self.counter(f"{NS}prompt_tokens", "prompt tokens of the requests that started")
         self.generation_tokens = self.counter(f"{NS}generation_tokens", "generated tokens committed")
         self.request_success = self.counter(

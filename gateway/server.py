@@ -522,11 +522,12 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         self.env.verifiers.prefill_chunk(c.chunk(forward_cost))
         if self.env.drafters is not None:  # a drafter that did not answer: the verifier's chunk
             self.env.drafters.prefill_chunk(c.chunk(draft_cost or forward_cost))
-        log.info(
-            "prefill chunk",
-            extra={"verifier": self.env.verifiers.max_tick_tokens,
-                   "drafter": self.env.drafters.max_tick_tokens if self.env.drafters else None},
-        )  # fmt: skip
+        chunks = {Role.VERIFIER: self.env.verifiers.max_tick_tokens}
+        if self.env.drafters is not None:
+            chunks[Role.DRAFTER] = self.env.drafters.max_tick_tokens
+        for role, tokens in chunks.items():
+            self.env.metrics.prefill_chunk.labels(role).set(tokens)
+        log.info("prefill chunk", extra={role.value: tokens for role, tokens in chunks.items()})
         if c.try_timeout_factor > 0:
             floor, factor = c.try_timeout_floor, c.try_timeout_factor
             self.env.try_timeouts = TryTimeouts(floor, factor, draft_cost, forward_cost)

@@ -598,6 +598,9 @@ def test_metrics_show_latency_histograms_and_spec_decode_counters(stack, client,
         assert samples[(f"specmesh:{name}_total", ())] > 0, name
     assert samples[("specmesh:num_requests_running", ())] == 0
     assert samples[("specmesh:num_requests_waiting", ())] == 0
+    # --prefill-chunk auto, from each role's start-up measurement, within its bounds
+    for role in ("drafter", "verifier"):
+        assert 64 <= samples[("specmesh:prefill_chunk_tokens", (("role", role),))] <= 2048
     assert samples[("specmesh:rpc_requests_total", (("code", "OK"), ("method", "POST /v1/completions")))] > 0
     # a replica's: the same namespace, its model id (InfoResponse.model_id) as model_name
     verifier = stack.replicas[1]

@@ -355,8 +355,8 @@ def test_plan_stack_command_lines():
     plan = plan_stack("draft-dir", "target-dir", drafters=2, port=50099, dtype="bf16", python="py")
     names = [s.name for s in plan.specs]
     assert names == ["redis", "drafter-0", "drafter-1", "verifier-0", "gateway"]
-    # verifiers start (and measure their forward costs) once the drafters are ready
-    assert [s.stage for s in plan.specs] == [0, 1, 1, 2, 3]
+    # one model replica at a time (each measures its forward costs at start-up), drafters first
+    assert [s.stage for s in plan.specs] == [0, 1, 2, 3, 4]
     redis, d0, _, v0, gw = plan.specs
     # the private Redis runs from a config file (password, AOF, CONFIG / DEBUG / KEYS off) in a
     # directory that outlives its restarts; the password is in no argv, only in the gateway's env

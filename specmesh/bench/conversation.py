@@ -323,14 +323,25 @@ def _model_id(base_url: str) -> str:
         return json.loads(reply.read())["data"][0]["id"]
 
 
-def _metrics(address: str) -> dict[str, float]:
+def _prefill_chunks(stack: Any) -> dict[str, int]:
+    """The first gateway's chunk per role (`--prefill-chunk auto` follows the replicas' start-up
+    measurement: a result says what it ran with)."""
+    samples = _samples(stack.http)
+    return {s.labels["role"]: int(s.value) for s in samples if s.name == "specmesh:prefill_chunk_tokens"}
+
+
+def _samples(address: str) -> list[Any]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def _metrics(address: str) -> dict[str, float]:
+    """Each sample name's sum over its labels."""
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
+    for s in _samples(address):
+        out[s.name] = out.get(s.name, 0.0) + s.value
     return out
 
 
@@ -363,6 +374,7 @@ def routing_run(target: str, draft: str, routing: bool, system: str) -> dict:
         after = [_metrics(a) for a in verifiers]
         gateways = [a for name, a in stack.metrics.items() if name.startswith("gateway")]
         failovers = sum(_metrics(a).get("specmesh:failovers_total", 0.0) for a in gateways)
+        chunks = _prefill_chunks(stack)
 
     def grown(name: str) -> float:
         return sum(a.get(name, 0.0) - b.get(name, 0.0) for a, b in zip(after, before, strict=True))
@@ -381,6 +393,7 @@ def routing_run(target: str, draft: str, routing: bool, system: str) -> dict:
         "hit_share": round(hit / total, 3),
         "verifier_token_hit_rate": round(hits / queries, 3) if queries else None,
         "failovers": int(failovers),  # the gateways', over the whole run: sessions moved off a replica
+        "prefill_chunk": chunks,
         "ttft_seconds_turns_2_6": sorted(round(t.ttft, 3) for turns in later for t in turns),
         # per turn 2-6, conversation by conversation: its prompt, what it took from a cache, the
         # previous turn's prompt
@@ -425,6 +438,7 @@ def bench_conversation(
         with specmesh_stack(target=target, draft=draft) as stack:
             url = f"http://{stack.http}/v1"
             ours = Engine("specmesh", url, _model_id(url), secrets.token_hex(8))
+            result["prefill_chunk"] = _prefill_chunks(stack)
             for phase in local:  # a fresh llama-server each phase: nothing cached from the one before
                 ours_now = dataclasses.replace(ours, salt=f"{ours.salt}-{phase}")
                 with _llama(llama_server_binary, gguf_file(target), phase) as theirs:

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import itertools
 import os
 import shutil
 import signal
@@ -464,38 +465,43 @@ def plan_stack(
 
     metrics: dict[str, str] = {}
 
-    # Verifiers start once the drafters are ready: each replica measures its forward cost at
-    # start-up (what the gateway's default decides from), and two measuring at once on shared
-    # cores would each see the other's load.
-    stages = {"drafter": 1, "verifier": 2}
+    # One model replica at a time, drafters first: each measures its forward cost at start-up
+    # (what the gateway's chunk, per-try timeouts and default decide from), and one measuring
+    # while another loads or measures on shared cores sees that load. Two verifiers starting
+    # together on 2 cores measured a one-row forward at 370 ms (5x) and a 16-row one at 209 ms:
+    # the gateway's chunk came out at 2048 tokens, a 1.5k-token prompt took one forward of over
+    # 60 s, and both verifiers were taken out as hung (docs/decisions.md, "Chunked prefill").
+    # The n-gram drafters load no model: they start with the first model replica.
+    stages = itertools.count(1)
 
-    def service(kind: str, index: int, model: str, extra: Sequence[str]) -> tuple[ChildSpec, str]:
+    def service(kind: str, index: int, model: str, extra: Sequence[str], stage: int) -> tuple[ChildSpec, str]:
         address, name, metrics_port = f"{host}:{free_port(host)}", f"{kind}-{index}", free_port(host)
         argv = [python, "-m", f"{kind}_service", "--model", model, "--host", host]
         argv += ["--port", address.rpartition(":")[2], "--metrics-port", str(metrics_port)]
         argv += [*model_flags, *tls_flags, *replica_tls_flags, *extra]
         metrics[name] = f"{host}:{metrics_port}"
         ready = grpc_ready(address, tls=probe_tls)
-        return ChildSpec(name, argv, ready, stage=stages[kind], ready_timeout=ready_timeout), address
+        return ChildSpec(name, argv, ready, stage=stage, ready_timeout=ready_timeout), address
 
     drafter_addrs, verifier_addrs = [], []
     for i in range(drafters):
-        spec, addr = service("drafter", i, draft, drafter_args)
+        spec, addr = service("drafter", i, draft, drafter_args, next(stages))
         specs.append(dataclasses.replace(spec, expendable=drafters > 1))
         drafter_addrs.append(addr)
     ngram_addrs = []
     for i in range(ngram_drafters):
-        spec, addr = service("drafter", drafters + i, draft, ["--backend", "ngram"])
+        spec, addr = service("drafter", drafters + i, draft, ["--backend", "ngram"], 1)
         specs.append(dataclasses.replace(spec, name=f"ngram-drafter-{i}", expendable=ngram_drafters > 1))
         ngram_addrs.append(addr)
     for i in range(verifiers):
-        spec, addr = service("verifier", i, target, verifier_args)
+        spec, addr = service("verifier", i, target, verifier_args, next(stages))
         specs.append(dataclasses.replace(spec, expendable=verifiers > 1))
         verifier_addrs.append(addr)
     replicas = ["--drafters", ",".join(drafter_addrs)] if drafter_addrs else []
     replicas += ["--ngram-drafters", ",".join(ngram_addrs)] if ngram_addrs else []
     replicas += ["--verifiers", ",".join(verifier_addrs)]
     env = {**(gateway_env or {}), "SPECMESH_REDIS_URL": redis_url}  # --redis-url: may hold a password
+    last = next(stages)  # the gateways, once every replica is ready
     served = []
     for i in range(gateways):
         name, grpc_port, web_port = (
@@ -509,7 +515,7 @@ def plan_stack(
         if http:
             metrics[name] = http
         ready = grpc_ready(address, tls=probe_tls)
-        specs.append(ChildSpec(name, argv, ready, stage=3, env=env, ready_timeout=120.0))
+        specs.append(ChildSpec(name, argv, ready, stage=last, env=env, ready_timeout=120.0))
         served.append((address, http))
     gateway, http = served[0]
     return StackPlan(
