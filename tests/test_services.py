@@ -757,6 +757,40 @@ def test_a_session_start_ends_the_plain_runs_in_flight_after_their_step(slow) ->
     assert 1 <= len(yielded) < 4 and yielded == alone[: len(yielded)]
 
 
+def test_a_limited_start_goes_beside_a_running_plain_run(slow) -> None:
+    """A conversation's next turn is longer than the tick budget (limited) and all cached but a
+    few tokens. Kept back behind a running stream's plain run of 4 steps, its first token waited
+    for all 4 (1.3x llama-server's time to first token on turns 2-6 of 4 conversations at once):
+    it goes beside and ends the run after its step, as a start that runs whole does. (Behind
+    another prefill it waits, the oldest first: tests/test_prefill.py, "together".)"""
+
+    async def run() -> tuple[list[int], list[int]]:
+        async with open_channel(slow.verifier.address) as channel:
+            loop = TickLoop(channel, Role.VERIFIER, slow.verifier.address)
+            loop.max_tick_tokens = 4  # a start of PROMPT is limited
+            runs = {}
+            for session in ("yields", "alone"):  # ids of their own: `slow` is the module's
+                opened = TickOpened(f"limited-{session}", session, GREEDY)
+                first = await loop.verify(opened, 0, PROMPT, None)
+                position = len(PROMPT)
+                run = asyncio.ensure_future(loop.verify(opened, position, first.tokens, None, plain_steps=4))
+                if session == "yields":
+                    await asyncio.sleep(0.3)  # inside the run's first step
+                    turn = TickOpened("limited-starts", "starts", GREEDY)
+                    started = asyncio.ensure_future(loop.verify(turn, 0, PROMPT, None, limited=1.0))
+                runs[session] = (await run).tokens
+            await started
+            for session in ("yields", "alone", "starts"):
+                loop.release(f"limited-{session}")
+            await asyncio.sleep(1.0)
+            await loop.close()
+            return runs["yields"], runs["alone"]
+
+    yielded, alone = asyncio.run(run())
+    assert len(alone) == 4
+    assert 1 <= len(yielded) < 4 and yielded == alone[: len(yielded)]
+
+
 async def refused_after_sigterm(stub: pb2_grpc.VerifierStub) -> grpc.aio.AioRpcError:
     """The error a new RPC gets once the server has taken the signal (polled: it may take a moment)."""
     for _ in range(100):

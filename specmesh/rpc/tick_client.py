@@ -13,14 +13,15 @@ and settings), then named by a handle; a tick carries only positions, new tokens
 columns. A drafted tree stays the drafter's columns (`TreeRef`) until a verify tick relays it:
 never decoded here (a gateway-only install has no torch).
 
-A session's start that runs whole goes at once, in a tick of its own beside the ones in flight if
-there are any (`_starts`: the replica's next forward takes both ticks' steps; that tick takes no
-room). A start or a prefill chunk is urgent (`_urgent`): a tick that carries one asks one plain
-step of every plain run in it (`_plain_steps`), and the replica ends the plain runs already running
-after their step, so that the new session's first token, or the next chunk, waits for no run of 4
-steps, and each running stream gets a token per chunk forward, as vLLM's chunked-prefill steps give
-each running request one token beside the prefill chunk. A chunk, a prompt's first one too, goes
-with the running sessions' next steps, in the next tick (`_starts` says why).
+A session's start goes at once, in a tick of its own beside the ones in flight if there are any
+(`_starts`: the replica's next forward takes both ticks' steps; that tick takes no room), a
+limited one only while no other prefill is in flight or queued before it. A start or a prefill
+chunk is urgent (`_urgent`): a tick that carries one asks one plain step of every plain run in it
+(`_plain_steps`), and the replica ends the plain runs already running after their step, so that
+the new session's first token, or the next chunk, waits for no run of 4 steps, and each running
+stream gets a token per chunk forward, as vLLM's chunked-prefill steps give each running request
+one token beside the prefill chunk. A prefill's later chunks go with the running sessions' next
+steps, in the next tick (`_starts` says why).
 
 Chunked prefill: a draft or verification queued `limited` (its caller's choice: it would feed
 more than a tick's budget, `needs_prefill`) may feed a chunk only. A tick gives its limited items
@@ -551,7 +552,31 @@ class TickLoop:
 
     def _urgent_room(self) -> bool:
         """Whether a tick of session starts may go beside the ticks in flight (`_starts`): one."""
-        return not self._beside and any(_starts(w) for w in self._queue)
+        return not self._beside and any(self._starts(w) for w in self._queue)
+
+    def _starts(self, work: _Work) -> bool:
+        """A session's start (position 0: its first token, or a resync) goes in a tick of its own
+        beside the ones in flight rather than after them: the replica's next forward takes both
+        ticks' steps. One that is limited too (a prompt longer than the budget, which may be all
+        cached but a few tokens: a conversation's next turn) goes so only while no other prefill
+        is in flight or queued before it: the prefills go oldest first. A first chunk let beside
+        another prefill's jumped that order, and 4 conversations starting at once each prefilled
+        their system prompt, where the later ones had waited for the first's chunks and taken it
+        from its live session (turn 1 wall 1.3x llama-server's); one kept back behind a running
+        stream's plain run of 4 steps took 1.3x llama-server's time to first token on turns 2-6
+        of 4 conversations at once. A prefill's later chunks never go beside: beside a running
+        stream's tick, a chunk took the replica's next forward alone, the stream's step came
+        after it and then waited for the next chunk's: two chunk forwards between the stream's
+        tokens instead of one; in the next tick, the running sessions' next steps share its
+        forward."""
+        if work.position != 0:
+            return False
+        if not work.limited:
+            return True
+        ahead = (w for items in self._in_flight.values() for w in items)
+        return not any(w.limited for w in ahead) and not any(
+            w.limited and w.since < work.since for w in self._queue
+        )
 
     def _hold(self) -> bool:
         """Whether a tick that could go waits for expected sessions (`expect`): at most
@@ -580,7 +605,7 @@ class TickLoop:
         if self._rounds_in_flight() < self.max_in_flight:
             work, self._queue = self._budgeted(self._queue)
         elif self._urgent_room():  # beside the ticks in flight: the replica's next forward takes it too
-            work, _ = self._budgeted([w for w in self._queue if _starts(w)])
+            work, _ = self._budgeted([w for w in self._queue if self._starts(w)])
             sent = set(map(id, work))
             self._queue = [w for w in self._queue if id(w) not in sent]
             beside = True
@@ -893,23 +918,10 @@ def _verified(message: Any, n: int) -> list[Verified]:
 
 
 def _urgent(work: _Work) -> bool:
-    """A session's start (`_starts`) or a chunk of a prefill: its tick asks one plain step of each
+    """A session's start (`TickLoop._starts`) or a chunk of a prefill: its tick asks one plain step of each
     plain run (`_plain_steps`), and on the replica it ends the plain runs in flight after their
     step (verifier_service's `_yield_runs`)."""
     return work.position == 0 or work.limited
-
-
-def _starts(work: _Work) -> bool:
-    """A session's start that runs whole (position 0: its first token, or a resync): it goes in a
-    tick of its own beside the ones in flight rather than after them (the replica's next forward
-    takes both ticks' steps). A prefill's chunks do not, its first included: they go in the next
-    tick with the running sessions' next steps, one forward for all, the oldest prefill first.
-    Beside a running stream's tick, a chunk took the replica's next forward alone, the stream's step
-    came after it and then waited for the next chunk's: two chunk forwards between the stream's
-    tokens instead of one. And a first chunk let beside jumped the oldest-first order: 4
-    conversations starting at once each prefilled their system prompt, where the later ones had
-    waited for the first's and taken it from its live session (turn 1 wall 1.3x llama-server's)."""
-    return work.position == 0 and not work.limited
 
 
 def _plain_steps(work: list[_Work]) -> list[int]:
