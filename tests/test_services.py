@@ -727,61 +727,37 @@ def test_a_try_waits_for_a_replica_that_answers_at_its_usual_pace(slow) -> None:
     assert isinstance(known, Verified), known
 
 
-def test_a_session_start_ends_the_plain_runs_in_flight_after_their_step(slow) -> None:
+@pytest.mark.parametrize("limited", [None, 1.0], ids=["whole", "limited"])
+def test_a_session_start_ends_the_plain_runs_in_flight_after_their_step(slow, limited) -> None:
     """Head of line: a plain run of 4 steps that a prefill chunk joins would hold its stream's
     tokens for 4 chunk forwards (6.1 s on this CPU for a 1.3k-token prompt's chunks). A tick that
     starts a session or feeds a chunk now ends the runs in flight after their current step; the
-    run's tokens are those 4 steps would have begun with."""
+    run's tokens are those 4 steps would have begun with.
+
+    limited: a conversation's next turn is longer than the tick budget and all cached but a few
+    tokens. Kept back behind the run, its first token waited for all 4 steps (1.3x llama-server's
+    time to first token on turns 2-6 of 4 conversations at once): it goes beside as a whole start
+    does. (Behind another prefill it waits, the oldest first: tests/test_prefill.py, "together".)"""
+    name = "whole" if limited is None else "limited"  # ids of their own: `slow` is the module's
 
     async def run() -> tuple[list[int], list[int]]:
         async with open_channel(slow.verifier.address) as channel:
             loop = TickLoop(channel, Role.VERIFIER, slow.verifier.address)
+            loop.max_tick_tokens = 0 if limited is None else 4  # a start of PROMPT is limited
             runs = {}
             for session in ("yields", "alone"):
-                opened = TickOpened(session, session, GREEDY)
+                opened = TickOpened(f"{name}-{session}", session, GREEDY)
                 first = await loop.verify(opened, 0, PROMPT, None)
                 position = len(PROMPT)
                 run = asyncio.ensure_future(loop.verify(opened, position, first.tokens, None, plain_steps=4))
                 if session == "yields":
                     await asyncio.sleep(0.3)  # inside the run's first step
-                    await loop.verify(TickOpened("starts", "starts", GREEDY), 0, PROMPT, None)
-                runs[session] = (await run).tokens
-            for session in ("yields", "alone", "starts"):
-                loop.release(session)
-            await asyncio.sleep(1.0)
-            await loop.close()
-            return runs["yields"], runs["alone"]
-
-    yielded, alone = asyncio.run(run())
-    assert len(alone) == 4
-    assert 1 <= len(yielded) < 4 and yielded == alone[: len(yielded)]
-
-
-def test_a_limited_start_goes_beside_a_running_plain_run(slow) -> None:
-    """A conversation's next turn is longer than the tick budget (limited) and all cached but a
-    few tokens. Kept back behind a running stream's plain run of 4 steps, its first token waited
-    for all 4 (1.3x llama-server's time to first token on turns 2-6 of 4 conversations at once):
-    it goes beside and ends the run after its step, as a start that runs whole does. (Behind
-    another prefill it waits, the oldest first: tests/test_prefill.py, "together".)"""
-
-    async def run() -> tuple[list[int], list[int]]:
-        async with open_channel(slow.verifier.address) as channel:
-            loop = TickLoop(channel, Role.VERIFIER, slow.verifier.address)
-            loop.max_tick_tokens = 4  # a start of PROMPT is limited
-            runs = {}
-            for session in ("yields", "alone"):  # ids of their own: `slow` is the module's
-                opened = TickOpened(f"limited-{session}", session, GREEDY)
-                first = await loop.verify(opened, 0, PROMPT, None)
-                position = len(PROMPT)
-                run = asyncio.ensure_future(loop.verify(opened, position, first.tokens, None, plain_steps=4))
-                if session == "yields":
-                    await asyncio.sleep(0.3)  # inside the run's first step
-                    turn = TickOpened("limited-starts", "starts", GREEDY)
-                    started = asyncio.ensure_future(loop.verify(turn, 0, PROMPT, None, limited=1.0))
+                    turn = TickOpened(f"{name}-starts", "starts", GREEDY)
+                    started = asyncio.ensure_future(loop.verify(turn, 0, PROMPT, None, limited=limited))
                 runs[session] = (await run).tokens
             await started
             for session in ("yields", "alone", "starts"):
-                loop.release(f"limited-{session}")
+                loop.release(f"{name}-{session}")
             await asyncio.sleep(1.0)
             await loop.close()
             return runs["yields"], runs["alone"]
