@@ -302,12 +302,22 @@ class DsiRun(SessionRun):
         self.max_in_flight = max(self.max_in_flight, self._in_flight(Role.VERIFIER))
         return call
 
-    async def _after_prefill(
+    def _after_prefill(
         self, loop: Any, address: str, position: int, context: list[int], call: Callable[..., Any]
     ) -> Any:
-        """call(position, new tokens, limited=...): where it would feed more than a tick's budget
-        (the prompt, a replica that lost the session), limited, again from where the replica is
-        after each chunk (what it holds from then on)."""
+        """call(position, new tokens, limited=...): the tick loop's future where it fits a tick's
+        budget (a DSI session's every call but its prompt's: no task of its own, which cost the
+        gateway ~0.08 ms a round at 32 sessions), else `_chunked`."""
+        if not loop.needs_prefill(position, len(context)):
+            return call(position, context[position:], limited=None)
+        return self._chunked(loop, address, position, context, call)
+
+    async def _chunked(
+        self, loop: Any, address: str, position: int, context: list[int], call: Callable[..., Any]
+    ) -> Any:
+        """Where it would feed more than a tick's budget (the prompt, a replica that lost the
+        session): limited, again from where the replica is after each chunk (what it holds from
+        then on)."""
         since = time.perf_counter()
         while True:
             limited = since if loop.needs_prefill(position, len(context)) else None
