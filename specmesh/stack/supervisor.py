@@ -468,9 +468,10 @@ def plan_stack(
     # One model replica at a time, drafters first: each measures its forward cost at start-up
     # (what the gateway's chunk, per-try timeouts and default decide from), and one measuring
     # while another loads or measures on shared cores sees that load. Two verifiers starting
-    # together on 2 cores measured a one-row forward at 370 ms (5x) and a 16-row one at 209 ms:
-    # the gateway's chunk came out at 2048 tokens, a 1.5k-token prompt took one forward of over
-    # 60 s, and both verifiers were taken out as hung (docs/decisions.md, "Chunked prefill").
+    # together on 2 cores measured a one-row forward at 370 ms (58 ms one at a time) and a 16-row
+    # one at 209 ms: the gateway's chunk came out at 2048 tokens, 1.5k-token prompts went whole,
+    # and rounds ran out of the 60 s round timeout, taking both verifiers out as hung
+    # (docs/decisions.md, "Long prompts and conversations").
     # The n-gram drafters load no model: they start with the first model replica.
     stages = itertools.count(1)
 
