@@ -767,6 +767,39 @@ def test_a_session_start_ends_the_plain_runs_in_flight_after_their_step(slow, li
     assert 1 <= len(yielded) < 4 and yielded == alone[: len(yielded)]
 
 
+@pytest.mark.parametrize("steps", [1, 4])
+def test_a_session_start_goes_beside_only_a_plain_run_of_several_steps(slow, steps) -> None:
+    """Beside a tick of one forward, a start took a forward of its own where the next tick's would
+    have taken it too: DSI's first call to each verifier is a start, and DSI 4x4 at 32 sessions ran
+    32 % more verifier forwards. It goes beside a run of several steps only (the test above), and
+    otherwise in the next tick."""
+
+    async def run() -> tuple[int, int]:
+        async with open_channel(slow.verifier.address) as channel:
+            loop = TickLoop(channel, Role.VERIFIER, slow.verifier.address)
+            opened = TickOpened(f"runs-{steps}", f"runs-{steps}", GREEDY)
+            first = await loop.verify(opened, 0, PROMPT, None)
+            ticks = loop.ticks
+            run = asyncio.ensure_future(
+                loop.verify(opened, len(PROMPT), first.tokens, None, plain_steps=steps)
+            )
+            await asyncio.sleep(0.3)  # inside the run's first forward
+            start = TickOpened(f"starts-{steps}", f"starts-{steps}", GREEDY)
+            started = asyncio.ensure_future(loop.verify(start, 0, PROMPT, None))
+            await asyncio.sleep(0.2)
+            sent = loop.ticks - ticks  # the run's, and the start's if it went beside
+            await asyncio.gather(run, started)
+            total = loop.ticks - ticks
+            for session in (f"runs-{steps}", f"starts-{steps}"):
+                loop.release(session)
+            await asyncio.sleep(1.0)
+            await loop.close()
+            return sent, total
+
+    sent, total = asyncio.run(run())
+    assert sent == (2 if steps > 1 else 1) and total >= 2, (sent, total)
+
+
 async def refused_after_sigterm(stub: pb2_grpc.VerifierStub) -> grpc.aio.AioRpcError:
     """The error a new RPC gets once the server has taken the signal (polled: it may take a moment)."""
     for _ in range(100):
