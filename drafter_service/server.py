@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 
 from specmesh.core.drafting import Path
 from specmesh.core.grammar import TokenMask
@@ -45,12 +44,10 @@ from specmesh.rpc.ticks import (
     SPECULATIVE,
     SUPERSEDABLE,
     DraftAnswer,
+    DraftResultMessage,
+    DraftTickMessage,
     ItemFailure,
     Prefilled,
-    TickItems,
-    column,
-    draft_result,
-    draft_specs_from_proto,
 )
 from specmesh.runtime.backend import Backend
 from specmesh.runtime.models import LoadedModel
@@ -95,6 +92,7 @@ SUPERSEDED = "superseded"  # a speculative / supersedable draft a later one stop
 class DrafterService(ModelService, pb2_grpc.DrafterServicer):
     service_name = "Drafter"
     tick_method = "DraftTick"
+    tick_message = DraftTickMessage
 
     def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
         super().__init__(config, model, metrics)
@@ -140,13 +138,10 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
             tree_depth=int(tree.depths().max()),
         )
 
-    async def tick_items(
-        self, stream: TickStream, message: pb2.DraftTick, items: TickItems
-    ) -> pb2.DraftTickResult:
+    async def tick_items(self, stream: TickStream, tick: DraftTickMessage) -> DraftResultMessage:
         start = time.perf_counter()
+        items, specs, spec_index, flags = tick.items, tick.specs, tick.spec_index, tick.flags
         n = len(items)
-        specs, spec_index = draft_specs_from_proto(message, n, self.limits)
-        flags = column(message.flags, "u1", "flags", n) if n else np.zeros(0, np.uint8)
         answers: list = [None] * n
         drafts, where = [], []
         positions, handles, feeds = items.positions.tolist(), items.handles.tolist(), items.feed.tolist()
@@ -187,9 +182,9 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
                 if positions[i] == 0:
                     out.cached = self.runner.reused_tokens(drafts[k][0].session_id)
                 answers[i] = out
-        return draft_result(
-            message.id, answers, self.vocab_size, time.perf_counter() - start, self.prefix_version(),
-            self.metrics.kv_usage_now,
+        return DraftResultMessage.of(
+            tick.id, answers, self.vocab_size, seconds=time.perf_counter() - start,
+            prefix_version=self.prefix_version(), kv_usage=self.metrics.kv_usage_now,
         )  # fmt: skip
 
     # ---- a tick's drafts -----------------------------------------------------------------------

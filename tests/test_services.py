@@ -37,8 +37,8 @@ from specmesh.rpc.round_client import (
     open_channel,
 )
 from specmesh.rpc.tick_client import ItemError, Role, TickLoop, Timing, Verified
+from specmesh.rpc.ticks import ItemFailure, TickItems, VerifyResultMessage, VerifyTickMessage
 from specmesh.rpc.ticks import Opened as TickOpened
-from specmesh.rpc.ticks import items_fields, opened_to_proto, packed, trees_to_proto
 from specmesh.runtime.costs import PROBE_ROWS
 from specmesh.runtime.models import load_model
 from specmesh.stack.ports import free_port
@@ -304,14 +304,17 @@ def test_concurrent_sessions_equal_sequential_ones_and_share_forwards(stack, ref
     assert batches_above_one(stack.drafter) > before[1]  # and so did tree levels
 
 
-def verify_tick(tick_id: int, opens: list, handles: list[int], positions: list[int], new: list, trees: list):
-    return pb2.VerifyTick(
-        id=tick_id,
-        open=opens,
-        **items_fields(handles, positions, new),
-        trees=trees_to_proto(TreeColumns.from_trees(trees, VOCAB)),
-        plain_steps=packed([1] * len(handles), "u1"),
-    )
+def verify_tick(
+    tick_id: int, opens: list, handles: list[int], positions: list[int], new: list, trees: list,
+    release: list[int] | None = None,
+):  # fmt: skip
+    n = len(handles)
+    return VerifyTickMessage(
+        tick_id, opens, TickItems.of(handles, positions, new, release=release or []),
+        TreeColumns.from_trees(trees, VOCAB), plain_steps=np.ones(n, np.uint8),
+        lookup_depth=np.zeros(n, np.uint8), lookup_min_ngram=np.zeros(n, np.uint8),
+        max_tokens=np.zeros(n, np.uint32),
+    ).to_proto()  # fmt: skip
 
 
 def test_a_bad_item_fails_alone_and_the_others_in_its_tick_go_on(stack) -> None:
@@ -325,7 +328,7 @@ def test_a_bad_item_fails_alone_and_the_others_in_its_tick_go_on(stack) -> None:
         draft_probs=torch.zeros(0, VOCAB),
         prob_rows=torch.tensor([-1, -1]),
     )
-    opens = [opened_to_proto(h, TickOpened(f"bad-item-{h}", f"key-{h}", GREEDY)) for h in range(4)]
+    opens = [(h, TickOpened(f"bad-item-{h}", f"key-{h}", GREEDY)) for h in range(4)]
 
     async def run() -> tuple:
         async with Stubs(stack) as stubs:
@@ -335,28 +338,24 @@ def test_a_bad_item_fails_alone_and_the_others_in_its_tick_go_on(stack) -> None:
             await call.write(
                 verify_tick(2, opens[:3], [0, 1, 2], [0] * 3, [PROMPT] * 3, [None, bad_tree, None])
             )
-            mixed = await call.read()
+            mixed = VerifyResultMessage.from_proto(await call.read(), 3).outcomes
             n = len(PROMPT)
-            nxt = np.frombuffer(mixed.tokens.values, "<i4").tolist()
+            nxt = [mixed[0].tokens[0], mixed[2].tokens[0]]
             await call.write(
                 verify_tick(3, [], [0, 1, 2], [n, 0, n], [nxt[:1], PROMPT, nxt[1:2]], [None] * 3)
             )
-            after = await call.read()
-            await call.write(pb2.VerifyTick(id=4, release=packed([0, 1, 2, 3], "<u4")))
+            after = VerifyResultMessage.from_proto(await call.read(), 3).outcomes
+            await call.write(verify_tick(4, [], [], [], [], [], release=[0, 1, 2, 3]))
             await call.done_writing()
-            return alone, mixed, after
+            return VerifyResultMessage.from_proto(alone, 1).outcomes, mixed, after
 
-    alone_result, mixed, after = asyncio.run(run())
-    status = np.frombuffer(mixed.status, "u1").tolist()
-    assert status[0] == status[2] == 0 and status[1] != 0
-    (error,) = mixed.errors
-    assert error.index == 1 and error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    (alone,), mixed, after = asyncio.run(run())
+    error = mixed[1]
+    assert isinstance(error, ItemFailure) and error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert error.message.startswith("trees.tokens") and "Traceback" not in error.message
-    alone = np.frombuffer(alone_result.tokens.values, "<i4").tolist()
-    assert np.frombuffer(mixed.tokens.values, "<i4").tolist() == alone * 2  # items 0 and 2, as alone
-    assert np.frombuffer(after.status, "u1").tolist() == [0, 0, 0] and not after.errors
-    tokens = np.frombuffer(after.tokens.values, "<i4").tolist()
-    assert tokens[0] == tokens[2] and tokens[1] == alone[0]  # the bad session's state was untouched
+    assert mixed[0].tokens == mixed[2].tokens == alone.tokens  # items 0 and 2, as alone
+    assert not any(isinstance(o, ItemFailure) for o in after)
+    assert after[0].tokens == after[2].tokens and after[1].tokens == alone.tokens  # the bad one: untouched
 
 
 # ---- sessions: release, resync, restarts --------------------------------------------------------

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from specmesh.core.drafting import TreeSpec, build_tree, draft_many
+from specmesh.core.logprobs import TokenLogprob
 from specmesh.core.methods import Method
 from specmesh.core.ngram import chain_tree
 from specmesh.core.sampling import Draws, SamplingParams, uniform_many
 from specmesh.core.ticks import MODE_CODE, ColumnError, Ragged, TreeColumns
 from specmesh.core.tree import SamplingMode
 from specmesh.core.verification import verify_many
-from specmesh.rpc import wire
+from specmesh.rpc import ticks, wire
 from specmesh.rpc.ticks import trees_from_proto, trees_to_proto
 from tests.toy import ToyModel
 
@@ -260,3 +261,118 @@ def test_a_sessions_draft_does_not_depend_on_the_others_in_its_tick() -> None:
     beams = [t for s, t in zip(specs, alone, strict=True) if s.method is Method.RSD_S]
     assert {p.greedy for s, p in zip(specs, params, strict=True) if s.method is Method.RSD_S} == {True, False}
     assert len({tuple(t.tokens.tolist()) for t in beams}) > 2  # the seeds make different trees
+
+
+# ---- the four messages of a tick stream: each one's codec, round trips through bytes -------------
+
+
+def through_bytes(msg):
+    return type(msg).FromString(msg.SerializeToString())
+
+
+def assert_same_items(a: ticks.TickItems, b: ticks.TickItems) -> None:
+    for name in ("handles", "positions", "cancel", "release", "feed"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert a.new_tokens.lists() == b.new_tokens.lists()
+
+
+def assert_same_columns(a: TreeColumns, b: TreeColumns, n: int) -> None:
+    ra, rb = a.dense_rows(), b.dense_rows()
+    for i in range(n):
+        assert_same_tree(a.tree(i, ra), b.tree(i, rb))
+
+
+ITEMS = ticks.TickItems.of(
+    [3, 0, 7], [0, 12, 5], [[1, 2, 3], [4], [5, 6]], feed=[2, 0, 0], cancel=[9], release=[4, 5]
+)
+OPENS = [
+    (3, ticks.Opened("s-3", "key", SamplingParams(0.7, top_k=3, seed=5), frozenset({2}), 2, salt=b"x")),
+    (7, ticks.Opened("s-7", "", SamplingParams(0.0, seed=1))),
+]
+
+
+def test_a_draft_tick_comes_back_through_its_codec() -> None:
+    specs = [SPECS[0], SPECS[4]]
+    sent = ticks.DraftTickMessage(
+        5,
+        OPENS,
+        ITEMS,
+        specs,
+        np.array([1, 0, 1]),
+        np.array([ticks.GUESS_NEXT, 0, ticks.SUPERSEDABLE], np.uint8),
+    )
+    back = ticks.DraftTickMessage.from_proto(through_bytes(sent.to_proto()), VOCAB, wire.Limits())
+    assert back.id == 5 and back.opens == OPENS and back.specs == specs
+    assert_same_items(back.items, ITEMS)
+    assert back.spec_index.tolist() == [1, 0, 1] and back.flags.tolist() == [
+        ticks.GUESS_NEXT,
+        0,
+        ticks.SUPERSEDABLE,
+    ]
+
+
+def test_a_verify_tick_comes_back_through_its_codec() -> None:
+    sent_trees = trees(3, seed=4)
+    sent = ticks.VerifyTickMessage(
+        6, OPENS, ITEMS, TreeColumns.from_trees(sent_trees, VOCAB),
+        plain_steps=np.array([1, 4, 1], np.uint8), lookup_depth=np.array([0, 3, 0], np.uint8),
+        lookup_min_ngram=np.array([0, 2, 0], np.uint8), max_tokens=np.array([0, 9, 0], np.uint32),
+    )  # fmt: skip
+    back = ticks.VerifyTickMessage.from_proto(through_bytes(sent.to_proto()), VOCAB)
+    assert back.id == 6 and back.opens == OPENS
+    assert_same_items(back.items, ITEMS)
+    assert_same_columns(back.trees, sent.trees, 3)
+    for name in ("plain_steps", "lookup_depth", "lookup_min_ngram", "max_tokens"):
+        assert np.array_equal(getattr(back, name), getattr(sent, name)), name
+    # the optional columns are left out when all zero, and read back as zeros
+    zeros = dataclasses.replace(sent, lookup_depth=np.zeros(3, np.uint8), max_tokens=np.zeros(3, np.uint32))
+    assert not zeros.to_proto().lookup_depth and not zeros.to_proto().max_tokens
+    back = ticks.VerifyTickMessage.from_proto(through_bytes(zeros.to_proto()), VOCAB)
+    assert back.lookup_depth.tolist() == [0, 0, 0] and back.max_tokens.tolist() == [0, 0, 0]
+
+
+def test_a_bad_opening_refuses_its_handle_alone() -> None:
+    msg = ticks.VerifyTickMessage(
+        1, OPENS, ITEMS, TreeColumns.none(3, VOCAB), plain_steps=np.ones(3, np.uint8),
+        lookup_depth=np.zeros(3, np.uint8), lookup_min_ngram=np.zeros(3, np.uint8),
+        max_tokens=np.zeros(3, np.uint32),
+    ).to_proto()  # fmt: skip
+    msg.open[0].top_logprobs = 99
+    back = ticks.VerifyTickMessage.from_proto(msg, VOCAB)
+    (h0, bad), (h1, good) = back.opens
+    assert (h0, h1) == (3, 7) and isinstance(bad, wire.WireError) and bad.field == "open.top_logprobs"
+    assert good == OPENS[1][1]
+
+
+def test_a_draft_result_comes_back_through_its_codec_its_trees_as_columns() -> None:
+    tree = trees(1, seed=2)[0]
+    sent = ticks.DraftResultMessage.of(
+        8,
+        [ticks.DraftAnswer(tree, [1, 2], 3, cached=32), ticks.Prefilled(40, 16), ticks.ItemFailure(3, "bad")],
+        VOCAB,
+        seconds=0.25,
+        prefix_version=4,
+        kv_usage=0.5,
+    )
+    back = ticks.DraftResultMessage.from_proto(through_bytes(sent.to_proto()), 3)
+    answer, prefilled, failure = back.outcomes
+    assert answer == ticks.DraftAnswer(None, [1, 2], 3, cached=32)  # the tree: back.trees, never decoded
+    assert prefilled == ticks.Prefilled(40, 16) and failure == ticks.ItemFailure(3, "bad")
+    assert_same_columns(back.trees, TreeColumns.from_trees([tree, None, None], VOCAB), 3)
+    assert (back.id, back.seconds, back.prefix_version, back.kv_usage) == (8, 0.25, 4, 0.5)
+
+
+def test_a_verify_result_comes_back_through_its_codec() -> None:
+    logprobs = [TokenLogprob(5, -0.5, ((5, -0.5), (2, -1.25))), TokenLogprob(1, -2.0)]
+    sent = ticks.VerifyResultMessage(
+        9,
+        [
+            ticks.VerifyAnswer([4, 5, 1], 1, [0], True, logprobs, (3, 1), cached=16),
+            ticks.ItemFailure(9, "resync", True),
+            ticks.Prefilled(64),
+            ticks.VerifyAnswer([7], 0, [], False),
+        ],
+        prefix_version=2, kv_usage=0.25, batch_size=3, batch_tokens=11, forward_seconds=0.5,
+        queue_seconds=0.125,
+    )  # fmt: skip
+    assert ticks.VerifyResultMessage.from_proto(through_bytes(sent.to_proto()), 4) == sent

@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import grpc
-import numpy as np
 
 from specmesh.core.grammar import TokenMask
 from specmesh.core.ngram import NgramIndex, chain_tree
@@ -29,13 +28,7 @@ from specmesh.rpc import wire
 from specmesh.rpc.metrics import RoundMetrics, count_labels
 from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.server import rpc
-from specmesh.rpc.ticks import (
-    TickItems,
-    VerifyAnswer,
-    column,
-    trees_from_proto,
-    verify_result,
-)
+from specmesh.rpc.ticks import VerifyAnswer, VerifyResultMessage, VerifyTickMessage
 from specmesh.runtime.models import LoadedModel
 from specmesh.runtime.rounds import (
     Cancelled,
@@ -93,6 +86,7 @@ class _Ahead:
 class VerifierService(ModelService, pb2_grpc.VerifierServicer):
     service_name = "Verifier"
     tick_method = "VerifyTick"
+    tick_message = VerifyTickMessage
 
     def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
         super().__init__(config, model, metrics)
@@ -131,22 +125,14 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             verdict, out.plain_tokens, out.logprobs, ride_nodes=nodes, ride_accepted=accepted, **tick.stats
         )
 
-    async def tick_items(
-        self, stream: TickStream, message: pb2.VerifyTick, items: TickItems
-    ) -> pb2.VerifyTickResult:
+    async def tick_items(self, stream: TickStream, tick: VerifyTickMessage) -> VerifyResultMessage:
+        items, trees = tick.items, tick.trees
         n = len(items)
-        trees = trees_from_proto(message.trees, n)
         problems = trees.check(n, self.vocab_size)
         rows = trees.dense_rows() if len(trees.row_probs) else None
-        steps = column(message.plain_steps, "u1", "plain_steps", n) if n else np.zeros(0, np.uint8)
-        lookups, min_ngrams, max_tokens = (  # absent: zeros (no rides, no bound)
-            column(data, dtype, name, n) if data else np.zeros(n, dtype)
-            for data, dtype, name in (
-                (message.lookup_depth, "u1", "lookup_depth"),
-                (message.lookup_min_ngram, "u1", "lookup_min_ngram"),
-                (message.max_tokens, "<u4", "max_tokens"),
-            )
-        )
+        steps, lookups, min_ngrams, max_tokens = (
+            tick.plain_steps, tick.lookup_depth, tick.lookup_min_ngram, tick.max_tokens,
+        )  # fmt: skip
         answers: list = [None] * n
         verifies, where = [], []
         positions, handles, feeds = items.positions.tolist(), items.handles.tolist(), items.feed.tolist()
@@ -177,7 +163,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             except Exception as exc:
                 answers[i] = self.failure("Verify", "", exc)
 
-        outcomes, tick = await self.verify_items(
+        outcomes, ran = await self.verify_items(
             verifies, on_start=stream.track(handles, where), ahead=self.config.run_ahead
         )
         for k, out in enumerate(outcomes):
@@ -199,8 +185,8 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
                 rides=out.rides,
                 cached=self.runner.reused_tokens(verifies[k][0].session_id) if positions[i] == 0 else 0,
             )
-        return verify_result(
-            message.id, answers, self.prefix_version(), self.metrics.kv_usage_now, **tick.stats
+        return VerifyResultMessage(
+            tick.id, answers, self.prefix_version(), self.metrics.kv_usage_now, **ran.stats
         )
 
     # ---- a tick's verifications ----------------------------------------------------------------

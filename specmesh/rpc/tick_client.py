@@ -63,17 +63,15 @@ from specmesh.rpc.ticks import (
     GUESS_NEXT,
     SPECULATIVE,
     SUPERSEDABLE,
+    DraftAnswer,
+    DraftResultMessage,
+    DraftTickMessage,
+    ItemFailure,
     Opened,
-    Prefilled,
-    column,
-    item_failures,
-    items_fields,
-    opened_to_proto,
-    packed,
-    prefills_from_proto,
-    ragged_from_proto,
-    trees_from_proto,
-    trees_to_proto,
+    TickItems,
+    VerifyAnswer,
+    VerifyResultMessage,
+    VerifyTickMessage,
 )
 
 log = logging.getLogger("specmesh.rpc.tick_client")
@@ -706,37 +704,32 @@ class TickLoop:
     # ---- building a tick -----------------------------------------------------------------------
 
     def _tick(self, tick_id: int, work: list[_Work]) -> Any:
-        opens = []
+        opens: list[tuple[int, Any]] = []
         for w in work:
             sid = w.session.session_id
             handle = self._handles.get(sid)
             if handle is None or self._opened.get(sid) is not w.session:
                 handle = self._handles.setdefault(sid, next(self._handle_ids))
                 self._opened[sid] = w.session
-                opens.append(opened_to_proto(handle, w.session))
+                opens.append((handle, w.session))
             w.handle = handle
-        fields = items_fields(
+        items = TickItems.of(
             [w.handle for w in work], [w.position for w in work], [w.new_tokens for w in work],
-            [w.feed if w.limited else 0 for w in work],
+            [w.feed if w.limited else 0 for w in work], self._cancel, self._release,
         )  # fmt: skip
-        cancel, release = packed(self._cancel, "<u4"), packed(self._release, "<u4")
         self._cancel, self._release = [], []
         if self.role is Role.DRAFTER:
             specs: dict[TreeSpec, int] = {}
             index = [specs.setdefault(w.spec, len(specs)) for w in work]  # type: ignore[arg-type]
-            return pb2.DraftTick(
-                id=tick_id, open=opens, **fields,
-                specs=[wire.tree_spec_to_proto(s) for s in specs],
-                spec_index=packed(index, "u1"), flags=packed([w.flags for w in work], "u1"),
-                cancel=cancel, release=release,
-            )  # fmt: skip
-        return pb2.VerifyTick(
-            id=tick_id, open=opens, **fields, trees=trees_to_proto(_relay([w.tree for w in work])),
-            plain_steps=packed(_plain_steps(work), "u1"), cancel=cancel, release=release,
-            lookup_depth=_optional([w.lookup_depth for w in work], "u1"),
-            lookup_min_ngram=_optional([w.lookup_min_ngram for w in work], "u1"),
-            max_tokens=_optional([w.max_tokens for w in work], "<u4"),
-        )  # fmt: skip
+            flags = np.asarray([w.flags for w in work], np.uint8)
+            return DraftTickMessage(tick_id, opens, items, list(specs), np.asarray(index), flags).to_proto()
+        return VerifyTickMessage(
+            tick_id, opens, items, _relay([w.tree for w in work]),
+            plain_steps=np.asarray(_plain_steps(work), np.uint8),
+            lookup_depth=np.asarray([w.lookup_depth for w in work], np.uint8),
+            lookup_min_ngram=np.asarray([w.lookup_min_ngram for w in work], np.uint8),
+            max_tokens=np.asarray([w.max_tokens for w in work], np.uint32),
+        ).to_proto()  # fmt: skip
 
     # ---- results -------------------------------------------------------------------------------
 
@@ -766,33 +759,29 @@ class TickLoop:
 
     def _resolve(self, message: Any, work: list[_Work]) -> None:
         n = len(work)
-        if self._on_result is not None:
-            self._on_result(message.prefix_version, message.kv_usage)
         try:
-            failures = item_failures(message, n)
-            answers: list = _drafted(message, n) if self.role is Role.DRAFTER else _verified(message, n)
-            held, cached = prefills_from_proto(message, n)
-            for i in range(n):
-                if held[i] >= 0:  # a limited item that fed a chunk only
-                    answers[i] = Prefilled(held[i], cached[i])
-                else:
-                    answers[i].cached = cached[i]
+            if self.role is Role.DRAFTER:
+                drafts = DraftResultMessage.from_proto(message, n)
+                outcomes, version, usage = _drafted(drafts), drafts.prefix_version, drafts.kv_usage
+            else:
+                verdicts = VerifyResultMessage.from_proto(message, n)
+                outcomes, version, usage = _verified(verdicts), verdicts.prefix_version, verdicts.kv_usage
         except Exception as exc:  # an answer we cannot read fails its items, as a broken stream would
-            failures, answers = {i: exc for i in range(n)}, [None] * n  # type: ignore[misc]
-        for i, w in enumerate(work):
+            outcomes = [exc] * n
+        else:
+            if self._on_result is not None:
+                self._on_result(version, usage)
+        for w, outcome in zip(work, outcomes, strict=True):
             if w.settled:
                 continue
-            failure = failures.get(i)
-            if isinstance(failure, Exception):
-                self._finish(w, failure)
-            elif failure is not None:
-                code = _CODES.get(failure.code, grpc.StatusCode.UNKNOWN)
+            if isinstance(outcome, ItemFailure):
+                code = _CODES.get(outcome.code, grpc.StatusCode.UNKNOWN)
                 if code is grpc.StatusCode.CANCELLED and w.flags & (SPECULATIVE | SUPERSEDABLE):
                     self._finish(w, Drafted(None, superseded=True))
                 else:
-                    self._finish(w, ItemError(code, failure.message, failure.resync))
-            else:
-                self._finish(w, answers[i])
+                    self._finish(w, ItemError(code, outcome.message, outcome.resync))
+            else:  # an answer, what a chunk left held (Prefilled), or why the result is unreadable
+                self._finish(w, outcome)
 
     def _stream_failed(self, call: Any, error: BaseException) -> None:
         """The stream broke: every item sent on it fails with its error; the next tick opens anew."""
@@ -883,46 +872,35 @@ def _relay(trees: list[TreeRef | None]) -> TreeColumns:
     return TreeColumns.concat(parts) if parts else TreeColumns.none(0)
 
 
-def _drafted(message: Any, n: int) -> list[Drafted]:
-    trees = trees_from_proto(message.trees, n)
-    likely = ragged_from_proto(message.likely, n, "likely").lists()
-    forwards = column(message.forwards, "<u2", "forwards", n).tolist() if n else []
-    sizes = trees.tokens.lengths().tolist()
+def _drafted(result: DraftResultMessage) -> list[Any]:
+    """Each item's Drafted (its tree a reference into the result's columns), or its other outcome."""
+    sizes = result.trees.tokens.lengths().tolist()
     return [
-        Drafted(TreeRef(trees, i) if sizes[i] else None, likely[i], forwards[i], message.seconds)
-        for i in range(n)
+        Drafted(
+            TreeRef(result.trees, i) if sizes[i] else None,
+            o.likely,
+            o.forwards,
+            result.seconds,
+            cached=o.cached,
+        )
+        if isinstance(o, DraftAnswer)
+        else o
+        for i, o in enumerate(result.outcomes)
     ]
 
 
-def _verified(message: Any, n: int) -> list[Verified]:
-    tokens = ragged_from_proto(message.tokens, n, "tokens").lists()
-    nodes = ragged_from_proto(message.accepted_nodes, n, "accepted_nodes").lists()
-    plain = column(message.plain, "<i4", "plain", n).tolist() if n else []
-    bonus = column(message.bonus, "u1", "bonus", n).tolist() if n else []
-    counts = column(message.logprob_counts, "<i4", "logprob_counts", n).tolist() if n else []
-    logprobs = wire.logprobs_from_proto(message.logprobs)
-    rides = (
-        column(message.rides, "<i4", "rides", 2 * n).reshape(n, 2).tolist() if message.rides else [(0, 0)] * n
-    )
+def _verified(result: VerifyResultMessage) -> list[Any]:
+    """Each item's Verified, with the tick's forward statistics, or its other outcome."""
     stats = dict(
-        batch_size=message.batch_size, batch_tokens=message.batch_tokens,
-        forward_seconds=message.forward_seconds, queue_seconds=message.queue_seconds,
+        batch_size=result.batch_size, batch_tokens=result.batch_tokens,
+        forward_seconds=result.forward_seconds, queue_seconds=result.queue_seconds,
     )  # fmt: skip
-    out, at = [], 0
-    for i in range(n):
-        out.append(
-            Verified(
-                tokens[i],
-                plain[i],
-                nodes[i],
-                bool(bonus[i]),
-                logprobs[at : at + counts[i]],
-                tuple(rides[i]),
-                **stats,
-            )
-        )
-        at += counts[i]
-    return out
+    return [
+        Verified(o.tokens, o.plain, o.accepted_nodes, o.bonus, o.logprobs, o.rides, **stats, cached=o.cached)
+        if isinstance(o, VerifyAnswer)
+        else o
+        for o in result.outcomes
+    ]
 
 
 def _urgent(work: _Work) -> bool:
@@ -940,8 +918,3 @@ def _plain_steps(work: list[_Work]) -> list[int]:
     request beside the prefill chunk."""
     first = any(_urgent(w) for w in work)
     return [1 if first else min(w.plain_steps, 255) for w in work]
-
-
-def _optional(values: list[int], dtype: str) -> bytes:
-    """A column whose absence means zeros: left out when every value is 0."""
-    return packed(values, dtype) if any(values) else b""

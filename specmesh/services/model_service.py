@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 import torch
@@ -64,15 +64,7 @@ from specmesh.rpc.server import (
     rpc_stream,
     serve,
 )
-from specmesh.rpc.ticks import (
-    ItemFailure,
-    Opened,
-    Prefilled,
-    TickItems,
-    items_from_proto,
-    opened_from_proto,
-    packed,
-)
+from specmesh.rpc.ticks import ItemFailure, Opened, Prefilled, packed
 from specmesh.runtime.backend import Backend, UnknownSessionError
 from specmesh.runtime.costs import measure_forward_cost
 from specmesh.runtime.grammar import GrammarMasks, SessionGrammars
@@ -412,7 +404,11 @@ def _advance(ticked: Ticked, results: list) -> Any:
 
 class ModelService(RpcService):
     """What both model services share: the runner and its thread, the batcher, session slots and
-    positions, metrics, Release and Info. Subclasses set `service_name` and add their RPC."""
+    positions, metrics, Release and Info. Subclasses set `service_name`, their tick's message
+    (`tick_method`, and its codec `tick_message`: specmesh.rpc.ticks) and add their RPC."""
+
+    tick_method: ClassVar[str]
+    tick_message: ClassVar[Any]  # DraftTickMessage or VerifyTickMessage
 
     def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
         self.config, self.model, self.metrics = config, model, metrics
@@ -621,23 +617,24 @@ class ModelService(RpcService):
         """One tick of a stream: open its sessions, cancel and release what it says, run its items
         (the service's `tick_items`), answer its result."""
         start = time.perf_counter()
-        log.debug("tick received", extra={"tick": message.id, "items": len(message.handles) // 4})
-        for opened in message.open:
-            try:
-                stream.open(opened.handle, opened_from_proto(opened, self.vocab_size))
-            except wire.WireError as exc:
-                stream.refuse(opened.handle, exc)
-        items = items_from_proto(message, self.vocab_size)
+        tick = self.tick_message.from_proto(message, self.vocab_size, self.limits)
+        items = tick.items
+        log.debug("tick received", extra={"tick": tick.id, "items": len(items)})
+        for handle, opened in tick.opens:
+            if isinstance(opened, wire.WireError):
+                stream.refuse(handle, opened)
+            else:
+                stream.open(handle, opened)
         for handle in items.cancel.tolist():
             stream.cancel(handle)
         for handle in items.release.tolist():
             o = stream.close(handle)
             if o is not None:
                 self.release_with_key(o.session_id, owner_hash(o.key), bool(o.key))
-        result = await self.tick_items(stream, message, items)
+        result = await self.tick_items(stream, tick)
         self.answered(self.tick_method, "", grpc.StatusCode.OK, start)
-        log.debug("tick done", extra={"tick": message.id})
-        return result
+        log.debug("tick done", extra={"tick": tick.id})
+        return result.to_proto()
 
     def release_with_key(self, session_id: str, owner: bytes, keyed: bool) -> bool:
         """Release (the RPC, or a stream's `release`): False if the caller does not own the
@@ -653,8 +650,9 @@ class ModelService(RpcService):
         self.slots.release(session_id)
         return held
 
-    async def tick_items(self, stream: TickStream, message: Any, items: TickItems) -> Any:
-        """A service's tick: its result message."""
+    async def tick_items(self, stream: TickStream, tick: Any) -> Any:
+        """A service's tick (its `tick_message`): its result (DraftResultMessage or
+        VerifyResultMessage)."""
         raise NotImplementedError
 
     def prefilled(self, session_id: str, position: int) -> Prefilled:
