@@ -182,22 +182,29 @@ def test_a_seed_gives_the_same_text_every_time_whatever_the_load(client, stub, s
     third with eight other streams running beside it (the verifier batches them together), and the
     same rounds each time. On text that repeats, every position has an n-gram match to weigh (the
     tiny model's sampled answer does not copy it, so its estimate keeps rides off: the greedy copy
-    in test_gateway is where they ride); never a drafter call."""
+    in test_gateway is where they ride); never a drafter call.
+
+    The other streams have begun before it: a session's start in the same tick as a plain run cuts
+    the run to one step (the tick loop's `_plain_steps`), so a start that lands on this request's
+    run splits it into more calls, which may ride differently. The text stays the same (rides never
+    change it); the counts of a run that starts beside other starts are a function of the timing."""
     params = {"temperature": 0.8, "seed": 5}
     texts, stats = [], []
     for run in range(3):
         load: list[threading.Thread] = []
         if run == 2:
-            load = [
-                threading.Thread(
-                    target=stub.Generate,
-                    args=(grpc_request(prompt=REPEATING, max_tokens=40, temperature=1.0, seed=i),),
-                    kwargs={"timeout": 60},
-                )
-                for i in range(8)
-            ]
+            begun = [threading.Event() for _ in range(8)]
+
+            def stream(i: int, begins: threading.Event) -> None:
+                request = grpc_request(prompt=REPEATING, max_tokens=40, temperature=1.0, seed=i)
+                for _ in stub.GenerateStream(request, timeout=60):
+                    begins.set()
+
+            load = [threading.Thread(target=stream, args=(i, begun[i])) for i in range(8)]
             for t in load:
                 t.start()
+            for event in begun:
+                assert event.wait(timeout=30)
         response = stub.Generate(grpc_request(prompt=prompt, max_tokens=32, **params), timeout=60)
         texts.append(response.text)
         stats.append((response.stats.rounds, response.stats.drafted_tokens, response.stats.accepted_tokens))
