@@ -561,20 +561,20 @@ class TickLoop:
         return any(steps > 1 for items in self._in_flight.values() for steps in _plain_steps(items))
 
     def _starts(self, work: _Work) -> bool:
-        """A session's start (position 0: its first token, or a resync) goes in a tick of its own
-        beside the ones in flight rather than after them: the replica's next forward takes both
-        ticks' steps. One that is limited too (a prompt longer than the budget, which may be all
-        cached but a few tokens: a conversation's next turn) goes so only while no other prefill
-        is in flight or queued before it: the prefills go oldest first. A first chunk let beside
-        another prefill's jumped that order, and 4 conversations starting at once each prefilled
-        their system prompt, where the later ones had waited for the first's chunks and taken it
-        from its live session (turn 1 wall 1.3x llama-server's); one kept back behind a running
-        stream's plain run of 4 steps took 1.3x llama-server's time to first token on turns 2-6
-        of 4 conversations at once. A prefill's later chunks never go beside: beside a running
-        stream's tick, a chunk took the replica's next forward alone, the stream's step came
-        after it and then waited for the next chunk's: two chunk forwards between the stream's
-        tokens instead of one; in the next tick, the running sessions' next steps share its
-        forward."""
+        """A session's start (position 0: its first token, or a resync) may go in a tick of its own
+        beside the ones in flight rather than after them (`_urgent_room` says beside which): the
+        replica's next forward takes both ticks' steps. One that is limited too (a prompt longer
+        than the budget, which may be all cached but a few tokens: a conversation's next turn) goes
+        so only while no other prefill is in flight or queued before it: the prefills go oldest
+        first. A first chunk let beside another prefill's jumped that order, and 4 conversations
+        starting at once each prefilled their system prompt, where the later ones had waited for the
+        first's chunks and taken it from its live session (turn 1 wall 1.3x llama-server's); one
+        kept back behind a running stream's plain run of 4 steps took 1.3x llama-server's time to
+        first token on turns 2-6 of 4 conversations at once. A prefill's later chunks never go
+        beside: beside a running stream's tick, a chunk took the replica's next forward alone, the
+        stream's step came after it and then waited for the next chunk's: two chunk forwards between
+        the stream's tokens instead of one; in the next tick, the running sessions' next steps share
+        its forward."""
         if work.position != 0:
             return False
         if not work.limited:

@@ -151,6 +151,16 @@ def opened_to_proto(handle: int, o: Opened) -> pb2.TickSession:
     return msg
 
 
+def _optional(values: Any, dtype: str) -> bytes:
+    """A column whose absence means zeros: left out when every value is 0."""
+    return packed(values, dtype) if np.any(values) else b""
+
+
+def _zeros_if_absent(data: bytes, dtype: str, field: str, n: int) -> np.ndarray:
+    """An optional column (`_optional`) as read: n zeros where it was left out."""
+    return column(data, dtype, field, n) if data else np.zeros(n, dtype)
+
+
 # ---- the items of a tick ------------------------------------------------------------------------
 
 
@@ -200,7 +210,7 @@ class TickItems:
             new_tokens=new,
             cancel=column(msg.cancel, "<u4", "cancel"),
             release=column(msg.release, "<u4", "release"),
-            feed=column(msg.feed, "<u4", "feed", n) if msg.feed else np.zeros(n, np.uint32),
+            feed=_zeros_if_absent(msg.feed, "<u4", "feed", n),
         )
 
     def fields(self) -> dict:
@@ -209,7 +219,7 @@ class TickItems:
             handles=packed(self.handles, "<u4"),
             positions=packed(self.positions, "<i8"),
             new_tokens=ragged_to_proto(self.new_tokens),
-            feed=packed(self.feed, "<u4") if self.feed.any() else b"",
+            feed=_optional(self.feed, "<u4"),
             cancel=packed(self.cancel, "<u4"),
             release=packed(self.release, "<u4"),
         )
@@ -231,15 +241,6 @@ def _opens_from_proto(msg: Any, vocab_size: int) -> Opens:
 
 def _opens_to_proto(opens: Opens) -> list[pb2.TickSession]:
     return [opened_to_proto(h, o) for h, o in opens if isinstance(o, Opened)]
-
-
-def _optional(values: np.ndarray, dtype: str) -> bytes:
-    """A column whose absence means zeros: left out when every value is 0."""
-    return packed(values, dtype) if values.any() else b""
-
-
-def _zeros_if_absent(data: bytes, dtype: str, field: str, n: int) -> np.ndarray:
-    return column(data, dtype, field, n) if data else np.zeros(n, dtype)
 
 
 # ---- the four messages of a tick stream: each one's only codec --------------------------------------
@@ -372,7 +373,7 @@ def _outcome_fields(outcomes: Sequence[Outcome]) -> dict:
         status=status.tobytes(),
         errors=errors,
         held=packed(held, "<i8") if any(h >= 0 for h in held) else b"",
-        cached=packed(cached, "<u4") if any(cached) else b"",
+        cached=_optional(cached, "<u4"),
     )
 
 
@@ -384,7 +385,7 @@ def _outcomes(msg: Any, n: int, answers: list) -> list[Outcome]:
     for i in np.flatnonzero(status).tolist():
         failures.setdefault(i, ItemFailure(int(status[i]), "failed"))
     held = column(msg.held, "<i8", "held", n).tolist() if msg.held else [-1] * n
-    cached = column(msg.cached, "<u4", "cached", n).tolist() if msg.cached else [0] * n
+    cached = _zeros_if_absent(msg.cached, "<u4", "cached", n).tolist()
     out: list[Outcome] = []
     for i in range(n):
         if i in failures:
