@@ -53,6 +53,7 @@ from specmesh.runtime.backend import Backend
 from specmesh.runtime.models import LoadedModel
 from specmesh.runtime.rounds import Cancelled, DraftJob, DraftOutcome, draft_steps, reusable_nodes
 from specmesh.runtime.runner import Step
+from specmesh.services.config import DRAFTER_DEFAULTS
 from specmesh.services.metrics import ServiceMetrics
 from specmesh.services.model_service import (
     ModelService,
@@ -64,13 +65,6 @@ from specmesh.services.model_service import (
     main,
     owner_hash,
 )
-
-DEFAULTS = {
-    "model": "default-draft",
-    "port": 50061,
-    "metrics_port": 9091,
-    "max_wait_ms": 10.0,
-}
 
 
 @dataclass
@@ -390,4 +384,4 @@ def _depths(tree: DraftTree) -> Iterable[int]:
 
 
 def run(argv: list[str] | None = None) -> None:
-    main(DrafterService, "python -m drafter_service", DEFAULTS, argv)
+    main(DrafterService, "python -m drafter_service", DRAFTER_DEFAULTS, argv)

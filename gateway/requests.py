@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from gateway.config import GatewayConfig
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.grammar import Grammar
 from specmesh.core.logprobs import MAX_TOP_LOGPROBS
@@ -21,6 +22,7 @@ from specmesh.core.methods import METHODS, Method
 from specmesh.core.rounds import session_seed
 from specmesh.core.sampling import SamplingParams
 from specmesh.rpc import wire
+from specmesh.rpc.flags import default_of
 
 DEFAULT_METHOD = Method.CHAIN  # a request that names no method but sets depth etc.
 # A request with no speculation field at all: adaptive chains, each round's depth (0 = plain
@@ -59,9 +61,10 @@ class ModelLimits:
     max_new_tokens_limit: int
     default_max_new_tokens: int
     tree: wire.Limits = REPLICA_LIMITS  # the largest tree a request may ask for (checked before planning)
-    max_stop_sequences: int = 16
-    max_stop_length: int = 256  # characters of one stop sequence
-    max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of a text prompt or of a chat's contents, before tokenizing
+    max_stop_sequences: int = default_of(GatewayConfig, "max_stop_sequences")
+    max_stop_length: int = default_of(GatewayConfig, "max_stop_length")  # characters of one stop sequence
+    # UTF-8 bytes of a text prompt or of a chat's contents, before tokenizing
+    max_prompt_bytes: int = default_of(GatewayConfig, "max_prompt_bytes")
 
 
 @dataclass(frozen=True)

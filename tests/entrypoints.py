@@ -32,18 +32,16 @@ EXTRA_ENV = {"SPECMESH_CACHE"}  # read by specmesh.runtime.model_store, not a fl
 
 def _model_service(module: str) -> Callable[[list[str]], Any]:
     def parse(argv: list[str]) -> Any:
-        import importlib
+        from specmesh.services import config
 
-        from specmesh.services.model_service import parse_config
-
-        defaults = importlib.import_module(f"{module}.server").DEFAULTS
-        return parse_config(f"python -m {module}", argv, defaults)
+        defaults = getattr(config, f"{module.removesuffix('_service').upper()}_DEFAULTS")
+        return config.parse_config(f"python -m {module}", argv, defaults)
 
     return parse
 
 
 def _gateway(argv: list[str]) -> Any:
-    from gateway.server import parse_config
+    from gateway.config import parse_config
 
     return parse_config(argv)
 
@@ -56,7 +54,7 @@ SERVICE_PARSERS: dict[str, Callable[[list[str]], Any]] = {
 
 
 def flag_env_names(config: Any) -> set[str]:
-    """The SPECMESH_* variables a service reads: one per flag (specmesh.rpc.server.flag_parser)."""
+    """The SPECMESH_* variables a service reads: one per flag (specmesh.rpc.flags.add_cli_args)."""
     return {f"SPECMESH_{field.name.upper()}" for field in dataclasses.fields(config)}
 
 

@@ -66,14 +66,14 @@ def test_api_keys_from_the_environment_never_show_in_help(monkeypatch) -> None:
 
 def _role_help(role: str, capsys) -> str:
     if role == "gateway":
-        from gateway.server import parse_config
+        from gateway.config import parse_config
 
         call = lambda: parse_config(["--help"])  # noqa: E731
     else:
-        from specmesh.services.model_service import parse_config
+        from specmesh.services import config
 
-        defaults = __import__(f"{role}_service.server", fromlist=["DEFAULTS"]).DEFAULTS
-        call = lambda: parse_config(f"python -m {role}_service", ["--help"], defaults)  # noqa: E731
+        defaults = getattr(config, f"{role.upper()}_DEFAULTS")
+        call = lambda: config.parse_config(f"python -m {role}_service", ["--help"], defaults)  # noqa: E731
     with pytest.raises(SystemExit):
         call()
     return capsys.readouterr().out

@@ -39,6 +39,7 @@ from specmesh.runtime.rounds import (
     plain_room,
     verify_steps,
 )
+from specmesh.services.config import VERIFIER_DEFAULTS
 from specmesh.services.metrics import ServiceMetrics
 from specmesh.services.model_service import (
     ModelService,
@@ -52,13 +53,6 @@ from specmesh.services.model_service import (
     main,
     owner_hash,
 )
-
-DEFAULTS = {
-    "model": "default-target",
-    "port": 50062,
-    "metrics_port": 9092,
-    "max_wait_ms": 2.0,
-}
 
 
 @dataclass
@@ -476,4 +470,4 @@ def _still_wanted(job: VerifyJob) -> None:
 
 
 def run(argv: list[str] | None = None) -> None:
-    main(VerifierService, "python -m verifier_service", DEFAULTS, argv)
+    main(VerifierService, "python -m verifier_service", VERIFIER_DEFAULTS, argv)

@@ -1,7 +1,7 @@
 """Server scaffolding shared by drafter_service, verifier_service and the gateway.
 
-Every server: flags with SPECMESH_* environment defaults (`parse_flags`; the flags every server
-has are `ServerConfig`'s), JSON logs, Prometheus metrics (`RpcMetrics`), the error mapping and
+Every server: flags with SPECMESH_* environment defaults (specmesh.rpc.flags; the flags every
+server has are `ServerConfig`'s), JSON logs, Prometheus metrics (`RpcMetrics`), the error mapping and
 request logging of `RpcService` (`rpc`), grpc.health.v1, reflection (--reflection), TLS and mutual
 TLS (--tls-cert, --tls-key, --tls-client-ca; specmesh.rpc.tls), OpenTelemetry tracing
 (specmesh.rpc.tracing) and a graceful SIGTERM (`serve`). Nothing here knows a model: the model
@@ -17,7 +17,6 @@ naming the field, counted and logged like any other answer.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import contextvars
@@ -32,8 +31,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from types import ModuleType
@@ -45,122 +43,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specmesh.rpc import decoding, wire
+from specmesh.rpc.flags import ServerConfig
 from specmesh.rpc.metrics import MetricsServer, RpcMetrics
 from specmesh.rpc.proto import pb2, pb2_grpc
-from specmesh.rpc.tls import ServerTls, TlsError, server_tls
+from specmesh.rpc.tls import ServerTls, TlsError
 from specmesh.rpc.tracing import configure_tracing, server_interceptors
 
 log = logging.getLogger("specmesh.rpc.server")
-
-
-# ---- configuration -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """The flags every specmesh server has; a server's own config subclasses this."""
-
-    host: str
-    port: int
-    metrics_port: int
-    grace_seconds: float
-    log_level: str
-    tls_cert: str
-    tls_key: str
-    tls_client_ca: str
-    reflection: bool
-
-    def server_tls(self) -> ServerTls | None:
-        return server_tls(self.tls_cert, self.tls_key, self.tls_client_ca)
-
-    def check(self) -> None:
-        """Settings that only work together; raises TlsError (parse_flags exits with it)."""
-        self.server_tls()
-
-
-SERVER_FLAGS: dict[str, tuple[type, str]] = {
-    "host": (str, "address to listen on (gRPC and metrics)"),
-    "port": (int, "gRPC port (0 = any free port; the log says which)"),
-    "metrics_port": (int, "Prometheus /metrics port (0 = off)"),
-    "grace_seconds": (float, "on SIGTERM / SIGINT, how long in-flight requests may still finish"),
-    "log_level": (str, "debug, info, warning or error"),
-    "tls_cert": (str, "PEM certificate: when set (with --tls-key) the server listens with TLS only"),
-    "tls_key": (str, "PEM private key of --tls-cert"),
-    "tls_client_ca": (
-        str,
-        "PEM CA: when set, mutual TLS: every client must show a certificate this CA signed",
-    ),
-    "reflection": (bool, "serve gRPC server reflection (grpcurl without .proto files)"),
-}
-SERVER_DEFAULTS: dict[str, Any] = {
-    "host": "127.0.0.1",
-    "metrics_port": 0,
-    "grace_seconds": 10.0,
-    "log_level": "info",
-    "tls_cert": "",
-    "tls_key": "",
-    "tls_client_ca": "",
-    "reflection": False,
-}
-_TRUE = ("1", "true", "yes", "on")
-
-
-def flag_parser(
-    prog: str, cls: type, help_texts: Mapping[str, tuple[type, str]], defaults: Mapping[str, Any]
-) -> argparse.ArgumentParser:
-    """One flag --foo-bar per field of the dataclass `cls`; each defaults to $SPECMESH_FOO_BAR,
-    then to `defaults`, then to SERVER_DEFAULTS (a field missing everywhere is required)."""
-    help_texts = {**SERVER_FLAGS, **help_texts}
-    defaults = {**SERVER_DEFAULTS, **defaults}
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        epilog="Every flag --foo-bar may also be set as the environment variable SPECMESH_FOO_BAR.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    for f in fields(cls):
-        kind, text = help_texts[f.name]
-        env = f"SPECMESH_{f.name.upper()}"
-        default = os.environ.get(env, defaults.get(f.name))
-        if kind is bool:  # --foo / --no-foo; $SPECMESH_FOO is 1, true, yes or on to turn it on
-            on = default.lower() in _TRUE if isinstance(default, str) else bool(default)
-            flag, action = f"--{f.name.replace('_', '-')}", argparse.BooleanOptionalAction
-            parser.add_argument(flag, action=action, default=on, help=f"{text} [{env}]")
-            continue
-        parser.add_argument(
-            f"--{f.name.replace('_', '-')}",
-            type=kind,
-            default=default,
-            required=default is None,
-            help=f"{text} [{env}]",
-        )
-    return parser
-
-
-def parse_flags(
-    prog: str,
-    cls: type,
-    help_texts: Mapping[str, tuple[type, str]],
-    defaults: Mapping[str, Any],
-    argv: Sequence[str] | None,
-    *,
-    at_least_one: Iterable[str] = (),
-    positive: Iterable[str] = (),
-    non_negative: Iterable[str] = (),
-) -> Any:
-    """`cls(**flags)`, with the named fields checked (>= 1, > 0, >= 0); a bad value exits with usage."""
-    parser = flag_parser(prog, cls, help_texts, defaults)
-    config = cls(**vars(parser.parse_args(argv)))
-    try:
-        config.check()
-    except (TlsError, ValueError) as exc:
-        parser.error(str(exc))
-    checks = [(at_least_one, lambda v: v >= 1, ">= 1"), (positive, lambda v: v > 0, "> 0")]
-    checks.append((non_negative, lambda v: v >= 0, ">= 0"))
-    for names, ok, bound in checks:
-        for name in names:
-            if not ok(getattr(config, name)):
-                parser.error(f"--{name.replace('_', '-')} must be {bound}")
-    return config
 
 
 # ---- logging -----------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from specmesh.core.ngram import MAX_MATCH
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.tree import DraftTree, SamplingMode
 from specmesh.core.verification import Verdict
+from specmesh.rpc.flags import Limits
 from specmesh.rpc.proto import pb2
 
 try:
@@ -79,16 +80,6 @@ def field_of(details: str) -> str | None:
     where a status arrives over gRPC as text; None if they name none."""
     field, sep, _ = details.partition(":")
     return field if sep and _FIELD.fullmatch(field) else None
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one replica accepts (its --max-* flags)."""
-
-    max_tree_nodes: int = 64
-    max_depth: int = 16
-    max_branching: int = 8
-    max_beam_width: int = 8
 
 
 def core_error(prefix: str, exc: ValueError) -> WireError:

@@ -27,31 +27,10 @@ from typing import Any
 import torch
 
 from specmesh.runtime.backend import ModelBackend, Step
+from specmesh.services.config import BatchLimits, ForwardFloor
 from specmesh.services.metrics import ServiceMetrics
 
 log = logging.getLogger("specmesh.services.batching")
-
-
-@dataclass(frozen=True)
-class BatchLimits:
-    max_batch_size: int
-    max_batch_tokens: int
-    max_wait_s: float
-
-
-@dataclass(frozen=True)
-class ForwardFloor:
-    """A benchmark knob: the least a forward of `rows` rows lasts, fixed + per_row x rows seconds
-    (the rest is slept on the model thread). A GPU's forward is nearly flat in rows, so a tiny
-    model with this floor stands in for a real pair (--forward-latency-ms, --forward-ms-per-row)."""
-
-    fixed: float = 0.0
-    per_row: float = 0.0
-
-    def __call__(self, rows: int) -> float:
-        if not (self.fixed or self.per_row):
-            return 0.0
-        return self.fixed + self.per_row * rows
 
 
 @dataclass(frozen=True)
@@ -101,7 +80,7 @@ class ForwardBatcher:
         model_thread: ThreadPoolExecutor,
         limits: BatchLimits,
         metrics: ServiceMetrics,
-        floor: ForwardFloor = ForwardFloor(),
+        floor: ForwardFloor = ForwardFloor(),  # noqa: B008 (frozen: one shared value is safe)
     ) -> None:
         """floor: a benchmark knob, the least a forward lasts by its rows (ForwardFloor)."""
         self._runner, self._model_thread, self._limits, self._metrics = runner, model_thread, limits, metrics

@@ -57,9 +57,7 @@ from specmesh.rpc import decoding, wire
 from specmesh.rpc.proto import pb2
 from specmesh.rpc.server import (
     RpcService,
-    ServerConfig,
     configure_logging,
-    parse_flags,
     rpc,
     rpc_stream,
     serve,
@@ -70,7 +68,8 @@ from specmesh.runtime.costs import measure_forward_cost
 from specmesh.runtime.grammar import GrammarMasks, SessionGrammars
 from specmesh.runtime.models import LoadedModel, load_model
 from specmesh.runtime.rounds import Cancelled, Ticked
-from specmesh.services.batching import BatchInfo, BatchLimits, ForwardBatcher, ForwardFloor, More
+from specmesh.services.batching import BatchInfo, ForwardBatcher, More
+from specmesh.services.config import ServiceConfig, parse_config
 from specmesh.services.metrics import ServiceMetrics
 
 log = logging.getLogger("specmesh.services")
@@ -105,143 +104,6 @@ class Resume(Enum):
     CONTINUE = "continue"  # position = the committed tokens held: append to them
     ROLLBACK = "rollback"  # 0 < position < held: drop the tokens past position first (DSI, a
     # caller that speculated ahead), then append
-
-
-# ---- configuration -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ServiceConfig(ServerConfig):
-    model: str
-    backend: str
-    dtype: str
-    device: str
-    max_batch_size: int
-    max_batch_tokens: int
-    max_wait_ms: float
-    max_tree_nodes: int
-    max_depth: int
-    max_branching: int
-    max_beam_width: int
-    max_cache_tokens: int
-    max_message_bytes: int
-    torch_threads: int
-    deterministic: bool
-    forward_latency_ms: float
-    forward_ms_per_row: float
-    session_idle_seconds: float
-    run_ahead: bool
-    prefix_cache: bool
-    kept_prefixes: int
-
-    @property
-    def forward_floor(self) -> ForwardFloor:
-        return ForwardFloor(self.forward_latency_ms / 1000.0, self.forward_ms_per_row / 1000.0)
-
-    @property
-    def limits(self) -> wire.Limits:
-        return wire.Limits(self.max_tree_nodes, self.max_depth, self.max_branching, self.max_beam_width)
-
-    @property
-    def batch_limits(self) -> BatchLimits:
-        return BatchLimits(self.max_batch_size, self.max_batch_tokens, self.max_wait_ms / 1000.0)
-
-
-_FLAGS: dict[str, tuple[type, str]] = {
-    "model": (str, "model for load_model: a folder, a .gguf file, a hub id, default-draft / default-target"),
-    "backend": (
-        str,
-        "auto (llama.cpp for a GGUF model, the default pair included, on a machine without a GPU, "
-        "else torch), torch, llama.cpp, or ngram (drafters: no model, n-gram drafts from the "
-        "session's own tokens; --model then only names the vocabulary)",
-    ),
-    "dtype": (str, "torch backend: bf16, fp16, fp32, or int8 (int8 weights, CPU; for drafters)"),
-    "device": (str, "torch device (empty = cuda when available, else cpu)"),
-    "max_batch_size": (int, "sessions per model forward"),
-    "max_batch_tokens": (int, "query tokens per model forward (a single larger step runs alone)"),
-    "max_wait_ms": (float, "how long a queued step may wait for companions while the model is idle"),
-    "max_tree_nodes": (int, "largest tree drafted or verified"),
-    "max_depth": (int, "deepest tree drafted or verified"),
-    "max_branching": (int, "largest per-level branching factor (mcsd, rsd_c)"),
-    "max_beam_width": (int, "largest beam width (rsd_s, mtad)"),
-    "max_cache_tokens": (int, "KV positions over all sessions before LRU eviction (0 = no limit)"),
-    "run_ahead": (
-        bool,
-        "verifier: a plain run's next step runs while its call's answer travels, and the next "
-        'call that goes on from it takes it (docs/decisions.md, "Run-ahead")',
-    ),
-    "prefix_cache": (
-        bool,
-        "keep released sessions' KV as prefixes and start sessions from the longest prefix held "
-        '(docs/services.md, "Prefixes")',
-    ),
-    "kept_prefixes": (
-        int,
-        "kept prefixes at most (least recently used go first; 0: only live sessions' prefixes are "
-        "shared); all of them count in --max-cache-tokens",
-    ),
-    "session_idle_seconds": (
-        float,
-        "a session no request touched for this long is released (its gateway died and no other "
-        "resumed it; 0 = never)",
-    ),
-    "max_message_bytes": (int, "largest request / response; larger requests get RESOURCE_EXHAUSTED"),
-    "torch_threads": (int, "compute threads: torch intra-op or llama.cpp (0 = the backend's default)"),
-    "deterministic": (
-        bool,
-        "a row's logits do not depend on the rows a forward holds nor on the other sessions "
-        '(llama.cpp, and torch on the CPU; slower: docs/decisions.md, "Batch invariance")',
-    ),
-    "forward_latency_ms": (
-        float,
-        "benchmarks only: every forward takes at least this long, the rest slept (emulates a slower "
-        "model, e.g. DSI's latency ratios on tiny models); 0 = off",
-    ),
-    "forward_ms_per_row": (
-        float,
-        "benchmarks only: with --forward-latency-ms, each row (query token) of a forward adds this "
-        "much to its floor: fixed + per-row x rows, a GPU-like cost curve; 0 = flat",
-    ),
-}
-
-COMMON_DEFAULTS: dict[str, Any] = {
-    "backend": "auto",
-    "dtype": "bf16",
-    "device": "",
-    "max_batch_size": 64,  # a tick of up to 64 sessions in one forward per level
-    "max_batch_tokens": 4096,
-    "max_tree_nodes": 64,
-    "max_depth": 16,
-    "max_branching": 8,
-    "max_beam_width": 8,
-    "max_cache_tokens": 0,
-    "max_message_bytes": 64 * 1024 * 1024,
-    "torch_threads": 0,
-    "deterministic": False,
-    "forward_latency_ms": 0.0,
-    "forward_ms_per_row": 0.0,
-    "run_ahead": True,
-    "prefix_cache": True,
-    "kept_prefixes": 64,
-    "session_idle_seconds": 900.0,  # longer than the gateway's --session-ttl: its keys go first
-}
-
-_AT_LEAST_ONE = (
-    *("max_batch_size", "max_batch_tokens", "max_tree_nodes", "max_depth"),
-    *("max_branching", "max_beam_width", "max_message_bytes"),
-)
-
-
-def parse_config(prog: str, argv: list[str] | None, defaults: Mapping[str, Any]) -> ServiceConfig:
-    """Flags --foo-bar; each defaults to $SPECMESH_FOO_BAR, then to `defaults`."""
-    return parse_flags(
-        prog, ServiceConfig, _FLAGS, {**COMMON_DEFAULTS, **defaults}, argv,
-        at_least_one=_AT_LEAST_ONE,
-        non_negative=(
-            "max_wait_ms", "forward_latency_ms", "forward_ms_per_row", "session_idle_seconds",
-            "kept_prefixes",
-        ),
-    )  # fmt: skip
 
 
 # ---- sessions ----------------------------------------------------------------------------------
