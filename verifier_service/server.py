@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import grpc
 
@@ -35,7 +36,6 @@ from specmesh.runtime.rounds import (
     VerifyJob,
     VerifyOutcome,
     joined,
-    next_plain_job,
     plain_room,
     verify_steps,
 )
@@ -43,16 +43,15 @@ from specmesh.services.config import VERIFIER_DEFAULTS
 from specmesh.services.metrics import ServiceMetrics
 from specmesh.services.model_service import (
     ModelService,
-    NotOwnerError,
     Resume,
     ServiceConfig,
-    SessionBusyError,
     Tick,
     TickStream,
     Withdrawn,
     main,
     owner_hash,
 )
+from verifier_service.run_ahead import RunAhead, Taken, after_step
 
 
 @dataclass
@@ -65,16 +64,13 @@ class _Item:
 
 
 @dataclass
-class _Ahead:
-    """A plain run's next step, run while the answer of its call travels (the overlap;
-    docs/decisions.md, "Run-ahead"): the call it expects next (its plain_steps and max_tokens
-    aside), its job, and the run (one for a tick's sessions) that takes it."""
+class _Begun:
+    """A tick's calls once begun (`_begin_items`)."""
 
-    expects: wire.VerifyInput
-    job: VerifyJob
-    tick: Tick
-    run: asyncio.Future  # -> the run's outcomes, one per job
-    index: int  # this job's among them
+    items: list[_Item] = field(default_factory=list)  # to run
+    befores: dict[str, Callable[[], None]] = field(default_factory=dict)  # session -> its reset
+    completed: list[tuple[int, wire.VerifyInput, Resume]] = field(default_factory=list)  # ended ahead
+    ahead_seconds: dict[int, float] = field(default_factory=dict)  # a run ahead -> its forwards' time
 
 
 class VerifierService(ModelService, pb2_grpc.VerifierServicer):
@@ -85,13 +81,15 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
     def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
         super().__init__(config, model, metrics)
         self._lookups: dict[str, NgramIndex] = {}  # sessions' n-gram indexes (plain steps' rides)
-        self._aheads: dict[str, _Ahead] = {}  # session -> the step run ahead of its next call
         self._runs: dict[int, VerifyJob] = {}  # id -> a plain run of several steps, running (`_yield_runs`)
-        self._ahead_steps = metrics.counter(
-            "specmesh:verifier_ahead_steps",
-            "plain steps run ahead of their call (--run-ahead), by whether the next call took them",
-            "outcome",
-        )
+        self.ahead = RunAhead(
+            self,
+            metrics.counter(
+                "specmesh:verifier_ahead_steps",
+                "plain steps run ahead of their call (--run-ahead), by whether the next call took them",
+                "outcome",
+            ),
+        )  # the steps run ahead of their calls (verifier_service/run_ahead.py)
         self._rounds = RoundMetrics(metrics)  # vLLM's spec-decode names, with the same meaning
         self._per_depth = metrics.counter(
             "specmesh:verifier_draft_tokens_per_depth",
@@ -200,73 +198,20 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         if any(v.grammar is not None for v, _ in verifies):
             asked = (self.grammar_masks(v) for v, _ in verifies)
             masks = await asyncio.gather(*asked, return_exceptions=True)
-        taken: list = [None] * len(verifies)  # only sessions with a step ahead wait for it
-        waits = [
-            (k, self._take_ahead(v, owner))
-            for k, (v, owner) in enumerate(verifies)
-            if v.session_id in self._aheads
-        ]
-        for (k, _), took in zip(waits, await asyncio.gather(*(w for _, w in waits)), strict=True):
-            taken[k] = took
-        items: list[_Item] = []
-        befores: dict[str, Callable[[], None]] = {}
-        goes_on: list[tuple[wire.VerifyInput, VerifyJob, VerifyOutcome]] = []  # (call, job, outcome)
-        ahead_seconds: dict[int, float] = {}  # run -> its forwards' seconds, counted once
-        completed: list[tuple[int, wire.VerifyInput, Resume]] = []  # calls the step ahead of them ended
-        for k, ((v, owner), mask, took) in enumerate(zip(verifies, masks, taken, strict=True)):
-            first = None
-            if took is not None:
-                prior, first = took
-                ahead_seconds[id(prior.tick)] = prior.tick.forward_seconds
-                rest, done = _after(v, first, prior.job)
-                if done:  # the call is checked and holds its session as any call, with no step to take
-                    try:
-                        completed.append((k, v, self.begin(replace(rest, new_tokens=[]), owner)))
-                        out[k] = first
-                    except Exception as exc:
-                        out[k] = exc
-                    continue
-                v = rest
-            try:
-                if isinstance(mask, BaseException):
-                    raise mask
-                resume = self.begin(v, owner)
-            except Exception as exc:
-                out[k] = exc
-                continue
-            before = self.reset(v.session_id, resume, v.position)
-            if before is not None:
-                befores[v.session_id] = before
-            items.append(_Item(k, v, resume, self._job(v, mask), first))
+        begun = self._begin_items(verifies, masks, await self.ahead.take_many(verifies), out)
+        items = begun.items
         tick = Tick(self.batcher, [item.job for item in items])
-        tick.forward_seconds += sum(ahead_seconds.values())
+        tick.forward_seconds += sum(begun.ahead_seconds.values())
         rounds: list[tuple[DraftTree | None, VerifyOutcome]] = []
-        for k, v, resume in completed:
+        goes_on: list[tuple[wire.VerifyInput, VerifyJob, VerifyOutcome]] = []  # (call, job, outcome)
+        for k, v, resume in begun.completed:
             self.end(v.session_id, resume, False, abandoned())
             rounds.append((None, out[k]))
             if ahead and v.plain_steps > 1 and not abandoned():
                 goes_on.append((v, self._job(v, None), out[k]))  # the job that would have run it
-        if not items:
-            self._record(rounds)
-            await self._run_ahead(goes_on)
-            return out, tick
-        if on_start is not None:
+        if on_start is not None and items:
             on_start([(item.index, item.job) for item in items], tick)
-        jobs = [item.job for item in items]
-        runs = self._yield_runs(items)
-        try:
-            try:
-                ticked = verify_steps(jobs, self.runner.commit)
-                outcomes = await self.run_tick(tick, lambda: self.drive(tick, ticked, befores))
-            except Withdrawn:
-                outcomes = [VerifyOutcome(error=Cancelled("cancelled before its forward")) for _ in items]
-        except BaseException:
-            for item in items:
-                self.end(item.verify.session_id, item.resume, True, True)
-            raise
-        finally:
-            for job in runs:
-                self._runs.pop(id(job), None)
+        outcomes = await self._run_items(tick, items, begun.befores) if items else []
         for item, outcome in zip(items, outcomes, strict=True):
             sid = item.verify.session_id
             gone = abandoned() or tick.abandoned or item.job.cancelled  # its caller dropped it
@@ -284,8 +229,65 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             if ahead and verifies[item.index][0].plain_steps > 1 and not gone and not item.job.yielded:
                 goes_on.append((item.verify, item.job, outcome))
         self._record(rounds)
-        await self._run_ahead(goes_on)
+        await self.ahead.start(goes_on)
         return out, tick
+
+    def _begin_items(
+        self,
+        verifies: Sequence[tuple[wire.VerifyInput, bytes]],
+        masks: Sequence[Any],
+        taken: Sequence[Taken | None],
+        out: list,
+    ) -> _Begun:
+        """Begin each call (checked, its session held) as it stands after the step run ahead of
+        it, if it took one (`taken`); a call that step ended has nothing left to run. A call that
+        cannot begin gets its exception in `out`, as does one whose grammar mask failed."""
+        begun = _Begun()
+        for k, ((v, owner), mask, took) in enumerate(zip(verifies, masks, taken, strict=True)):
+            first = None
+            if took is not None:
+                prior, first = took
+                begun.ahead_seconds[id(prior.tick)] = prior.tick.forward_seconds  # once per run
+                rest, done = after_step(v, first, prior.job)
+                if done:  # the call is checked and holds its session as any call, with no step to take
+                    try:
+                        begun.completed.append((k, v, self.begin(replace(rest, new_tokens=[]), owner)))
+                        out[k] = first
+                    except Exception as exc:
+                        out[k] = exc
+                    continue
+                v = rest
+            try:
+                if isinstance(mask, BaseException):
+                    raise mask
+                resume = self.begin(v, owner)
+            except Exception as exc:
+                out[k] = exc
+                continue
+            before = self.reset(v.session_id, resume, v.position)
+            if before is not None:
+                begun.befores[v.session_id] = before
+            begun.items.append(_Item(k, v, resume, self._job(v, mask), first))
+        return begun
+
+    async def _run_items(
+        self, tick: Tick, items: Sequence[_Item], befores: dict[str, Callable[[], None]]
+    ) -> list[VerifyOutcome]:
+        """The items' forwards, one outcome each; on any exception every item's session is freed."""
+        runs = self._yield_runs(items)
+        try:
+            try:
+                ticked = verify_steps([item.job for item in items], self.runner.commit)
+                return await self.run_tick(tick, lambda: self.drive(tick, ticked, befores))
+            except Withdrawn:
+                return [VerifyOutcome(error=Cancelled("cancelled before its forward")) for _ in items]
+        except BaseException:
+            for item in items:
+                self.end(item.verify.session_id, item.resume, True, True)
+            raise
+        finally:
+            for job in runs:
+                self._runs.pop(id(job), None)
 
     def _yield_runs(self, items: Sequence[_Item]) -> list[VerifyJob]:
         """A tick that starts a session or feeds a prefill chunk ends the plain runs already
@@ -299,80 +301,6 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         runs = [item.job for item in items if item.job.plain_steps > 1]
         self._runs.update((id(job), job) for job in runs)
         return runs
-
-    # ---- run-ahead: a plain run's next step while its answer travels ---------------------------
-
-    async def _run_ahead(self, calls: Sequence[tuple[wire.VerifyInput, VerifyJob, VerifyOutcome]]) -> None:
-        """Start the next step of every call whose plain run goes on, one run for all of them,
-        before their answers are built: the model decodes while the answers travel and the caller
-        decides its next round."""
-        aheads = []
-        for v, job, outcome in calls:
-            step = next_plain_job(job, outcome)
-            if step is None or not self.holds(v.session_id):  # ended, or released meanwhile
-                continue
-            if self.runner.committed_length(v.session_id) != step.committed_length - 1:
-                continue  # the session is not where this call left it (a second call for it)
-            try:  # held while it runs: a stray second call for the session gets ABORTED, as always
-                self.slots.acquire(v.session_id)
-            except SessionBusyError:
-                continue
-            expects = replace(v, position=step.committed_length - 1, new_tokens=list(step.new_tokens))
-            aheads.append((expects, step))
-        if not aheads:
-            return
-        jobs = [step for _, step in aheads]
-        tick = Tick(self.batcher, jobs)
-        before = {job.session_id: functools.partial(_still_wanted, job) for job in jobs}
-        ticked = verify_steps(jobs, self.runner.commit)
-        # no caller to go away (run_tick's concern): its own task, whose first turn queues the
-        # forward; yielding once lets that turn come before the answers are built (~1-3 ms of the
-        # model's time a call, measured in docs/decisions.md, "Run-ahead")
-        run = asyncio.ensure_future(self.drive(tick, ticked, before))
-        run.add_done_callback(functools.partial(self._ahead_done, jobs))  # before any taker resumes
-        for i, (expects, job) in enumerate(aheads):
-            self._aheads[job.session_id] = _Ahead(expects, job, tick, run, i)
-        await asyncio.sleep(0)
-
-    def _ahead_done(self, jobs: Sequence[VerifyJob], run: asyncio.Future) -> None:
-        """Free the run's sessions (a Release that came meanwhile happens now); its failure is
-        the next call's to handle (`_take_ahead`), not the loop's to log."""
-        if not run.cancelled():
-            run.exception()
-        for job in jobs:
-            self.slots.free(job.session_id)
-
-    async def _take_ahead(self, v: wire.VerifyInput, owner: bytes) -> tuple[_Ahead, VerifyOutcome] | None:
-        """The step run ahead of this call and its outcome, if the call goes on from it. Else
-        None: what it ran is past the call's position, which rolls it back as any speculation
-        (Resume.ROLLBACK). A call of another caller leaves it alone."""
-        prior = self._aheads.get(v.session_id)
-        if prior is None:
-            return None
-        try:
-            self.check_owner(v.session_id, owner)
-        except NotOwnerError:
-            return None
-        del self._aheads[v.session_id]
-        goes_on = _goes_on(prior.expects, v)
-        if not goes_on:
-            prior.tick.cancel(prior.job)  # not started yet: it never will
-        # else it runs even if the call came before its forward started: the call's first step
-        # then rides as the step it expected, whatever the timing (a seed's stats are the tokens')
-        try:
-            first = (await asyncio.shield(prior.run))[prior.index]
-        except Withdrawn:
-            return None
-        except Exception:  # the run failed: what it left of the session is unknown
-            self.forget(v.session_id, keep=False)
-            return None
-        if first.error is not None:
-            if not isinstance(first.error, Cancelled):
-                self.forget(v.session_id, keep=False)
-            return None
-        used = goes_on and (not v.max_tokens or first.emitted <= v.max_tokens)  # room for its tokens
-        self._ahead_steps.labels("taken" if used else "discarded").inc()
-        return (prior, first) if used else None
 
     def _job(self, v: wire.VerifyInput, masks: TokenMask | None) -> VerifyJob:
         allowed = None
@@ -411,15 +339,10 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         self.drop_own_work(session_id)
 
     def drop_own_work(self, session_id: str) -> None:
-        prior = self._aheads.pop(session_id, None)
-        if prior is not None:
-            prior.tick.cancel(prior.job)
+        self.ahead.drop(session_id)
 
     async def close(self) -> None:
-        runs = {id(prior.run): prior.run for prior in self._aheads.values()}
-        for session_id in list(self._aheads):
-            self.drop_own_work(session_id)
-        await asyncio.gather(*runs.values(), return_exceptions=True)
+        await self.ahead.close()
         await super().close()
 
     def _record(self, rounds: list[tuple[DraftTree | None, VerifyOutcome]]) -> None:
@@ -435,38 +358,6 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
                 depths += range(1, nodes + 1)
         self._rounds.observe_many(counts)
         count_labels(self._per_depth, depths)
-
-
-def _goes_on(expects: wire.VerifyInput, v: wire.VerifyInput) -> bool:
-    """Whether call v starts where the step run ahead of it left the session, with its settings.
-    v's step count and max_tokens do not matter (`_take_ahead`), nor do its rides: a step emits the
-    tokens a plain step draws whatever rode in it (the argmax, or the position's own draw:
-    SamplingMode.PROPOSED), so v's text is its own (the gateway changes its rides on ~1 call in 10
-    of a copying answer, and each change threw a forward away)."""
-    loose = dict(plain_steps=1, max_tokens=0, lookup_depth=0, lookup_min_ngram=0)
-    return replace(v, **loose) == replace(expects, **loose)
-
-
-def _after(v: wire.VerifyInput, first: VerifyOutcome, job: VerifyJob) -> tuple[wire.VerifyInput, bool]:
-    """Call v as it stands after the step run ahead of it (`job`, its outcome `first`): fed first's
-    last token where the runner now is, with the rest of its steps and max_tokens; and whether
-    that step ended the call (its steps, its max_tokens, or the run: a stop token, no room)."""
-    assert first.verdict is not None
-    steps = v.plain_steps - first.steps
-    left = v.max_tokens - first.emitted if v.max_tokens else None
-    done = steps < 1 or left == 0 or next_plain_job(job, first) is None
-    rest = replace(
-        v, position=v.position + first.emitted, new_tokens=[first.verdict.next_token],
-        plain_steps=max(steps, 1), max_tokens=left or 0,
-    )  # fmt: skip
-    return rest, done
-
-
-def _still_wanted(job: VerifyJob) -> None:
-    """A run-ahead step's `before`, on the model thread: a step taken back (its call went elsewhere, or
-    the session was released) stays out of the forward."""
-    if job.cancelled:
-        raise Cancelled("taken back before its forward")
 
 
 def run(argv: list[str] | None = None) -> None:

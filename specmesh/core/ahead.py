@@ -6,7 +6,8 @@ most likely: every node of `likely_path(tree)` accepted, then the draft's own gu
 be exactly those (`PreDraft.applies`); it is then the very tree a serial Draft would have drafted
 (same tokens before it, same seed: the round's draws, specmesh.core.rounds.draft_draws). Otherwise it
 is dropped. Drafts are only proposals, so the verified output keeps the target's distribution
-either way; what pipelining changes is only when the tree is ready.
+either way; what pipelining changes is only when the tree is ready. The verifier's run-ahead (a
+plain run's next step while its answer travels) has the same rule for its side: `goes_on`.
 
 `PipelinePolicy` decides per round whether a pre-draft pays, from what its sessions measured (the
 gateway shares one among all its sessions, so that finding out is paid once, not per session):
@@ -21,9 +22,11 @@ pre-draft that stopped paying is dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from specmesh.core.rounds import Pipelining
 from specmesh.core.tree import DraftTree
@@ -73,6 +76,23 @@ class PreDraft:
         """Whether the session's committed tokens are exactly base + assumed: only then is the tree
         the one a serial Draft would draft now."""
         return len(committed) == self.base + len(self.assumed) and agrees(committed, self.base, self.assumed)
+
+
+# A call's settings that a step run ahead of it does not depend on (run-ahead, verifier_service/
+# run_ahead.py): how many steps the call asks for and how many tokens it has room for, and its
+# rides: a step emits the tokens a plain step draws whatever rode in it (the argmax, or the
+# position's own draw: SamplingMode.PROPOSED), so the call's text is its own. (The gateway changes
+# its rides on ~1 call in 10 of a copying answer, and each change threw a forward away.)
+RUN_AHEAD_LOOSE = ("plain_steps", "max_tokens", "lookup_depth", "lookup_min_ngram")
+
+
+def goes_on(expected: Any, call: Any) -> bool:
+    """Whether `call` (a verify call's dataclass) starts where a step run ahead left the session,
+    with that step's settings: equal to `expected`, the call the step assumed, but for
+    RUN_AHEAD_LOOSE. The run-ahead's counterpart of PreDraft.applies: what ran ahead is used only
+    if it is what the caller would have asked for now."""
+    loose = {name: getattr(expected, name) for name in RUN_AHEAD_LOOSE}
+    return dataclasses.replace(call, **loose) == expected
 
 
 def _ema(old: float | None, new: float, weight: float) -> float:
