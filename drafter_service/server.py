@@ -59,7 +59,7 @@ from specmesh.services.model_service import (
     ModelService,
     Resume,
     ServiceConfig,
-    Tick,
+    TickRun,
     TickStream,
     Withdrawn,
     main,
@@ -93,7 +93,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         self._pending: dict[str, dict[Path, int]] = {}  # session -> its pending tree: path -> node
         self._drafted: list[tuple[DraftTree, int]] = []  # this tick's trees, for the metrics
         # session -> its speculative or supersedable draft in flight: (its tick, its job, its end)
-        self._supersedable: dict[str, tuple[Tick, DraftJob, asyncio.Future]] = {}
+        self._supersedable: dict[str, tuple[TickRun, DraftJob, asyncio.Future]] = {}
         self._drafts = metrics.counter("specmesh:drafter_drafts", "trees drafted")
         self._per_depth = metrics.counter(
             "specmesh:drafter_draft_tokens_per_depth",
@@ -132,7 +132,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
             tree_depth=int(tree.depths().max()),
         )
 
-    async def tick_items(self, stream: TickStream, tick: DraftTickMessage) -> DraftResultMessage:
+    async def answer_tick(self, stream: TickStream, tick: DraftTickMessage) -> DraftResultMessage:
         start = time.perf_counter()
         items, specs, spec_index, flags = tick.items, tick.specs, tick.spec_index, tick.flags
         n = len(items)
@@ -187,7 +187,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         self,
         drafts: Sequence[tuple[wire.DraftInput, bytes]],
         abandoned: Callable[[], bool] = lambda: False,
-        on_start: Callable[[Sequence[tuple[int, DraftJob]], Tick], None] | None = None,
+        on_start: Callable[[Sequence[tuple[int, DraftJob]], TickRun], None] | None = None,
     ) -> list[DraftAnswer | BaseException | str]:
         """The trees of a tick's drafts ((input, its caller's key hash) each): a DraftAnswer, the
         item's exception, or SUPERSEDED. abandoned(): whether the caller went away."""
@@ -244,10 +244,10 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         befores: dict[str, Callable[[], None]],
         out: list,
         abandoned: Callable[[], bool],
-        on_start: Callable[[Sequence[tuple[int, DraftJob]], Tick], None] | None,
+        on_start: Callable[[Sequence[tuple[int, DraftJob]], TickRun], None] | None,
     ) -> None:
         jobs = [item.job for item in items]
-        tick = Tick(self.batcher, jobs)
+        tick = TickRun(self.batcher, jobs)
         ended = self.loop.create_future()
         for item in items:
             if item.draft.superseded_by_next:
@@ -272,7 +272,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
             ended.set_result(None)
 
     def _settle(
-        self, item: _Item, outcome: DraftOutcome, tick: Tick, abandoned: bool
+        self, item: _Item, outcome: DraftOutcome, tick: TickRun, abandoned: bool
     ) -> DraftAnswer | BaseException | str:
         sid, d = item.draft.session_id, item.draft
         if isinstance(outcome.error, Cancelled) and d.superseded_by_next and not abandoned:

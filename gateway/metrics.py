@@ -75,8 +75,8 @@ class GatewayMetrics(RpcMetrics):
         self.phase = h(f"{NS}round_phase_seconds", _PHASES, _ROUND_BUCKETS, "phase")
         self._phases = {p: self.phase.labels(p) for p in ("draft", "verify", "network")}  # made once
         self._rounds: list[tuple[GenerationStats, int, dict[str, float]]] = []  # this turn's, not counted yet
-        self.tick_items = h(
-            f"{NS}tick_items",
+        self.answer_tick = h(
+            f"{NS}answer_tick",
             "sessions' drafts or verifications in one tick the gateway sent a replica, by role",
             (1, 2, 4, 8, 16, 32, 64, 128, 256),
             "role",

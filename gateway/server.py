@@ -112,7 +112,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             "idle_health_interval": config.idle_health_interval,
             "tls": config.replica_tls(),
         }
-        ticks = {role: self.metrics.tick_items.labels(role.value).observe for role in Role}
+        ticks = {role: self.metrics.answer_tick.labels(role.value).observe for role in Role}
         drafting = {**pool_options, "role": Role.DRAFTER, "on_tick": ticks[Role.DRAFTER]}
         routing: dict[str, PrefixRouting] = {}  # pool name -> its routing (--prefix-routing)
 

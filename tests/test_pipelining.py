@@ -165,12 +165,12 @@ def test_a_round_that_waits_for_a_late_pre_draft_drafts_itself() -> None:
     left and nothing logged (two routing runs of `bench conversation` on a busy 2-core host)."""
     import asyncio
 
-    from specmesh.rpc.round_client import _Ahead
+    from specmesh.rpc.round_client import _PreDraftCall
 
     woken: list[object] = []
 
     async def run() -> None:
-        ahead = _Ahead(PreDraft(base=4, assumed=(1, 2)), TreeSpec("chain", depth=2), loop=None)  # type: ignore[arg-type]
+        ahead = _PreDraftCall(PreDraft(base=4, assumed=(1, 2)), TreeSpec("chain", depth=2), loop=None)  # type: ignore[arg-type]
         ahead.wait(woken.append, patience=0.01)
         await asyncio.sleep(0.1)
         ahead.answered(RuntimeError("failed late"))  # after the round moved on: nobody is woken twice

@@ -23,7 +23,7 @@ from typing import Any
 from specmesh.core.ahead import goes_on
 from specmesh.rpc import wire
 from specmesh.runtime.rounds import Cancelled, VerifyJob, VerifyOutcome, next_plain_job, verify_steps
-from specmesh.services.model_service import ModelService, NotOwnerError, SessionBusyError, Tick, Withdrawn
+from specmesh.services.model_service import ModelService, NotOwnerError, SessionBusyError, TickRun, Withdrawn
 
 
 class AheadState(Enum):
@@ -46,7 +46,7 @@ class StepAhead:
 
     expects: wire.VerifyInput
     job: VerifyJob
-    tick: Tick
+    tick: TickRun
     run: asyncio.Future  # -> the run's outcomes, one per job
     index: int  # this job's among them
     state: AheadState = AheadState.RUNNING
@@ -86,7 +86,7 @@ class RunAhead:
         if not aheads:
             return
         jobs = [step for _, step in aheads]
-        tick = Tick(service.batcher, jobs)
+        tick = TickRun(service.batcher, jobs)
         before = {job.session_id: functools.partial(_still_wanted, job) for job in jobs}
         ticked = verify_steps(jobs, runner.commit)
         # no caller to go away (run_tick's concern): its own task, whose first turn queues the

@@ -45,7 +45,7 @@ from specmesh.services.model_service import (
     ModelService,
     Resume,
     ServiceConfig,
-    Tick,
+    TickRun,
     TickStream,
     Withdrawn,
     main,
@@ -117,7 +117,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             verdict, out.plain_tokens, out.logprobs, ride_nodes=nodes, ride_accepted=accepted, **tick.stats
         )
 
-    async def tick_items(self, stream: TickStream, tick: VerifyTickMessage) -> VerifyResultMessage:
+    async def answer_tick(self, stream: TickStream, tick: VerifyTickMessage) -> VerifyResultMessage:
         items, trees = tick.items, tick.trees
         n = len(items)
         problems = trees.check(n, self.vocab_size)
@@ -187,9 +187,9 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         self,
         verifies: Sequence[tuple[wire.VerifyInput, bytes]],
         abandoned: Callable[[], bool] = lambda: False,
-        on_start: Callable[[Sequence[tuple[int, VerifyJob]], Tick], None] | None = None,
+        on_start: Callable[[Sequence[tuple[int, VerifyJob]], TickRun], None] | None = None,
         ahead: bool = False,
-    ) -> tuple[list[VerifyOutcome | BaseException], Tick]:
+    ) -> tuple[list[VerifyOutcome | BaseException], TickRun]:
         """The verdicts of a tick's verifications ((input, its caller's key hash) each): per item
         its VerifyOutcome or its exception; and the tick (its forwards' stats). ahead: the plain
         runs among them (2+ steps asked) go on with their next step before this returns."""
@@ -200,7 +200,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             masks = await asyncio.gather(*asked, return_exceptions=True)
         begun = self._begin_items(verifies, masks, await self.ahead.take_many(verifies), out)
         items = begun.items
-        tick = Tick(self.batcher, [item.job for item in items])
+        tick = TickRun(self.batcher, [item.job for item in items])
         tick.forward_seconds += sum(begun.ahead_seconds.values())
         rounds: list[tuple[DraftTree | None, VerifyOutcome]] = []
         goes_on: list[tuple[wire.VerifyInput, VerifyJob, VerifyOutcome]] = []  # (call, job, outcome)
@@ -271,7 +271,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         return begun
 
     async def _run_items(
-        self, tick: Tick, items: Sequence[_Item], befores: dict[str, Callable[[], None]]
+        self, tick: TickRun, items: Sequence[_Item], befores: dict[str, Callable[[], None]]
     ) -> list[VerifyOutcome]:
         """The items' forwards, one outcome each; on any exception every item's session is freed."""
         runs = self._yield_runs(items)

@@ -161,7 +161,7 @@ class RoundClient:
         self.id, self.params, self.spec, self.policy = session_id, params, spec, policy
         self.session = Opened(session_id, key, params, frozenset(stop_token_ids), top_logprobs, grammar, salt)
         self.pipeline = pipeline or PipelinePolicy(Pipelining.OFF)
-        self._ahead: _Ahead | None = None  # the next round's pre-draft, in flight or done
+        self._ahead: _PreDraftCall | None = None  # the next round's pre-draft, in flight or done
         self._expected_by: TickLoop | None = None  # the drafter loop told to expect the next round
         self._current: _Round | None = None
 
@@ -225,9 +225,9 @@ class RoundClient:
 
     def _pre_draft(
         self, tokens: Sequence[int], spec: TreeSpec, drafter: TickLoop, likely: Sequence[int]
-    ) -> _Ahead:
+    ) -> _PreDraftCall:
         """Queue the next round's draft now, assuming its committed tokens will be `likely` more."""
-        ahead = _Ahead(PreDraft(len(tokens), tuple(likely)), spec, drafter)
+        ahead = _PreDraftCall(PreDraft(len(tokens), tuple(likely)), spec, drafter)
         ahead.work = drafter.draft(
             self.session, len(tokens), likely, spec, guess_next=True, speculative=True, done=ahead.answered
         )
@@ -264,7 +264,7 @@ class _Round:
         self.serial_draft: float | None = None
         self.drafted: Drafted | None = None
         self.work: tuple[TickLoop, Any] | None = None  # the item in flight
-        self.ahead: _Ahead | None = None  # the pre-draft it waits for
+        self.ahead: _PreDraftCall | None = None  # the pre-draft it waits for
         self.over = False
 
     def begin(self) -> None:
@@ -515,7 +515,7 @@ class _Round:
         self.done(outcome)
 
 
-class _Ahead:
+class _PreDraftCall:
     """A pre-draft in flight: what it assumes, its shape, its answer once in."""
 
     _PENDING = object()

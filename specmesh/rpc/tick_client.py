@@ -59,6 +59,7 @@ from specmesh.core.ticks import Ragged, TreeColumns
 from specmesh.core.verification import Verdict
 from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2
+from specmesh.rpc.tick_timing import ItemTimers, TickHold, Timing
 from specmesh.rpc.ticks import (
     GUESS_NEXT,
     SPECULATIVE,
@@ -76,19 +77,6 @@ from specmesh.rpc.ticks import (
 
 log = logging.getLogger("specmesh.rpc.tick_client")
 
-FLUSH_TURNS = 4  # event-loop turns a tick waits at most for more sessions to queue their work
-# Turns a tick waits after answers that tasks await came in, grown or not: a session that awaits
-# its answer's future (a task in asyncio.wait, DSI's) runs two turns after it is set, and queues its
-# next item then. Sent before, the tick would leave without those sessions, and they and the ones in
-# the tick would then take turns (two half-full ticks instead of one full one) for the rest of the
-# run. Answers handed to callbacks (a gateway round's) queue the next item at once: no wait.
-SETTLE_TURNS = 3
-# A try's patience is at least this many of the replica's recent tick round trips (`TickLoop.pace`):
-# an item waits for the tick in flight, then for its own, and a forward may carry another's chunk.
-# A replica that is slow because the whole host is (replicas sharing cores, a long prefill beside)
-# would be as slow after a move, which starts the session's prefill over; one that stops answering
-# adds no round trips, and its items still leave after the floor that the caller's `Timing` sets.
-PACE_TRIPS = 4
 PACE_WEIGHT = 0.2  # the newest round trip's weight in `pace` (an exponential moving average)
 
 
@@ -217,22 +205,6 @@ class Verified:
         return self.tokens[: self.plain]
 
 
-@dataclass(frozen=True)
-class Timing:
-    """How long an item may take. deadline: the loop's time by which it fails (DEADLINE_EXCEEDED);
-    patience: every such period without an answer, spare() is asked whether a spare replica could
-    take it, and if so it fails (per_try), so that the caller moves it there. timeout: a limited
-    item's deadline is this long from when it is sent (within `deadline`, then the client's), and
-    so is its patience: its wait in the queue is for this loop's own budget (the oldest prefill is
-    fed first), which no other replica would shorten; a prefill queued behind three others is not
-    late, and its replica is not hung."""
-
-    deadline: float | None = None
-    patience: float | None = None
-    spare: Callable[[], bool] = lambda: False
-    timeout: float | None = None
-
-
 Done = Callable[[Any], None]  # an item's answer, or the exception it failed with
 
 
@@ -307,18 +279,9 @@ class TickLoop:
         self._handle_ids = itertools.count(1)
         self._cancel: list[int] = []
         self._release: list[int] = []
-        self._flush_at: asyncio.Handle | None = None
-        self._turns = 0
-        self._queued_at_check = 0
-        self._settle_turns = 0  # the least turns the next flush waits (SETTLE_TURNS after answers)
         self._closed = False
-        self._timed: set[_Work] = set()  # items with a deadline or a per-try timeout, unanswered
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
-        self.max_hold = max_hold
-        self._expected: dict[str, None] = {}  # sessions a tick waits for (`expect`), in order
-        self._hold_since: float | None = None  # when a tick that could go began to wait
-        self._hold_timer: asyncio.TimerHandle | None = None
+        self._hold = TickHold(self._flush, lambda: len(self._queue), max_hold)  # when a tick goes
+        self._timers = ItemTimers(self._give_up, lambda: self.pace)  # when an item gives up
         self._queued_since = 0.0  # when the oldest queued item was queued
         self._sent_at: dict[int, float] = {}  # tick id -> when it was sent (ticks with items)
         self._beside: set[int] = set()  # the tick of session starts in flight beside the others (one)
@@ -375,13 +338,13 @@ class TickLoop:
         if work.settled:
             return
         work.settled = True
-        self._timed.discard(work)
+        self._timers.discard(work)
         if work in self._queue:
             self._queue.remove(work)
             return
         if any(work in items for items in self._in_flight.values()):
             self._cancel.append(work.handle)
-            self._schedule(now=True)
+            self._hold.schedule(now=True)
 
     def release(self, session_id: str) -> bool:
         """The session is over: the replica releases it (as Release) with the next message. False
@@ -391,14 +354,13 @@ class TickLoop:
         if handle is None or self._call is None:
             return False
         self._release.append(handle)
-        self._schedule()
+        self._hold.schedule()
         return True
 
     async def close(self) -> None:
         self._closed = True
-        for handle in (self._flush_at, self._timer, self._hold_timer):
-            if handle is not None:
-                handle.cancel()
+        self._hold.close()
+        self._timers.close()
         self._fail_all(ItemError(grpc.StatusCode.CANCELLED, f"{self.name}: the tick loop closed"))
         await self._end_stream()
 
@@ -417,11 +379,10 @@ class TickLoop:
         if not self._queue:
             self._queued_since = asyncio.get_running_loop().time()
         self._queue.append(work)
-        if self._expected.pop(work.session.session_id, 0) is None and not self._expected:
-            self._schedule(now=True)  # the last one we waited for
+        self._hold.arrived(work.session.session_id)
         if work.timing is not None:
-            self._time(work)
-        self._schedule()
+            self._timers.watch(work)
+        self._hold.schedule()
         return f if future else work
 
     def _finish(self, work: _Work, outcome: Any) -> None:
@@ -429,7 +390,7 @@ class TickLoop:
         if work.settled:
             return
         work.settled = True
-        self._timed.discard(work)
+        self._timers.discard(work)
         try:
             work.done(outcome)
         except Exception:  # the caller's bug must not stop the loop for every other session
@@ -439,108 +400,31 @@ class TickLoop:
         """The session will queue work here as soon as another replica answers it: a tick that
         could go waits for it (at most `max_hold`), so that sessions in step stay in one tick
         instead of splitting into groups that take turns (continuous batching's straggler wait)."""
-        self._expected[session_id] = None
+        self._hold.expect(session_id)
 
     def unexpect(self, session_id: str) -> None:
         """It will not come after all (it finished, or its round failed)."""
-        if self._expected.pop(session_id, 0) is not None and not self._expected and self._queue:
-            self._schedule(now=True)
+        if self._hold.unexpect(session_id) and self._queue:
+            self._hold.schedule(now=True)
 
-    # ---- timing --------------------------------------------------------------------------------
-
-    def _time(self, work: _Work) -> None:
-        """Watch an item's deadline and patience: one timer for the loop, at the earliest."""
-        timing = work.timing
-        assert timing is not None
-        now = asyncio.get_running_loop().time()
-        patient = timing.patience is not None and not work.limited  # limited: from its send (`_sent`)
-        work.trying = now
-        work.due = now + self._patience(timing) if patient else float("inf")
-        work.deadline = timing.deadline if timing.deadline is not None else float("inf")
-        self._timed.add(work)
-        self._arm(min(work.due, work.deadline))
-
-    def _sent(self, limited: list[_Work]) -> None:
-        """Limited items just sent: their patience and timeout start now (Timing)."""
-        now = asyncio.get_running_loop().time()
-        for work in limited:
-            timing = work.timing
-            if timing is None or work.settled:
-                continue
-            if timing.patience is not None:
-                work.trying, work.due = now, now + self._patience(timing)
-            if timing.timeout is not None:
-                work.deadline = min(work.deadline, now + timing.timeout)
-            self._arm(min(work.due, work.deadline))
-
-    def _patience(self, timing: Timing) -> float:
-        """An item's per-try timeout: its caller's, or PACE_TRIPS of the replica's recent round
-        trips if that is longer (PACE_TRIPS)."""
-        return max(timing.patience or 0.0, PACE_TRIPS * self.pace)
-
-    def _arm(self, at: float) -> None:
-        if at == float("inf") or (self._timer is not None and self._timer_at <= at):
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer, self._timer_at = asyncio.get_running_loop().call_at(at, self._expire), at
-
-    def _expire(self) -> None:
-        self._timer = None
-        now = asyncio.get_running_loop().time()
-        for work in list(self._timed):
-            timing = work.timing
-            assert timing is not None
-            if work.settled:
-                self._timed.discard(work)
-            elif now >= work.deadline:
-                self._give_up(
-                    work, ItemError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the round's timeout")
-                )
-            elif now >= work.due:
-                patience = self._patience(timing)
-                if now < work.trying + patience:  # the replica's pace slowed meanwhile
-                    work.due = work.trying + patience
-                elif timing.spare():
-                    message = f"no answer within the per-try timeout of {patience:.2f} s"
-                    self._give_up(work, ItemError(grpc.StatusCode.DEADLINE_EXCEEDED, message, per_try=True))
-                else:  # a slow replica is better than none: wait another period
-                    work.trying, work.due = now, now + patience
-        self._arm(min((min(w.due, w.deadline) for w in self._timed), default=float("inf")))
-
-    def _give_up(self, work: _Work, error: ItemError) -> None:
-        """Fail an item (out of the queue, or cancelled on the replica)."""
+    def _give_up(self, work: _Work, why: str, per_try: bool) -> None:
+        """Fail an item that ran out of time (ItemTimers): out of the queue, or cancelled on the
+        replica."""
         if work in self._queue:
             self._queue.remove(work)
         elif any(work in items for items in self._in_flight.values()):
             self._cancel.append(work.handle)
-            self._schedule(now=True)
-        self._finish(work, error)
-
-    def _schedule(self, now: bool = False, settle: bool = False) -> None:
-        if self._flush_at is None:
-            self._turns, self._queued_at_check = 0, len(self._queue)
-            self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
-        if settle:
-            self._settle_turns = SETTLE_TURNS
-        if now:
-            self._turns = FLUSH_TURNS
+            self._hold.schedule(now=True)
+        self._finish(work, ItemError(grpc.StatusCode.DEADLINE_EXCEEDED, why, per_try=per_try))
 
     def _flush(self) -> None:
-        """Send a tick when the replica has room: after the event loop turn in which no more work
-        was queued (the sessions woken together have all queued theirs), at most FLUSH_TURNS."""
-        self._flush_at = None
+        """Send a tick when the replica has room and no expected session is still held for
+        (TickHold calls this once the turn's sessions have queued)."""
         if self._closed:
             return
-        grew = len(self._queue) != self._queued_at_check
-        if (grew or self._turns < self._settle_turns) and self._turns < FLUSH_TURNS:
-            self._turns, self._queued_at_check = self._turns + 1, len(self._queue)
-            self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
-            return
-        self._settle_turns = 0
         control = bool(self._cancel or self._release)
         room = self._queue and self._rounds_in_flight() < self.max_in_flight
-        if room and not control and self._hold():
+        if room and not control and self._hold.holds():
             return
         if room or control or self._urgent_room():
             self._send()
@@ -551,30 +435,21 @@ class TickLoop:
 
     def _urgent_room(self) -> bool:
         """Whether a tick of session starts may go beside the ticks in flight (`_starts`): one, and
-        only beside a plain run of several steps, which would keep it waiting for all of them and
-        which the replica ends after its current step for it. Beside a tick of one forward (a tree's
-        verification, a draft) the start took a forward of its own instead of the next one with the
-        others: DSI's first calls to each verifier are starts, and DSI 4x4 at 32 sessions ran 32 %
-        more verifier forwards and 5 % slower than when starts waited for the next tick."""
+        only beside a plain run of several steps, which the replica ends after its current step
+        for it. Beside a tick of one forward it would take a forward of its own (docs/decisions.md,
+        "Urgent items and one step")."""
         if self._beside or not any(self._starts(w) for w in self._queue):
             return False
         return any(steps > 1 for items in self._in_flight.values() for steps in _plain_steps(items))
 
     def _starts(self, work: _Work) -> bool:
         """A session's start (position 0: its first token, or a resync) may go in a tick of its own
-        beside the ones in flight rather than after them (`_urgent_room` says beside which): the
-        replica's next forward takes both ticks' steps. One that is limited too (a prompt longer
-        than the budget, which may be all cached but a few tokens: a conversation's next turn) goes
-        so only while no other prefill is in flight or queued before it: the prefills go oldest
-        first. A first chunk let beside another prefill's jumped that order, and 4 conversations
-        starting at once each prefilled their system prompt, where the later ones had waited for the
-        first's chunks and taken it from its live session (turn 1 wall 1.3x llama-server's); one
-        kept back behind a running stream's plain run of 4 steps took 1.3x llama-server's time to
-        first token on turns 2-6 of 4 conversations at once. A prefill's later chunks never go
-        beside: beside a running stream's tick, a chunk took the replica's next forward alone, the
-        stream's step came after it and then waited for the next chunk's: two chunk forwards between
-        the stream's tokens instead of one; in the next tick, the running sessions' next steps share
-        its forward."""
+        beside the ones in flight (`_urgent_room` says beside which): the replica's next forward
+        takes both ticks' steps. A limited one (a prompt longer than the budget, maybe all cached
+        but a few tokens: a conversation's next turn) only while no other prefill is in flight or
+        queued before it, so prefills go oldest first; a prefill's later chunks never go beside
+        (docs/decisions.md, "A prompt's first chunk goes beside only while no other prefill is
+        ahead of it" and "A chunk ends the plain runs in flight after their step")."""
         if work.position != 0:
             return False
         if not work.limited:
@@ -584,43 +459,18 @@ class TickLoop:
             w.limited and w.since < work.since for w in self._queue
         )
 
-    def _hold(self) -> bool:
-        """Whether a tick that could go waits for expected sessions (`expect`): at most
-        `max_hold` from when it could first have gone. A timer comes back then."""
-        if not self._expected:
-            self._hold_since = None
-            return False
-        now = asyncio.get_running_loop().time()
-        if self._hold_since is None:
-            self._hold_since = now
-        until = self._hold_since + self.max_hold
-        if now >= until:
-            self._hold_since = None
-            self._expected.clear()  # whoever has not come by now goes in a later tick
-            return False
-        if self._hold_timer is None:
-            self._hold_timer = asyncio.get_running_loop().call_at(until, self._held)
-        return True
-
-    def _held(self) -> None:
-        self._hold_timer = None
-        self._schedule(now=True)
-
     def _send(self) -> None:
         beside = False
         if self._rounds_in_flight() < self.max_in_flight:
-            work, self._queue = self._budgeted(self._queue)
+            work, self._queue = _budgeted(self.max_tick_tokens, self._queue)
         elif self._urgent_room():  # beside the ticks in flight: the replica's next forward takes it too
-            work, _ = self._budgeted([w for w in self._queue if self._starts(w)])
+            work, _ = _budgeted(self.max_tick_tokens, [w for w in self._queue if self._starts(w)])
             sent = set(map(id, work))
             self._queue = [w for w in self._queue if id(w) not in sent]
             beside = True
         else:
             work = []
-        self._hold_since = None
-        if self._hold_timer is not None:
-            self._hold_timer.cancel()
-            self._hold_timer = None
+        held = self._hold.sent()
         self._ensure_stream()
         tick_id = next(self._ids)
         try:
@@ -638,15 +488,14 @@ class TickLoop:
             for w in work:  # only what is sent is surely coming back: a queued item may wait on us
                 if w.then is not None:
                     w.then.expect(w.session.session_id)
-            self._sent([w for w in work if w.limited])
-            held = 0.0 if self._hold_since is None else asyncio.get_running_loop().time() - self._hold_since
+            self._timers.sent([w for w in work if w.limited])
             log.debug(
                 "tick",
                 extra={
                     "replica": self.name,
                     "items": len(work),
                     "tick": tick_id,
-                    "expected": len(self._expected),
+                    "expected": self._hold.expected,
                     "held_ms": round(held * 1000, 1),
                 },
             )
@@ -654,30 +503,6 @@ class TickLoop:
                 self._on_tick(len(work))
         self.ticks += 1
         self._outbox.put_nowait(message)
-
-    def _budgeted(self, queue: list[_Work]) -> tuple[list[_Work], list[_Work]]:
-        """(what the next tick takes, what waits): every whole item; the limited items, oldest
-        first, while the token budget lasts (what the whole items leave, at least a quarter)."""
-        fills = [w for w in queue if w.limited]
-        if not fills:
-            return queue, []
-        budget = self.max_tick_tokens
-        if not budget:
-            for w in fills:
-                w.feed = len(w.new_tokens)
-            return queue, []
-        rounds = [w for w in queue if not w.limited]
-        rows = sum(len(w.new_tokens) + (w.tree.nodes if w.tree is not None else 0) for w in rounds)
-        left = max(budget - rows, budget // 4, 1)
-        taken, waiting = [], []
-        for w in sorted(fills, key=lambda w: w.since):
-            if left > 0:
-                w.feed = min(left, len(w.new_tokens))
-                left -= w.feed
-                taken.append(w)
-            else:
-                waiting.append(w)
-        return rounds + taken, waiting
 
     def _ensure_stream(self) -> None:
         if self._call is not None:
@@ -713,23 +538,9 @@ class TickLoop:
                 self._opened[sid] = w.session
                 opens.append((handle, w.session))
             w.handle = handle
-        items = TickItems.of(
-            [w.handle for w in work], [w.position for w in work], [w.new_tokens for w in work],
-            [w.feed if w.limited else 0 for w in work], self._cancel, self._release,
-        )  # fmt: skip
+        message = _message(self.role, tick_id, opens, work, self._cancel, self._release)
         self._cancel, self._release = [], []
-        if self.role is Role.DRAFTER:
-            specs: dict[TreeSpec, int] = {}
-            index = [specs.setdefault(w.spec, len(specs)) for w in work]  # type: ignore[arg-type]
-            flags = np.asarray([w.flags for w in work], np.uint8)
-            return DraftTickMessage(tick_id, opens, items, list(specs), np.asarray(index), flags).to_proto()
-        return VerifyTickMessage(
-            tick_id, opens, items, _relay([w.tree for w in work]),
-            plain_steps=np.asarray(_plain_steps(work), np.uint8),
-            lookup_depth=np.asarray([w.lookup_depth for w in work], np.uint8),
-            lookup_min_ngram=np.asarray([w.lookup_min_ngram for w in work], np.uint8),
-            max_tokens=np.asarray([w.max_tokens for w in work], np.uint32),
-        ).to_proto()  # fmt: skip
+        return message
 
     # ---- results -------------------------------------------------------------------------------
 
@@ -751,7 +562,7 @@ class TickLoop:
                     )
                     self._resolve(message, work)
                 if self._queue or self._cancel or self._release:
-                    self._schedule(settle=work is not None and any(w.awaited for w in work))
+                    self._hold.schedule(settle=work is not None and any(w.awaited for w in work))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -802,7 +613,7 @@ class TickLoop:
             for w in work:
                 self._finish(w, error)
         if self._queue:
-            self._schedule()
+            self._hold.schedule()
 
     def _fail_all(self, error: BaseException) -> None:
         everything = [*self._queue, *(w for work in self._in_flight.values() for w in work)]
@@ -818,6 +629,54 @@ class TickLoop:
         await asyncio.gather(*tasks, return_exceptions=True)
         if call is not None:
             call.cancel()
+
+
+def _budgeted(budget: int, queue: list[_Work]) -> tuple[list[_Work], list[_Work]]:
+    """(what the next tick takes, what waits): every whole item; the limited items, oldest
+    first, while the token budget lasts (what the whole items leave, at least a quarter); each
+    one's `feed` is what it gets. budget 0: a limited item feeds all it has."""
+    fills = [w for w in queue if w.limited]
+    if not fills:
+        return queue, []
+    if not budget:
+        for w in fills:
+            w.feed = len(w.new_tokens)
+        return queue, []
+    rounds = [w for w in queue if not w.limited]
+    rows = sum(len(w.new_tokens) + (w.tree.nodes if w.tree is not None else 0) for w in rounds)
+    left = max(budget - rows, budget // 4, 1)
+    taken, waiting = [], []
+    for w in sorted(fills, key=lambda w: w.since):
+        if left > 0:
+            w.feed = min(left, len(w.new_tokens))
+            left -= w.feed
+            taken.append(w)
+        else:
+            waiting.append(w)
+    return rounds + taken, waiting
+
+
+def _message(
+    role: Role, tick_id: int, opens: list[tuple[int, Any]], work: list[_Work], cancel: list[int],
+    release: list[int],
+) -> Any:  # fmt: skip
+    """The tick's proto, through its codec (specmesh/rpc/ticks.py); the items' handles are set."""
+    items = TickItems.of(
+        [w.handle for w in work], [w.position for w in work], [w.new_tokens for w in work],
+        [w.feed if w.limited else 0 for w in work], cancel, release,
+    )  # fmt: skip
+    if role is Role.DRAFTER:
+        specs: dict[TreeSpec, int] = {}
+        index = [specs.setdefault(w.spec, len(specs)) for w in work]  # type: ignore[arg-type]
+        flags = np.asarray([w.flags for w in work], np.uint8)
+        return DraftTickMessage(tick_id, opens, items, list(specs), np.asarray(index), flags).to_proto()
+    return VerifyTickMessage(
+        tick_id, opens, items, _relay([w.tree for w in work]),
+        plain_steps=np.asarray(_plain_steps(work), np.uint8),
+        lookup_depth=np.asarray([w.lookup_depth for w in work], np.uint8),
+        lookup_min_ngram=np.asarray([w.lookup_min_ngram for w in work], np.uint8),
+        max_tokens=np.asarray([w.max_tokens for w in work], np.uint32),
+    ).to_proto()  # fmt: skip
 
 
 def _said_by_the_replica(exc: BaseException) -> bool:

@@ -6,7 +6,7 @@ Chunked prefill: a job with a `feed_limit` whose first step would feed more toke
 the prefix its session starts from is *partial*: that step feeds as many and the job ends there,
 deciding nothing (`partial` in its outcome); its caller sends the rest in a later tick.
 
-Both are step protocols (`Ticked`): a generator that yields the runner steps of its next forward
+Both are step protocols (`ForwardSteps`): a generator that yields the runner steps of its next forward
 (one `Step` per session, all in ONE `forward`), is sent their logits (per step: a tensor, or the
 exception that failed that step alone), and returns one outcome per job. The engine drives them
 with `runner.forward`; the services through their ForwardBatcher, which merges concurrent ticks
@@ -47,7 +47,7 @@ from specmesh.core.verification import Verdict
 from specmesh.runtime.backend import Step
 
 # steps of one forward -> per step its logits or the exception that failed it alone
-Ticked = Generator[list[Step], list["torch.Tensor | BaseException"], list]
+ForwardSteps = Generator[list[Step], list["torch.Tensor | BaseException"], list]
 # a grammar's rows: (paths below the committed tokens) -> allowed [len(paths), V] bool
 Allowed = Callable[[list[Path]], torch.Tensor]
 
@@ -86,7 +86,7 @@ class DraftOutcome:
     partial: bool = False  # its root step fed a chunk of its tokens only: no tree
 
 
-def draft_steps(jobs: Sequence[DraftJob]) -> Ticked:
+def draft_steps(jobs: Sequence[DraftJob]) -> ForwardSteps:
     """The drafts of a tick: one forward per tree level for every job (core.drafting.draft_many),
     then one more for the jobs that guess the next round's start. A job whose step fails, or that
     is cancelled between levels, drops out alone."""
@@ -142,7 +142,7 @@ def _level_step(job: DraftJob, paths: list[Path]) -> tuple[Step, list[int]]:
     return step, [job.nodes[p] - base for p in paths]
 
 
-def _guess_next(jobs: Sequence[DraftJob], outcomes: list[DraftOutcome]) -> Ticked:
+def _guess_next(jobs: Sequence[DraftJob], outcomes: list[DraftOutcome]) -> ForwardSteps:
     """Run each guessing job's likely leaf (kept pending like the tree's nodes) and answer its path's
     tokens plus the draft's most likely next token: what the next round's pre-draft assumes.
     Nothing when the leaf already ran (its logits are gone)."""
@@ -243,7 +243,7 @@ class VerifyOutcome:
         return sum(n for n, _ in self.checked), sum(a for _, a in self.checked)
 
 
-def verify_steps(jobs: Sequence[VerifyJob], commit: Callable[[str, list[int]], None]) -> Ticked:
+def verify_steps(jobs: Sequence[VerifyJob], commit: Callable[[str, list[int]], None]) -> ForwardSteps:
     """Verify every job's tree (or take its plain step) in one forward, commit each session's
     accepted path (`commit(session, nodes)`, on the model thread), then run further plain steps
     for the jobs that asked for them, each fed the token the step before decoded."""
@@ -378,7 +378,7 @@ def plain_room(plain_steps: int, committed_length: int, max_context: int | None)
     return max(1, min(plain_steps, room))
 
 
-def run_ticked(ticked: Ticked, forward: Callable[[list[Step]], list[torch.Tensor]]) -> list:
+def run_ticked(ticked: ForwardSteps, forward: Callable[[list[Step]], list[torch.Tensor]]) -> list:
     """Drive a step protocol with a runner's forward (the in-process engine): a forward that fails
     fails every step in it."""
     try:

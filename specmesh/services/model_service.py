@@ -67,7 +67,7 @@ from specmesh.runtime.backend import Backend, UnknownSessionError
 from specmesh.runtime.costs import measure_forward_cost
 from specmesh.runtime.grammar import GrammarMasks, SessionGrammars
 from specmesh.runtime.models import LoadedModel, load_model
-from specmesh.runtime.rounds import Cancelled, Ticked
+from specmesh.runtime.rounds import Cancelled, ForwardSteps
 from specmesh.services.batching import BatchInfo, ForwardBatcher, More
 from specmesh.services.config import ServiceConfig, parse_config
 from specmesh.services.metrics import ServiceMetrics
@@ -148,7 +148,7 @@ class Withdrawn(Exception):
     """A tick taken back before its first forward: nothing happened to its sessions."""
 
 
-class Tick:
+class TickRun:
     """One tick's run on this replica: its jobs (to cancel them), the batcher group it waits for,
     and what its forwards looked like."""
 
@@ -192,7 +192,7 @@ class TickStream:
 
     def __init__(self) -> None:
         self.sessions: dict[int, Opened | wire.WireError] = {}
-        self.running: dict[int, tuple[Tick, Any]] = {}  # handle -> (its tick, its job)
+        self.running: dict[int, tuple[TickRun, Any]] = {}  # handle -> (its tick, its job)
         self.waiting: set[int] = set()  # handles whose items are in flight but have no job yet
         self.cancelled: set[int] = set()  # those of them cancelled meanwhile: stopped at their start
 
@@ -217,13 +217,13 @@ class TickStream:
 
     def track(
         self, handles: Sequence[int], where: Sequence[int]
-    ) -> Callable[[Sequence[tuple[int, Any]], Tick], None]:
+    ) -> Callable[[Sequence[tuple[int, Any]], TickRun], None]:
         """The `on_start` of a tick's items: item k's job runs for handle handles[where[k]], so
         that a `cancel` of that handle stops it, also one that came before the job started (while
         the item waited for a grammar, or for the step run ahead of it)."""
         self.waiting.update(handles[k] for k in where)
 
-        def running(jobs: Sequence[tuple[int, Any]], tick: Tick) -> None:
+        def running(jobs: Sequence[tuple[int, Any]], tick: TickRun) -> None:
             for k, job in jobs:
                 handle = handles[where[k]]
                 self.waiting.discard(handle)
@@ -253,7 +253,7 @@ class _Done:
     value: Any
 
 
-def _advance(ticked: Ticked, results: list) -> Any:
+def _advance(ticked: ForwardSteps, results: list) -> Any:
     """On the model thread, right after a forward: the protocol's next steps (More), or _Done."""
     try:
         return More(ticked.send(results))
@@ -399,7 +399,7 @@ class ModelService(RpcService):
 
     # ---- ticks ---------------------------------------------------------------------------------
 
-    async def drive(self, tick: Tick, ticked: Ticked, before: dict[str, Callable[[], None]]) -> list:
+    async def drive(self, tick: TickRun, ticked: ForwardSteps, before: dict[str, Callable[[], None]]) -> list:
         """Run a step protocol (specmesh.runtime.rounds) through the batcher: each forward's group
         of steps is queued, and the protocol resumes on the model thread right after it. The tick
         is a participant while it runs, so that concurrent ticks' forwards wait for each other."""
@@ -425,7 +425,7 @@ class ModelService(RpcService):
         finally:
             self.batcher.leave()
 
-    async def run_tick(self, tick: Tick, work: Callable[[], Any]) -> Any:
+    async def run_tick(self, tick: TickRun, work: Callable[[], Any]) -> Any:
         """Run a tick's work to its end even if its caller goes away (then its jobs stop before
         their next forward): a forward in flight changes sessions until it is done."""
         task = asyncio.ensure_future(work())
@@ -477,7 +477,7 @@ class ModelService(RpcService):
 
     async def stream_tick(self, stream: TickStream, message: Any) -> Any:
         """One tick of a stream: open its sessions, cancel and release what it says, run its items
-        (the service's `tick_items`), answer its result."""
+        (the service's `answer_tick`), answer its result."""
         start = time.perf_counter()
         tick = self.tick_message.from_proto(message, self.vocab_size, self.limits)
         items = tick.items
@@ -493,7 +493,7 @@ class ModelService(RpcService):
             o = stream.close(handle)
             if o is not None:
                 self.release_with_key(o.session_id, owner_hash(o.key), bool(o.key))
-        result = await self.tick_items(stream, tick)
+        result = await self.answer_tick(stream, tick)
         self.answered(self.tick_method, "", grpc.StatusCode.OK, start)
         log.debug("tick done", extra={"tick": tick.id})
         return result.to_proto()
@@ -512,7 +512,7 @@ class ModelService(RpcService):
         self.slots.release(session_id)
         return held
 
-    async def tick_items(self, stream: TickStream, tick: Any) -> Any:
+    async def answer_tick(self, stream: TickStream, tick: Any) -> Any:
         """A service's tick (its `tick_message`): its result (DraftResultMessage or
         VerifyResultMessage)."""
         raise NotImplementedError
