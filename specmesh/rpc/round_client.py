@@ -161,8 +161,10 @@ class RoundClient:
         self.id, self.params, self.spec, self.policy = session_id, params, spec, policy
         self.session = Opened(session_id, key, params, frozenset(stop_token_ids), top_logprobs, grammar, salt)
         self.pipeline = pipeline or PipelinePolicy(Pipelining.OFF)
-        self._ahead: _PreDraftCall | None = None  # the next round's pre-draft, in flight or done
-        self._expected_by: TickLoop | None = None  # the drafter loop told to expect the next round
+        # what the last round handed over (`_Round.handover`): the next round's pre-draft, in
+        # flight or done, and the drafter loop told to expect the next round
+        self._pre_draft: _PreDraftCall | None = None
+        self._expected_by: TickLoop | None = None
         self._current: _Round | None = None
 
     def start(
@@ -190,8 +192,20 @@ class RoundClient:
         tick's time, the batched forwards' time), total_seconds the round's wall time. span: the
         round's tracing span; its draft and verification are spans under it (each the session's
         item of a tick: a tick serves many requests, so no request's trace holds the tick)."""
-        self._current = _Round(self, tokens, placement, plain_steps, done, span, max_tokens)
+        pre_draft, self._pre_draft = self._pre_draft, None
+        ended = functools.partial(self._ended, done)
+        self._current = _Round(self, tokens, placement, plain_steps, ended, span, max_tokens, pre_draft)
         self._current.begin()
+
+    def _ended(
+        self, done: Callable[[RoundResult | BaseException], None], round_: _Round, outcome: Any
+    ) -> None:
+        """A round's end: take what it hands over to the next (before its caller, who may start
+        that one from `done`)."""
+        if self._current is round_:
+            self._current = None
+        self._pre_draft, self._expected_by = round_.next_pre_draft, round_.expected_by
+        done(outcome)
 
     async def round(self, tokens: Sequence[int], placement: Placement, plain_steps: int = 1) -> RoundResult:
         """`start`, awaited: the RoundResult, or the error raised."""
@@ -208,9 +222,10 @@ class RoundClient:
         if self._current is not None:
             self._current.cancel()
             self._current = None
-        if self._ahead is not None:
-            self._ahead.cancel()
-            self._ahead = None
+        if self._pre_draft is not None:
+            self._pre_draft.cancel()
+            self._pre_draft = None
+        self.finished()
 
     def close(self) -> None:
         """The session ends: nothing in flight goes on, no tick loop waits for it."""
@@ -223,20 +238,25 @@ class RoundClient:
             self._expected_by.unexpect(self.id)
             self._expected_by = None
 
-    def _pre_draft(
-        self, tokens: Sequence[int], spec: TreeSpec, drafter: TickLoop, likely: Sequence[int]
-    ) -> _PreDraftCall:
-        """Queue the next round's draft now, assuming its committed tokens will be `likely` more."""
-        ahead = _PreDraftCall(PreDraft(len(tokens), tuple(likely)), spec, drafter)
-        ahead.work = drafter.draft(
-            self.session, len(tokens), likely, spec, guess_next=True, speculative=True, done=ahead.answered
-        )
-        return ahead
+
+def _send_pre_draft(
+    session: Opened, tokens: Sequence[int], spec: TreeSpec, drafter: TickLoop, likely: Sequence[int]
+) -> _PreDraftCall:
+    """Queue the next round's draft now, assuming its committed tokens will be `likely` more."""
+    call = _PreDraftCall(PreDraft(len(tokens), tuple(likely)), spec, drafter)
+    call.work = drafter.draft(
+        session, len(tokens), likely, spec, guess_next=True, speculative=True, done=call.answered
+    )
+    return call
 
 
 class _Round:
     """One round's state between its callbacks: a draft (or the pre-draft's tree), then its
-    verification, each call retried once with everything after a resync answer."""
+    verification, each call retried once with everything after a resync answer.
+
+    It reads its client's settings and hands the next round what it started for it as values:
+    `pre_draft` (the pre-draft the last round sent) comes in, and at its end (`done(self,
+    outcome)`) `next_pre_draft` and `expected_by` go out."""
 
     def __init__(
         self,
@@ -244,9 +264,10 @@ class _Round:
         tokens: Sequence[int],
         placement: Placement,
         plain_steps: int,
-        done: Callable[[Any], None],
+        done: Callable[[_Round, Any], None],
         span: Any = None,
         max_tokens: int = 0,
+        pre_draft: _PreDraftCall | None = None,
     ) -> None:
         self.client, self.tokens, self.placement, self.done, self.span = client, tokens, placement, done, span
         self.plain_steps, self.max_tokens = plain_steps, max_tokens
@@ -264,35 +285,41 @@ class _Round:
         self.serial_draft: float | None = None
         self.drafted: Drafted | None = None
         self.work: tuple[TickLoop, Any] | None = None  # the item in flight
-        self.ahead: _PreDraftCall | None = None  # the pre-draft it waits for
+        self.pre_draft = pre_draft  # the last round's, until judged; then the one it waits for
+        self.next_pre_draft: _PreDraftCall | None = None  # sent beside its verification
+        self.expected_by: TickLoop | None = None  # the drafter loop told to expect the next round
         self.over = False
 
     def begin(self) -> None:
-        client, spec = self.client, self.spec
-        ahead, client._ahead = client._ahead, None
+        spec, pre_draft = self.spec, self.pre_draft
         if not spec.method.drafts:
-            if ahead is not None:
-                ahead.cancel()
+            self._drop_pre_draft()
             self._verify(None)
             return
         if self.placement.drafter is None:
+            self._drop_pre_draft()
             self._end(ValueError(f"method {spec.method!r} needs a drafter"))
             return
-        self.want = client.pipeline.wants()
-        if ahead is not None:
-            if ahead.applies(self.tokens, spec, self.held.get(Role.DRAFTER, 0)):
-                self.ahead = ahead
+        self.want = self.client.pipeline.wants()
+        if pre_draft is not None:
+            if pre_draft.applies(self.tokens, spec, self.held.get(Role.DRAFTER, 0)):
                 per_try = self.placement.per_try
-                ahead.wait(self._ahead_answered, per_try(Role.DRAFTER, 1, spec.depth, 1) if per_try else None)
+                patience = per_try(Role.DRAFTER, 1, spec.depth, 1) if per_try else None
+                pre_draft.wait(self._pre_drafted, patience)
                 return
-            ahead.cancel()
+            self._drop_pre_draft()
             self.hit = False
         self._draft()
 
-    def _ahead_answered(self, drafted: Drafted | None) -> None:
+    def _drop_pre_draft(self) -> None:
+        if self.pre_draft is not None:
+            self.pre_draft.cancel()
+            self.pre_draft = None
+
+    def _pre_drafted(self, drafted: Drafted | None) -> None:
         """The pre-draft's tree (None: it failed, was superseded or ran past its per-try timeout:
         the round drafts itself, meeting the replica's trouble with the usual retries)."""
-        self.ahead = None
+        self.pre_draft = None
         if self.over:
             return
         self.hit = drafted is not None
@@ -325,11 +352,13 @@ class _Round:
         if drafted.likely and self.want:
             drafter = self.placement.drafter
             assert drafter is not None
-            self.client._ahead = self.client._pre_draft(self.tokens, self.spec, drafter, drafted.likely)
+            self.next_pre_draft = _send_pre_draft(
+                self.client.session, self.tokens, self.spec, drafter, drafted.likely
+            )
         self._verify(drafted.tree)  # the drafter's columns, relayed
 
     def _verify(self, tree: Any) -> None:
-        client, placement, session, tokens = self.client, self.placement, self.client.session, self.tokens
+        placement, session, tokens = self.placement, self.client.session, self.tokens
         plain = self.drafted is None
         steps = self.plain_steps if plain and self.plan.plain_run else 1
         lookup = self.plan.lookup_depth if plain else 0
@@ -337,8 +366,8 @@ class _Round:
         max_tokens = self.max_tokens if plain else 0
         verifier = placement.verifier
         # its next round drafts (unless pre-drafted already): the drafter's loop expects it
-        then = placement.drafter if self.spec.method.drafts and client._ahead is None else None
-        client._expected_by = then
+        then = placement.drafter if self.spec.method.drafts and self.next_pre_draft is None else None
+        self.expected_by = then
 
         def submit(position: int, timing: Timing, done: Callable, limited: float | None) -> Any:
             return verifier.verify(
@@ -353,7 +382,7 @@ class _Round:
         client, drafted = self.client, self.drafted
         client.pipeline.observe(
             verify=self.seconds[Role.VERIFIER],
-            beside=client._ahead is not None,
+            beside=self.next_pre_draft is not None,
             draft=self.serial_draft,
             levels=drafted.forwards if self.serial_draft is not None and drafted is not None else 0,
             hit=self.hit,
@@ -487,11 +516,18 @@ class _Round:
         if role is Role.DRAFTER:
             self.placement.verifier.unexpect(self.client.id)  # no verification will follow
         else:  # the round is redone from the committed tokens: its pre-draft goes
-            if self.client._ahead is not None:
-                self.client._ahead.cancel()
-                self.client._ahead = None
-            self.client.finished()  # the next round's draft is not on its way
+            self._drop_next()
         self._end(error)
+
+    def _drop_next(self) -> None:
+        """What it started for the next round goes: the pre-draft, and the drafter's wait for
+        the next round's draft (not on its way)."""
+        if self.next_pre_draft is not None:
+            self.next_pre_draft.cancel()
+            self.next_pre_draft = None
+        if self.expected_by is not None:
+            self.expected_by.unexpect(self.client.id)
+            self.expected_by = None
 
     def cancel(self) -> None:
         if self.over:
@@ -501,18 +537,14 @@ class _Round:
             loop, work = self.work
             loop.cancel(work)
             self.work = None
-        if self.ahead is not None:
-            self.ahead.cancel()
-            self.ahead = None
-        self.client.finished()
+        self._drop_pre_draft()
+        self._drop_next()
 
     def _end(self, outcome: Any) -> None:
         if self.over:
             return
         self.over = True
-        if self.client._current is self:
-            self.client._current = None
-        self.done(outcome)
+        self.done(self, outcome)
 
 
 class _PreDraftCall:
