@@ -1,12 +1,13 @@
 """DSI mode (docs/gateway.md, "DSI"): one session's drafting and verification overlapped across
 verifier replicas; the bookkeeping is specmesh.core.dsi.DsiState.
 
-    async with DsiRun(plan, env, text, deadline, lookahead=4, parallel=2) as run:
+    async with SessionRun(plan, env, text, deadline, dsi=DsiShape(lookahead=4, parallel=2)) as run:
         while not run.finished:
             piece = await run.step()                 # the next committed tokens
 
-SessionRun's lifecycle (the session in Redis, release on every replica touched, cleanup when the
-client goes away) is reused; only the rounds differ. The drafter drafts chains of `lookahead`
+`DsiRounds` are a SessionRun's rounds in DSI mode: the lifecycle (the session in Redis, release
+on every replica touched, cleanup when the client goes away), the placer and the transcript are
+the serial rounds' (gateway/session.py); only the rounds differ. The drafter drafts chains of `lookahead`
 tokens one after the other after the session's context (committed tokens plus unresolved blocks)
 while at most `parallel` blocks are unresolved beyond the one being verified longest (`ahead`), or
 only when every block is resolved (not `ahead`: SI's schedule, which the gateway picks where its
@@ -18,11 +19,11 @@ goes to Redis with the same atomic round commit as every round, then to the clie
 cancels the younger blocks' verifications and the draft in progress (the cancellation reaches the
 replicas over gRPC).
 
-Failover: a replica call that fails at the transport level takes the replica out of its pool (as
-in SessionRun) and its block is verified elsewhere, or the draft redone on another drafter.
-Randomness derives from (seed, position) as in every round, so at temperature 0 the output is the
-target's greedy decode whatever the timing; at T > 0 it has the target's distribution, but which
-bonus tokens are kept depends on timing, so a seed does not fix the text.
+Failover: a replica call that fails at the transport level takes the replica out of its pool (the
+`Placer`'s rule, as for serial rounds) and its block is verified elsewhere, or the draft redone
+on another drafter. Randomness derives from (seed, position) as in every round, so at temperature
+0 the output is the target's greedy decode whatever the timing; at T > 0 it has the target's
+distribution, but which bonus tokens are kept depends on timing, so a seed does not fix the text.
 """
 
 from __future__ import annotations
@@ -39,16 +40,16 @@ from typing import Any
 
 import grpc
 
+from gateway.env import GatewayEnv, GatewayError, Piece
+from gateway.placement import Placer
 from gateway.pools import NoHealthyReplica
 from gateway.requests import GenerationPlan
-from gateway.rounds import GatewayEnv, GatewayError, Piece, SessionRun
-from gateway.session_store import Session
-from gateway.text import TextStream
+from gateway.transcript import Transcript
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.dsi import Block, DsiState, Outcome, Schedule
 from specmesh.core.methods import Method
 from specmesh.core.stats import GenerationStats
-from specmesh.rpc.round_client import Role, needs_resync
+from specmesh.rpc.round_client import Role, RoundClient, needs_resync
 from specmesh.rpc.tick_client import ItemError
 from specmesh.rpc.ticks import Prefilled
 
@@ -77,33 +78,35 @@ class _Spent:
     verify_seconds: float = 0.0
 
 
-class DsiRun(SessionRun):
-    """A session in DSI mode (module docstring)."""
+class DsiRounds:
+    """A session's rounds in DSI mode (module docstring)."""
 
     def __init__(
         self,
-        plan: GenerationPlan,
         env: GatewayEnv,
-        text: TextStream,
-        deadline: float | None,
+        plan: GenerationPlan,
+        client: RoundClient,
+        transcript: Transcript,
+        placer: Placer,
         *,
         lookahead: int,
         parallel: int,
         ahead: bool = True,
         verify_cost: Callable[[int], float] | None = None,
-        resumed: Session | None = None,
     ) -> None:
-        """verify_cost: the verifier's start-up seconds per forward of n rows, to learn
-        the gateway's `Learnt` forward scale from this session's verifications. resumed: as
-        SessionRun's."""
-        super().__init__(plan, env, text, deadline, resumed=resumed)
+        """client: the session as the replicas know it (DSI calls the tick loops itself).
+        verify_cost: the verifier's start-up seconds per forward of n rows, to learn the gateway's
+        `Learnt` forward scale from this session's verifications."""
+        self.env, self.plan, self.client, self.transcript, self.placer = env, plan, client, transcript, placer
+        self.id = client.id
+        self.stop_error: BaseException | None = None  # handed over (SIGTERM)
         self.verify_cost = verify_cost
         self.lookahead, self.parallel, self.ahead = lookahead, parallel, ahead
         self.schedule = Schedule(lookahead, parallel, ahead)
         self.guard_rounds = 0  # verifications that were guards, among the stats' rounds
-        self.state = DsiState(self.tokens)
+        self.state = DsiState(transcript.tokens)
         # replica -> the tokens it surely holds (resumed: the committed ones it held, as stored)
-        self.held = {address: self.tokens[:n] for address, n in self.lengths.items()}
+        self.held = {address: transcript.tokens[:n] for address, n in placer.lengths.items()}
         self.calls: dict[asyncio.Future, _Call] = {}
         self.queued: list[Block] = []  # drafted, waiting for a verifier
         self.spent: dict[int, _Spent] = {}  # block id -> its cost so far
@@ -118,23 +121,25 @@ class DsiRun(SessionRun):
         if self.env.dsi_timeline is not None:
             self.timeline.append({"t": time.perf_counter() - self._t0, "event": event, **fields})
 
-    def stats_message(self) -> Any:
-        msg = super().stats_message()
+    def describe(self, msg: Any) -> None:
         msg.dsi_lookahead, msg.dsi_parallel, msg.dsi_max_in_flight, msg.dsi_ahead = (
             self.lookahead, self.parallel, self.max_in_flight, self.ahead,
         )  # fmt: skip
-        return msg
 
-    async def _cleanup(self) -> None:
+    def stop(self, error: BaseException) -> None:
+        """Handed over: the next `step` raises `error`."""
+        self.stop_error = error
+
+    async def close(self) -> None:
         self._cancel_all()
         await asyncio.gather(*self.calls, return_exceptions=True)
         self.calls.clear()
         if self.env.dsi_timeline is not None:
             self._write_timeline(self.env.dsi_timeline)
-        if self.stats.rounds > self.guard_rounds:  # what the next session's choice of shape starts from
-            mean = self.stats.accepted_tokens / (self.stats.rounds - self.guard_rounds)
+        stats = self.transcript.stats
+        if stats.rounds > self.guard_rounds:  # what the next session's choice of shape starts from
+            mean = stats.accepted_tokens / (stats.rounds - self.guard_rounds)
             self.env.dsi.learn_acceptance(mean, self.lookahead)
-        await super()._cleanup()
 
     def _write_timeline(self, folder: Path) -> None:
         record = {
@@ -158,7 +163,7 @@ class DsiRun(SessionRun):
             if not self.calls:  # every token is committed or speculated: cannot happen unfinished
                 raise GatewayError(grpc.StatusCode.INTERNAL, f"DSI session {self.id} has nothing left to run")
             done, _ = await asyncio.wait(
-                self.calls, timeout=self._time_left(), return_when=asyncio.FIRST_COMPLETED
+                self.calls, timeout=self.placer.time_left(), return_when=asyncio.FIRST_COMPLETED
             )
             if not done:
                 raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, "no replica answered in time")
@@ -171,27 +176,28 @@ class DsiRun(SessionRun):
                 return await self._commit_tokens(emitted, stats)
 
     async def _commit_tokens(self, emitted: list[int], stats: GenerationStats) -> Piece:
-        kept, finish = self._cut(emitted)
+        transcript = self.transcript
+        kept, finish = transcript.cut(emitted)
         now, began = time.perf_counter(), self.since
         # drafts and verifications overlap: the wall time is the commit's, not their sum
         stats = dataclasses.replace(stats, total_seconds=now - self.since, network_seconds=0.0)
         self.since, self.failures = now, 0
         # what each replica surely holds of the committed tokens (its speculation may differ)
-        committed = self.tokens + kept
+        committed = transcript.tokens + kept
         lengths = {address: _shared(tokens, committed) for address, tokens in self.held.items()}
         self._event("commit", tokens=len(kept))
-        piece = await self._commit(kept, finish, stats, lengths, began)
+        piece = await transcript.commit(kept, finish, stats, lengths, began)
         self._event("committed", tokens=len(kept))
         if piece is None:  # Redis is at another round: take its tokens, speculate afresh
-            piece = await self._resume_from_store()
+            piece = await transcript.resume_from_store()
             self._restart()
-        if self.finished:
+        if transcript.finished:
             self._cancel_all()
         return piece
 
     def _restart(self) -> None:
         self._cancel_all()
-        self.state, self.queued = DsiState(self.tokens), []
+        self.state, self.queued = DsiState(self.transcript.tokens), []
 
     def _cancel_all(self) -> None:
         for future in self.calls:
@@ -216,9 +222,9 @@ class DsiRun(SessionRun):
                 self._draft(min(depth, room))
             if self.calls or not (self.queued or room > 0) or not wait:
                 return
-            pool = self.pool(Role.VERIFIER if self.queued else Role.DRAFTER)
+            pool = self.placer.pool(Role.VERIFIER if self.queued else Role.DRAFTER)
             try:
-                await pool.wait_healthy(1, timeout=self._time_left())
+                await pool.wait_healthy(1, timeout=self.placer.time_left())
             except TimeoutError:
                 raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"no healthy {pool.name} replica") from None
             await asyncio.sleep(COOLDOWN_SECONDS)
@@ -247,14 +253,14 @@ class DsiRun(SessionRun):
         return position
 
     def _draft(self, depth: int) -> None:
+        pool = self.placer.pool(Role.DRAFTER)
         try:  # the session's drafter while it is healthy (pool affinity), else another
-            address = self.pool(Role.DRAFTER).pick(self.id, preferred=self.addresses.get(Role.DRAFTER))
+            address = pool.pick(self.id, preferred=self.placer.addresses.get(Role.DRAFTER))
         except NoHealthyReplica:  # _schedule waits for one
             return
         if self.cooling.get(address, 0.0) > asyncio.get_running_loop().time():
             return  # still finishing our cancelled draft; _schedule comes back after the cooldown
-        self.addresses[Role.DRAFTER] = address
-        self.touched.add((Role.DRAFTER, address))
+        self.placer.use(Role.DRAFTER, address)
         context = self.state.context()
         position = self._position(address, context)
         spec = TreeSpec(Method.CHAIN, depth=depth)
@@ -268,7 +274,7 @@ class DsiRun(SessionRun):
         )
         # supersedable: after a rejection the next draft stops this one at its next level instead
         # of being refused while it runs on
-        loop = self.pool(Role.DRAFTER).loop(address)
+        loop = pool.loop(address)
         draft = functools.partial(loop.draft, self.client.session, spec=spec, supersedable=True)
         self._start(self._after_prefill(loop, address, position, context, draft), call)
 
@@ -293,7 +299,7 @@ class DsiRun(SessionRun):
     def _send_verify(self, address: str, prefix: list[int], tree: Any, **what: Any) -> _Call:
         """Verify `tree` (None: a target-only forward) after `prefix` on `address`."""
         position = self._position(address, prefix)
-        self.touched.add((Role.VERIFIER, address))
+        self.placer.touched.add((Role.VERIFIER, address))
         rows = len(prefix) - position + (tree.nodes if tree is not None else 0)
         call = _Call(Role.VERIFIER, address, prefix, self.state.version, rows=rows, **what)
         loop = self.env.verifiers.loop(address)
@@ -447,9 +453,9 @@ class DsiRun(SessionRun):
                 f"{call.address}: {error.code().name}: {error.details()}",
             )
         self.held.pop(call.address, None)
-        await self._recover_from(call.role, call.address, error)
+        await self.placer.recover_from(call.role, call.address, error)
         if call.role is Role.DRAFTER:
-            self.addresses.pop(Role.DRAFTER, None)
+            self.placer.addresses.pop(Role.DRAFTER, None)
 
 
 def _block_id(call: _Call) -> int | None:

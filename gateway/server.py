@@ -29,7 +29,7 @@ from grpc_health.v1 import health, health_pb2
 
 from gateway.api import SESSION_ID_METADATA, gateway_pb2, gateway_pb2_grpc, logprobs_to_proto
 from gateway.config import GatewayConfig, parse_config
-from gateway.dsi import DsiRun
+from gateway.env import GatewayEnv, GatewayError, Piece
 from gateway.http.app import create_app
 from gateway.http.server import HttpServer
 from gateway.metrics import GatewayMetrics, RequestClock
@@ -44,7 +44,7 @@ from gateway.requests import (
     plan_from_session,
 )
 from gateway.retries import RetryBudget, TryTimeouts
-from gateway.rounds import GatewayEnv, GatewayError, Piece, SessionRun
+from gateway.session import DsiShape, SessionRun
 from gateway.session_store import (
     NotOwner,
     Session,
@@ -521,15 +521,13 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
 
     async def _dsi_run(
         self, plan: GenerationPlan, text: TextStream, deadline: float | None, resumed: Session | None = None
-    ) -> DsiRun:
+    ) -> SessionRun:
         assert plan.dsi is not None
         model = self.served_model()
         verify = ForwardCost(model.forward_cost, decay=0.0).shape
         shape = await self._dsi_shape(plan.dsi, verify, model.draft_cost)
-        return DsiRun(
-            plan, self.env, text, deadline, lookahead=shape.lookahead, parallel=shape.parallel,
-            ahead=shape.ahead, verify_cost=verify, resumed=resumed,
-        )  # fmt: skip
+        dsi = DsiShape(shape.lookahead, shape.parallel, shape.ahead, verify_cost=verify)
+        return SessionRun(plan, self.env, text, deadline, resumed=resumed, dsi=dsi)
 
     def _speculation(self, plan: GenerationPlan) -> tuple[GenerationPlan, RoundPolicy | None]:
         """A request with no speculation field: a FamilyPolicy, which picks every round (plain

@@ -66,3 +66,35 @@ def test_a_core_module_importing_the_runtime_is_reported(tree: Path) -> None:
 def test_the_public_import_paths_still_work(path: str) -> None:
     module, name = path.split(":")
     assert getattr(importlib.import_module(module), name) is not None
+
+
+def test_every_module_is_named_in_the_architecture_s_module_table() -> None:
+    """docs/architecture.md's module table has a row for every module: a specmesh module by its
+    stem in a row of its layer (`ticks` under rpc), any other by its path (`gateway/session`), or
+    in its folder's row (`gateway/http/` (`app`, ...))."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text[text.index("Every module, by layer") :].split("\n## ")[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    missing = []
+    for name in PACKAGES:
+        for path in sorted((ROOT / name).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            if (
+                path.name in ("__init__.py", "__main__.py")
+                or "v1" in rel.parts
+                or (len(rel.parts) == 2 and name == "specmesh")
+            ):
+                continue
+            folder, stem = "/".join(rel.parts[:-1]), path.stem
+            if name == "specmesh" and len(rel.parts) == 3:  # specmesh/<layer>/<module>
+                layer = {"services": "services", "stack": "stack"}.get(rel.parts[1], rel.parts[1])
+                found = any(r[0].strip("| ") == layer and f"`{stem}`" in r[1] for r in rows)
+                found = found or any(f"`{folder}/`" in r[1] and f"`{stem}`" in r[1] for r in rows)
+            else:
+                found = any(
+                    f"`{folder}/{stem}`" in r[1] or (f"`{folder}/`" in r[1] and f"`{stem}`" in r[1])
+                    for r in rows
+                )
+            if not found:
+                missing.append(str(rel))
+    assert not missing, f"not in docs/architecture.md's module table: {missing}"
