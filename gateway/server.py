@@ -14,13 +14,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +31,15 @@ from gateway.env import GatewayEnv, GatewayError, Piece
 from gateway.http.app import create_app
 from gateway.http.server import HttpServer
 from gateway.metrics import GatewayMetrics, RequestClock
+from gateway.model import ServedModel, learn_model
 from gateway.pools import NoHealthyReplica, ReplicaPool
 from gateway.prefixes import PrefixRouting
 from gateway.requests import (
-    AUTO_SPEC,
-    DsiSettings,
     GenerationPlan,
-    ModelLimits,
     parse_generate_request,
     plan_from_session,
 )
-from gateway.retries import RetryBudget, TryTimeouts
+from gateway.retries import RetryBudget
 from gateway.session import DsiShape, SessionRun
 from gateway.session_store import (
     NotOwner,
@@ -53,17 +49,15 @@ from gateway.session_store import (
     StoreError,
     StoreUnavailable,
 )
+from gateway.speculation import dsi_shape, plan_speculation, servable
 from gateway.text import TextStream
-from specmesh.core.adaptive import MAX_LOOKUP, AdaptivePolicy, FamilyPolicy, ForwardCost, RoundPolicy
+from specmesh.core.adaptive import ForwardCost, RoundPolicy
 from specmesh.core.ahead import PipelinePolicy
 from specmesh.core.drafting import TreeSpec
-from specmesh.core.dsi import Shape, choose_shape
 from specmesh.core.methods import Method
-from specmesh.core.ngram import prompt_hit_rate
 from specmesh.core.rounds import Pipelining
 from specmesh.rpc import wire
 from specmesh.rpc.flags import ServerConfig
-from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.server import (
     RpcService,
     configure_logging,
@@ -72,8 +66,6 @@ from specmesh.rpc.server import (
     serve,
 )
 from specmesh.rpc.tick_client import Role
-from specmesh.rpc.wire import Limits
-from specmesh.runtime.tokenizers import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger("specmesh.gateway")
 
@@ -88,15 +80,6 @@ READY_RETRY_SECONDS = 5.0  # between attempts to learn the model (a verifier sta
 
 
 NONE_SPEC = TreeSpec(Method.NONE)
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    name: str  # the verifier's model id (InfoResponse.model_id)
-    tokenizer: Any
-    limits: ModelLimits
-    forward_cost: dict[int, float]  # the verifier's, rows -> seconds (InfoResponse.forward_cost)
-    draft_cost: dict[int, float]  # a drafter's, likewise (empty: no drafter answered)
 
 
 class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
@@ -225,7 +208,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
     async def _become_ready(self, health_servicer: health.aio.HealthServicer) -> None:
         while self.model is None:
             try:
-                self.model = await self._learn_model()
+                self.model = await learn_model(self.env, self.config)
                 self.metrics.model_name = self.model_name()
             except Exception as exc:  # retried: the verifier may be starting or being replaced
                 self._not_ready = f"cannot learn the model yet: {exc}"
@@ -237,58 +220,6 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             "ready",
             extra={"vocab_size": self.model.limits.vocab_size, "context": self.model.limits.max_context},
         )
-
-    async def _learn_model(self) -> ServedModel:
-        """Info from a healthy verifier; the tokenizer; the limits requests are checked against."""
-        address = (await self.env.verifiers.wait_healthy(1))[0]
-        stub = pb2_grpc.VerifierStub(self.env.verifiers.channel(address))
-        info = await stub.Info(pb2.InfoRequest(), timeout=self.config.round_timeout)
-        source = self.config.tokenizer or info.model_id
-        tokenizer, context = await asyncio.to_thread(load_tokenizer, source)
-        if tokenizer_fingerprint(tokenizer) != info.tokenizer_fingerprint:
-            raise RuntimeError(
-                f"the tokenizer of {source!r} is not the one verifier {address} uses ({info.model_id!r})"
-            )
-        c = self.config
-        limits = ModelLimits(
-            vocab_size=info.vocab_size,
-            eos_token_id=tokenizer.eos_token_id,
-            max_context=c.max_context or context or 0,
-            max_new_tokens_limit=c.max_new_tokens_limit,
-            default_max_new_tokens=c.default_max_new_tokens,
-            tree=Limits(**{f.name: getattr(c, f.name) for f in dataclasses.fields(Limits)}),
-            max_stop_sequences=c.max_stop_sequences,
-            max_stop_length=c.max_stop_length,
-            max_prompt_bytes=c.max_prompt_bytes,
-        )
-        forward_cost = {c.rows: c.seconds for c in info.forward_cost}
-        draft_cost = await self._draft_cost()
-        self.env.forward_costs = {Role.VERIFIER: forward_cost, Role.DRAFTER: draft_cost}
-        self.env.verifiers.prefill_chunk(c.chunk(forward_cost))
-        if self.env.drafters is not None:  # a drafter that did not answer: the verifier's chunk
-            self.env.drafters.prefill_chunk(c.chunk(draft_cost or forward_cost))
-        chunks = {Role.VERIFIER: self.env.verifiers.max_tick_tokens}
-        if self.env.drafters is not None:
-            chunks[Role.DRAFTER] = self.env.drafters.max_tick_tokens
-        for role, tokens in chunks.items():
-            self.env.metrics.prefill_chunk.labels(role).set(tokens)
-        log.info("prefill chunk", extra={role.value: tokens for role, tokens in chunks.items()})
-        if c.try_timeout_factor > 0:
-            floor, factor = c.try_timeout_floor, c.try_timeout_factor
-            self.env.try_timeouts = TryTimeouts(floor, factor, draft_cost, forward_cost)
-        return ServedModel(info.model_id, tokenizer, limits, forward_cost, draft_cost)
-
-    async def _draft_cost(self) -> dict[int, float]:
-        """A drafter's measured forward cost, for DSI's choice of shape; {} if none answers now."""
-        pool = self.env.drafters
-        if pool is None or not pool.healthy():
-            return {}
-        stub = pb2_grpc.DrafterStub(pool.channel(pool.healthy()[0]))
-        try:
-            info = await stub.Info(pb2.InfoRequest(), timeout=self.config.round_timeout)
-        except grpc.aio.AioRpcError:
-            return {}
-        return {c.rows: c.seconds for c in info.forward_cost}
 
     # ---- errors --------------------------------------------------------------------------------
 
@@ -411,7 +342,9 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
                 parse = functools.partial(
                     parse_generate_request, request, model.tokenizer, model.limits, tenant
                 )
-                plan = self._servable(await asyncio.get_running_loop().run_in_executor(self._parser, parse))
+                plan = servable(
+                    await asyncio.get_running_loop().run_in_executor(self._parser, parse), self.env
+                )
                 text = TextStream(model.tokenizer, plan.stop, context=plan.prompt_ids)
                 run, replay = await self._session_run(plan, text, deadline), None
             plan = run.plan
@@ -525,97 +458,13 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         assert plan.dsi is not None
         model = self.served_model()
         verify = ForwardCost(model.forward_cost, decay=0.0).shape
-        shape = await self._dsi_shape(plan.dsi, verify, model.draft_cost)
+        shape = await dsi_shape(plan.dsi, verify, model.draft_cost, self.env, self.config.dsi_max_parallel)
         dsi = DsiShape(shape.lookahead, shape.parallel, shape.ahead, verify_cost=verify)
         return SessionRun(plan, self.env, text, deadline, resumed=resumed, dsi=dsi)
 
     def _speculation(self, plan: GenerationPlan) -> tuple[GenerationPlan, RoundPolicy | None]:
-        """A request with no speculation field: a FamilyPolicy, which picks every round (plain
-        steps with n-gram rides in the verifier, or the draft model's chain); an adaptive plan: its
-        depth policy. Both reproducible (specmesh.core.adaptive): fixed start-up costs, the
-        session's tokens and its own rounds. Runs in the parse thread."""
-        model = self.served_model()
-        overhead = self.config.call_overhead_ms / 1000.0
-        draft_level = {
-            Method.NGRAM: 0.0,  # a lookup: no forward
-            Method.CHAIN: model.draft_cost.get(1, DSI_UNKNOWN_DRAFT_SHARE * model.forward_cost.get(1, 0.0)),
-        }
-
-        ngram_hits = functools.cache(lambda: prompt_hit_rate(plan.prompt_ids))  # once, if asked
-
-        def prior(method: Method) -> float:
-            return ngram_hits() if method is Method.NGRAM else ADAPTIVE_PRIOR
-
-        if plan.auto:
-            chain = None
-            if self.env.drafters is not None:
-                chain = AdaptivePolicy(
-                    AUTO_SPEC, model.forward_cost, prior_alpha=ADAPTIVE_PRIOR,
-                    draft_cost=draft_level[Method.CHAIN], call_overhead=overhead,
-                )  # fmt: skip
-            family = FamilyPolicy(
-                model.forward_cost, overhead, self.env.plain_steps, len(plan.prompt_ids), chain,
-                max_lookup=0 if plan.grammar is not None else min(MAX_LOOKUP, self.config.max_depth),
-            )  # fmt: skip  # a grammar masks a tree's paths: no rides (VerifyRequest.lookup_depth)
-            family.estimate.sync(plan.prompt_ids)  # here in the parse thread, not on the event loop
-            # a drafter role only where the draft model's rounds may ever pay (FamilyPolicy)
-            spec = AUTO_SPEC if family.chain is not None else NONE_SPEC
-            return dataclasses.replace(plan, spec=spec, adaptive=False), family
-        if not plan.adaptive:
-            return plan, None
-        method = plan.spec.method
-        policy = AdaptivePolicy(
-            plan.spec, model.forward_cost, prior_alpha=prior(method),
-            draft_cost=draft_level.get(method, draft_level[Method.CHAIN]), call_overhead=overhead,
-        )  # fmt: skip
-        return plan, policy
-
-    async def _dsi_shape(
-        self, settings: DsiSettings, verify: Callable[[int], float], draft_cost: dict[int, float]
-    ) -> Shape:
-        """A DSI request's lookahead and parallel verifications; what it leaves unset (0) is what
-        the DSI simulation predicts fastest for the replicas' measured forward costs and the
-        acceptance of earlier DSI sessions (specmesh.core.dsi.choose_shape). With `parallel` unset
-        SI's schedule (no drafting ahead) is a candidate, and drafting ahead is charged the
-        slowdown earlier DSI verifications of that many in flight measured: DSI then never plans
-        to be slower than SI. A `parallel` the request sets is run as the paper's DSI, drafting ahead."""
-        limit = self.config.dsi_max_parallel
-        if settings.parallel > limit:
-            raise GatewayError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"speculation.parallel: {settings.parallel} is above the gateway's limit of {limit} "
-                "(--dsi-max-parallel)",
-                "speculation.parallel",
-            )
-        available = max(1, min(limit, len(self.env.verifiers.healthy())))
-        parallels = [settings.parallel] if settings.parallel else range(1, available + 1)
-        lookaheads = [settings.lookahead] if settings.lookahead else range(1, DSI_MAX_LOOKAHEAD + 1)
-        sequential = not settings.parallel
-        if settings.parallel and settings.lookahead:
-            return Shape(settings.lookahead, settings.parallel, seconds_per_token=0.0)  # nothing predicted
-        draft = draft_cost.get(1, DSI_UNKNOWN_DRAFT_SHARE * verify(1))
-        slowdown = {p: self.env.dsi.overlap_slowdown(p) for p in parallels}  # read here, not in the thread
-        return await asyncio.to_thread(
-            choose_shape, self.env.dsi.acceptance, draft, verify, parallels, lookaheads,
-            sequential=sequential, overlap_slowdown=slowdown.__getitem__,
-        )  # fmt: skip
-
-    def _servable(self, plan: GenerationPlan) -> GenerationPlan:
-        """The plan this gateway can run: without drafters, its own default is plain decoding."""
-        if plan.spec.method is Method.NGRAM and self.env.ngram_drafters is None:
-            raise GatewayError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "speculation.method: 'ngram' needs n-gram drafters; this gateway has none (--ngram-drafters)",
-                "speculation.method",
-            )
-        if plan.spec.method.needs_model and self.env.drafters is None:
-            raise GatewayError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"speculation.method: {plan.spec.method!r} needs drafters; this gateway has none "
-                "(--drafters), use method 'none'",
-                "speculation.method",
-            )
-        return plan
+        """`plan_speculation` for the served model (in the parse thread)."""
+        return plan_speculation(plan, self.served_model(), self.env, self.config)
 
     @staticmethod
     def _deadline(context: grpc.aio.ServicerContext) -> float | None:

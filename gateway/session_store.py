@@ -24,18 +24,19 @@ does not roll back a script that fails halfway) and refreshes the TTL of all fou
 commits only when the stored round equals the caller's expected round, so a late or duplicate
 verifier reply commits nothing.
 
-Redis restarts and failovers: every operation that finds Redis unreachable, timing out, loading
-its data (LOADING) or read-only (a demoted master) is retried with exponential backoff (50 ms
-doubling to 1 s) for up to `reconnect_timeout` seconds; only then StoreUnavailable (the gateway
-answers UNAVAILABLE). Retries are safe: reads and `assign` / `touch` / `delete` are idempotent,
-and `create` and `commit_round` carry a random id that makes a replay of the same call (its first
-try applied, the answer lost) succeed without applying twice. A refused password fails at once
+Redis restarts and failovers (gateway/redis_link.py, `RedisLink`): every operation that finds
+Redis unreachable, timing out, loading its data (LOADING) or read-only (a demoted master) is
+retried with exponential backoff (50 ms doubling to 1 s) for up to `reconnect_timeout` seconds;
+only then StoreUnavailable (the gateway answers UNAVAILABLE). Retries are safe: reads and
+`assign` / `touch` / `delete` are idempotent, and `create` and `commit_round` carry a random id
+that makes a replay of the same call (its first try applied, the answer lost) succeed without
+applying twice. A refused password fails at once
 (StoreError); so does anything else Redis refuses.
 
 The URL is `redis://[[user]:password@]host:port/db` (`rediss://` for TLS), or Sentinel:
 `redis+sentinel://[[user]:password@]host:port[,host:port…]/service[/db]`, which asks the Sentinels
-for the service's master and follows a failover (`parse_sentinel_url`). Error messages and logs
-never show the password (`_safe_url`).
+for the service's master and follows a failover (`redis_link.parse_sentinel_url`). Error messages
+and logs never show the password (`redis_link._safe_url`).
 """
 
 from __future__ import annotations
@@ -49,67 +50,24 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-from urllib.parse import unquote
+from typing import Any
 
-import redis.asyncio as aioredis
 import redis.exceptions
-from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
-from redis.backoff import ExponentialBackoff
 
+from gateway.redis_link import RedisLink, ScriptPipeline, StoreError
+from gateway.redis_link import StoreUnavailable as StoreUnavailable  # the store's errors, raised by its link
 from specmesh.core.stats import GenerationStats
 
-__all__ = [
-    "NotOwner",
-    "SentinelUrl",
-    "Session",
-    "SessionExists",
-    "SessionKeys",
-    "SessionNotFound",
-    "SessionStore",
-    "StoreError",
-    "StoreUnavailable",
-    "parse_sentinel_url",
-]
-
 log = logging.getLogger("specmesh.gateway.session_store")
-T = TypeVar("T")
 
 DEFAULT_TTL_SECONDS = 600.0
 DEFAULT_LEASE_SECONDS = 3.0  # a dead gateway's sessions can be resumed elsewhere this long after
 DEFAULT_RECONNECT_SECONDS = 30.0  # the gateway's --redis-reconnect-seconds
-BACKOFF_FIRST, BACKOFF_MAX = 0.05, 1.0  # seconds between retries: 50 ms, doubling, at most 1 s
 CLEANUP_RECONNECT_SECONDS = 2.0  # `delete` is cleanup (the TTL is the backstop): it waits less
-SENTINEL_PORT = 26379
-# Redis is not there right now: worth waiting for. (redis-py's AuthenticationError is a
-# ConnectionError too, but a wrong password never gets better: it is caught before these.)
-_TRANSIENT = (
-    redis.exceptions.ConnectionError,  # refused, reset, LOADING, no master known to the Sentinels
-    redis.exceptions.TimeoutError,
-    redis.exceptions.ReadOnlyError,  # a master demoted by a failover, before clients move
-)
-
-
-def _read_only(exc: redis.exceptions.RedisError) -> bool:
-    """A write sent to a replica: directly (READONLY), or from inside a Lua script."""
-    return isinstance(exc, redis.exceptions.ReadOnlyError) or (
-        isinstance(exc, redis.exceptions.ResponseError) and "READONLY" in str(exc)
-    )
-
-
 SCHEMA_VERSION = "1"
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # no braces: they would break the hash tag
-
-
-class StoreError(Exception):
-    """Redis refused an operation (wrong key type, script error, bad arguments)."""
-
-
-class StoreUnavailable(StoreError):
-    """Redis cannot be reached or did not answer in time; nothing was committed by this call."""
 
 
 class SessionExists(StoreError):
@@ -376,73 +334,6 @@ def _tokens(tokens: Sequence[int]) -> list[int]:
     return out
 
 
-def _safe_url(url: str) -> str:
-    """The URL without its password (also a `password=` query parameter), for messages and logs."""
-    scheme, sep, rest = url.partition("://")
-    if sep:
-        netloc, slash, path = rest.partition("/")
-        userinfo, at, hosts = netloc.rpartition("@")
-        if at:
-            user, colon, _ = userinfo.partition(":")
-            netloc = f"{user}:***@{hosts}" if colon else f"***@{hosts}"
-        url = f"{scheme}://{netloc}{slash}{path}"
-    return re.sub(r"(?i)(password=)[^&#]*", r"\1***", url)
-
-
-@dataclass(frozen=True)
-class SentinelUrl:
-    """`redis+sentinel://[[user]:password@]host:port[,host:port…]/service[/db]`: the Sentinels to
-    ask, the monitored service (master name), the database and the data nodes' credentials."""
-
-    sentinels: list[tuple[str, int]]
-    service: str
-    db: int = 0
-    username: str | None = None
-    password: str | None = None
-
-
-def is_sentinel_url(url: str) -> bool:
-    return url.lower().startswith("redis+sentinel://")
-
-
-def parse_sentinel_url(url: str) -> SentinelUrl:
-    """ValueError naming what is wrong. A host without a port is on 26379."""
-    if not is_sentinel_url(url):
-        raise ValueError(f"{_safe_url(url)}: not a redis+sentinel:// URL")
-    rest = url.split("://", 1)[1].split("?", 1)[0].split("#", 1)[0]
-    netloc, _, path = rest.partition("/")
-    userinfo, at, hosts = netloc.rpartition("@")
-    username = password = None
-    if at:
-        user, colon, secret = userinfo.partition(":")
-        username, password = (unquote(user) or None), (unquote(secret) if colon else None)
-    sentinels = []
-    for item in hosts.split(","):
-        item = item.strip()
-        if item.startswith("["):  # [IPv6]:port
-            host, _, tail = item[1:].partition("]")
-            port = tail.removeprefix(":")
-        else:
-            host, _, port = item.partition(":")
-        if not host:
-            raise ValueError(f"{_safe_url(url)}: a Sentinel without a host")
-        try:
-            sentinels.append((host, int(port) if port else SENTINEL_PORT))
-        except ValueError:
-            raise ValueError(f"{_safe_url(url)}: bad port {port!r}") from None
-    service, _, db = path.strip("/").partition("/")
-    if not service:
-        raise ValueError(f"{_safe_url(url)}: no service name (the path: /mymaster[/db])")
-    if db and not db.isdigit():
-        raise ValueError(f"{_safe_url(url)}: bad database {db!r}")
-    return SentinelUrl(sentinels, unquote(service), int(db or 0), username, password)
-
-
-class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
-    """The Sentinel's pool (connects to whatever the Sentinels name as master), waiting for a free
-    connection past max_connections like the plain URL's BlockingConnectionPool."""
-
-
 class SessionStore:
     """Async session store on one Redis, or on the master a Sentinel names (redis-py `redis.asyncio`).
 
@@ -467,17 +358,16 @@ class SessionStore:
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         gateway_id: str | None = None,
     ) -> None:
-        """max_connections: Redis connections at most; a command past them waits for one to be
-        free, up to pool_timeout seconds (then StoreUnavailable), instead of failing at once.
-        reconnect_timeout: seconds an operation is retried while Redis is unreachable (0: fail
-        at the first error, after redis-py's own `retries` quick retries)."""
+        """The connection's settings are RedisLink's (gateway/redis_link.py)."""
         if ttl_seconds <= 0:
             raise ValueError("ttl_seconds must be > 0")
-        if reconnect_timeout < 0:
-            raise ValueError("reconnect_timeout must be >= 0")
         if lease_seconds <= 0:
             raise ValueError("lease_seconds must be > 0")
-        self.url = url
+        self._link = RedisLink(
+            url, socket_timeout=socket_timeout, connect_timeout=connect_timeout, retries=retries,
+            max_connections=max_connections, pool_timeout=pool_timeout, reconnect_timeout=reconnect_timeout,
+        )  # fmt: skip
+        self.url, self.reconnect_timeout = url, reconnect_timeout
         self.ttl_seconds = ttl_seconds
         self.lease_seconds = lease_seconds
         if gateway_id is not None and (not gateway_id or gateway_id.split() != [gateway_id]):
@@ -485,33 +375,7 @@ class SessionStore:
         self.gateway_id = gateway_id or uuid.uuid4().hex[:12]  # this gateway, in owner tokens
         self._commit_prefix, self._commit_count = f"{uuid.uuid4().hex}:", itertools.count()
         self.prefix = prefix
-        self.reconnect_timeout = reconnect_timeout
-        self._down_since: float | None = None  # monotonic time of the current outage's first error
-        options: dict[str, Any] = {
-            "max_connections": max_connections,
-            "timeout": pool_timeout,
-            "decode_responses": True,
-            "socket_timeout": socket_timeout,
-            "socket_connect_timeout": connect_timeout,
-            "retry": Retry(ExponentialBackoff(cap=0.1, base=0.01), retries),
-            "client_name": "specmesh-gateway",
-        }
-        self._sentinel: Sentinel | None = None
-        if is_sentinel_url(url):
-            where = parse_sentinel_url(url)
-            timeouts = {"socket_timeout": socket_timeout, "socket_connect_timeout": connect_timeout}
-            self._sentinel = Sentinel(where.sentinels, sentinel_kwargs=timeouts)
-            self._redis = self._sentinel.master_for(
-                where.service,
-                connection_pool_class=_BlockingSentinelPool,
-                db=where.db,
-                username=where.username,
-                password=where.password,
-                **options,
-            )
-        else:
-            pool = aioredis.BlockingConnectionPool.from_url(url, **options)
-            self._redis = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes it
+        self._redis, self._call = self._link.redis, self._link.call
         self._create = self._redis.register_script(_CREATE)
         self._commit = self._redis.register_script(_COMMIT)
         self._take = self._redis.register_script(_TAKE)
@@ -519,10 +383,8 @@ class SessionStore:
         self._assign = self._redis.register_script(_ASSIGN)
         self._touch = self._redis.register_script(_TOUCH)
         self._prefixes = self._redis.register_script(_PREFIXES)
-        # commits queued this event-loop turn, sent as one pipeline (`_pipelined_commit`)
-        self._commits: list[tuple[list[Any], list[Any], asyncio.Future]] = []
-        self._commit_flush: asyncio.Handle | None = None
-        self._sending: set[asyncio.Task] = set()
+        # every commit of one event-loop turn in one pipelined round trip
+        self._commits = ScriptPipeline(self._link, self._commit, "commit_round")
 
     async def __aenter__(self) -> SessionStore:
         return self
@@ -531,9 +393,7 @@ class SessionStore:
         await self.close()
 
     async def close(self) -> None:
-        await self._redis.aclose()
-        if self._sentinel is not None:
-            await self._sentinel.aclose()
+        await self._link.close()
 
     def keys(self, session_id: str) -> SessionKeys:
         return SessionKeys.of(session_id, self.prefix)
@@ -545,71 +405,6 @@ class SessionStore:
     @property
     def _lease_ms(self) -> int:
         return max(1, int(self.lease_seconds * 1000))
-
-    async def _call(
-        self, op: str, call: Callable[[], Awaitable[T]], reconnect_timeout: float | None = None
-    ) -> T:
-        """`call()`, retried with backoff while Redis is unreachable (module docstring)."""
-        budget = self.reconnect_timeout if reconnect_timeout is None else reconnect_timeout
-        start = time.monotonic()
-        delay = BACKOFF_FIRST
-        task = asyncio.current_task()
-        cancels = task.cancelling() if task is not None else 0
-        while True:
-            try:
-                result = await call()
-                if task is not None and task.cancelling() > cancels:
-                    # redis-py sends through asyncio.wait_for, which on Python 3.11 drops a cancel
-                    # that lands as the send completes (CPython gh-86296): raise it here, or a
-                    # cancelled loop (a lease renewer) would run on and its session never end.
-                    raise asyncio.CancelledError
-            except redis.exceptions.AuthenticationError as exc:
-                raise StoreError(
-                    f"session store: Redis at {_safe_url(self.url)} refused the credentials ({exc}): "
-                    "check the password in the Redis URL"
-                ) from exc
-            except redis.exceptions.RedisError as exc:
-                if _read_only(exc):  # reconnect: to the new master, wherever it is now
-                    await self._redis.connection_pool.disconnect(inuse_connections=False)
-                elif not isinstance(exc, _TRANSIENT):
-                    raise StoreError(f"session store: Redis refused {op}: {exc}") from exc
-                error: Exception = exc
-            except OSError as exc:
-                error = exc
-            else:
-                self._note_up()
-                return result
-            self._note_down(error)
-            left = budget - (time.monotonic() - start)
-            if left <= 0:
-                waited = f" for {time.monotonic() - start:.1f}s" if budget else ""
-                raise StoreUnavailable(
-                    f"session store unavailable: Redis at {_safe_url(self.url)} did not answer "
-                    f"{op}{waited} ({type(error).__name__}: {error})"
-                ) from error
-            await asyncio.sleep(min(delay, left))
-            delay = min(2 * delay, BACKOFF_MAX)
-
-    def _note_down(self, exc: BaseException) -> None:
-        """One warning per outage, not one per waiting call."""
-        if self._down_since is None:
-            self._down_since = time.monotonic()
-            log.warning(
-                "Redis does not answer; retrying",
-                extra={
-                    "redis": _safe_url(self.url),
-                    "error": f"{type(exc).__name__}: {exc}",
-                    "reconnect_seconds": self.reconnect_timeout,
-                },
-            )
-
-    def _note_up(self) -> None:
-        if self._down_since is not None:
-            down = time.monotonic() - self._down_since
-            self._down_since = None
-            log.warning(
-                "Redis answers again", extra={"redis": _safe_url(self.url), "seconds": round(down, 3)}
-            )
 
     async def ping(self) -> None:
         await self._call("PING", self._redis.ping)
@@ -779,59 +574,9 @@ class SessionStore:
         ]
         answer = asyncio.get_running_loop().create_future()
         # bytes: redis-py passes them through without its per-argument type checks
-        raw = self._pipelined_commit([k.encode() for k in keys.with_owner()], ["\n".join(fields).encode()])
+        raw = self._commits.call([k.encode() for k in keys.with_owner()], ["\n".join(fields).encode()])
         raw.add_done_callback(functools.partial(_commit_answer, session_id, answer))
         return answer
-
-    def _pipelined_commit(self, keys: list[Any], args: list[Any]) -> asyncio.Future:
-        """Queue a commit script: every commit queued in one event-loop turn (a tick's sessions)
-        goes to Redis in one pipelined round trip, each script still atomic and fenced on its own."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._commits.append((keys, args, future))
-        if self._commit_flush is None:
-            self._commit_flush = loop.call_soon(self._flush_commits)
-        return future
-
-    def _flush_commits(self) -> None:
-        self._commit_flush = None
-        batch, self._commits = self._commits, []
-        task = asyncio.ensure_future(self._send_commits(batch))
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
-
-    async def _send_commits(self, batch: list[tuple[list[Any], list[Any], asyncio.Future]]) -> None:
-        """One pipeline of EVALSHA, retried as a whole while Redis is unreachable (each commit's id
-        makes a replay of one that was applied return 2, writing nothing)."""
-        sha = self._commit.sha
-
-        async def send() -> list[Any]:
-            pipe = self._redis.pipeline(transaction=False)
-            for keys, args, _ in batch:
-                pipe.evalsha(sha, len(keys), *keys, *args)
-            results = await pipe.execute(raise_on_error=False)
-            for i, result in enumerate(results):  # the script is not loaded (a Redis restart)
-                if isinstance(result, redis.exceptions.NoScriptError):
-                    keys, args, _ = batch[i]
-                    results[i] = await self._commit(keys=keys, args=args)
-            return results
-
-        try:
-            results = await self._call("commit_round", send)
-        except BaseException as exc:
-            for *_, future in batch:
-                if not future.done():
-                    future.set_exception(exc if isinstance(exc, Exception) else StoreUnavailable(repr(exc)))
-            if not isinstance(exc, Exception):
-                raise
-            return
-        for (*_, future), result in zip(batch, results, strict=True):
-            if future.done():
-                continue
-            if isinstance(result, redis.exceptions.RedisError):
-                future.set_exception(StoreError(f"session store: Redis refused commit_round: {result}"))
-            else:
-                future.set_result(result)
 
     async def take(self, session_id: str) -> Session:
         """Take a session over (a resume): a new owner token for this gateway, once no other
@@ -935,15 +680,9 @@ class SessionStore:
 
     # ---- replicas' prefix summaries (gateway/prefixes.py) ----------------------------------------
 
-    def _prefix_keys(self, address: str) -> list[str]:
-        """(meta, set, placements) of a replica's summary: `specmesh:replica:{<address>}:...`, apart
-        from every session's `specmesh:{<id>}:...`; one hash tag, so the script's keys share a slot."""
-        tag = f"{self.prefix}:replica:{{{address}}}"
-        return [f"{tag}:prefixes-meta", f"{tag}:prefixes", f"{tag}:placed"]
-
     async def put_prefixes(self, address: str, incarnation: str, version: int, hashes: Sequence[str]) -> bool:
         """Replace what `address` holds (its route hashes, hex) if this is newer; False if not."""
-        keys, ttl = self._prefix_keys(address)[:2], max(1, int(PREFIXES_TTL_SECONDS * 1000))
+        keys, ttl = _prefix_keys(self.prefix, address)[:2], max(1, int(PREFIXES_TTL_SECONDS * 1000))
         args = [incarnation, version, ttl, *hashes]
         return bool(await self._call("put_prefixes", lambda: self._prefixes(keys=keys, args=args)))
 
@@ -951,7 +690,7 @@ class SessionStore:
         """Sessions with these route hashes were placed on `address`: it holds them for the next
         PLACED_SECONDS, whatever summaries of the replica's are written meanwhile (one read before
         their prefill would not name them)."""
-        key = self._prefix_keys(address)[2]
+        key = _prefix_keys(self.prefix, address)[2]
         now = time.time()
 
         async def add() -> list[Any]:
@@ -972,7 +711,7 @@ class SessionStore:
         async def ask() -> list[Any]:
             pipe = self._redis.pipeline(transaction=False)
             for address in addresses:
-                _, summary, placed = self._prefix_keys(address)
+                _, summary, placed = _prefix_keys(self.prefix, address)
                 pipe.smismember(summary, list(hashes))
                 pipe.zmscore(placed, list(hashes))
             return await pipe.execute()
@@ -994,6 +733,13 @@ class SessionStore:
         keys = self.keys(session_id).with_owner()
         budget = min(self.reconnect_timeout, CLEANUP_RECONNECT_SECONDS)
         return bool(await self._call("delete", lambda: self._redis.delete(*keys), budget))
+
+
+def _prefix_keys(prefix: str, address: str) -> list[str]:
+    """(meta, set, placements) of a replica's summary: `specmesh:replica:{<address>}:...`, apart
+    from every session's `specmesh:{<id>}:...`; one hash tag, so the script's keys share a slot."""
+    tag = f"{prefix}:replica:{{{address}}}"
+    return [f"{tag}:prefixes-meta", f"{tag}:prefixes", f"{tag}:placed"]
 
 
 def _commit_answer(session_id: str, answer: asyncio.Future, raw: asyncio.Future) -> None:

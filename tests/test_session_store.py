@@ -14,16 +14,14 @@ from pathlib import Path
 import pytest
 import redis
 
+from gateway.redis_link import SentinelUrl, _safe_url, parse_sentinel_url
 from gateway.session_store import (
     NotOwner,
-    SentinelUrl,
     SessionExists,
     SessionNotFound,
     SessionStore,
     StoreError,
     StoreUnavailable,
-    _safe_url,
-    parse_sentinel_url,
 )
 from specmesh.core.stats import GenerationStats
 from specmesh.stack.ports import free_port

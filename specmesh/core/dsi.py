@@ -379,74 +379,96 @@ def simulate(
     block keeps its bonus)."""
     if lookahead < 1 or sp < 1 or n_tokens < 1:
         raise ValueError("lookahead, sp and n_tokens must be >= 1")
-    state = new_state(prompt)
-    goal = len(state.committed) + n_tokens
-    now, seq = 0.0, 0
-    events: list[tuple[float, int, str, object]] = []  # (time, order, kind, payload)
-    drafting: int | None = None  # version of the draft in progress
-    running: dict[int, Block] = {}  # block id -> block, on a worker (a guard: an empty block, id < 0)
-    queued: list[Block] = []  # drafted, waiting for a worker
-    forwards = most = 0
-    plan = Schedule(lookahead, sp, ahead)
+    run = _VirtualRun(new_state(prompt), Schedule(lookahead, sp, ahead), draft_seconds, verify_seconds)
+    goal = len(run.state.committed) + n_tokens
+    run.schedule(goal)
+    while len(run.state.committed) < goal:
+        if run.next_event(draft, verify):
+            run.schedule(goal)
+    tokens = run.state.committed[len(prompt) : goal]
+    return SimResult(tokens, run.now, run.forwards, run.most)
 
-    def push(t: float, kind: str, payload: object) -> None:
-        nonlocal seq
-        heapq.heappush(events, (t, seq, kind, payload))
-        seq += 1
 
-    def run(block: Block, prefix: list[int]) -> None:
-        nonlocal forwards, most
-        running[block.id] = block
-        forwards += 1
-        most = max(most, len(running))
-        push(now + verify_seconds(), "verified", (block, prefix))
+class _VirtualRun:
+    """`simulate`'s clock and workers: events in virtual time, in the order they were pushed at
+    equal times."""
 
-    def schedule() -> None:
-        nonlocal drafting
-        for _ in range(plan.verifications(len(queued), len(running))):
-            block = state.current(queued.pop(0))
+    def __init__(
+        self,
+        state: DsiState,
+        plan: Schedule,
+        draft_seconds: Callable[[], float],
+        verify_seconds: Callable[[], float],
+    ) -> None:
+        self.state, self.plan = state, plan
+        self.draft_seconds, self.verify_seconds = draft_seconds, verify_seconds
+        self.now, self._seq = 0.0, 0
+        self._events: list[tuple[float, int, str, object]] = []  # (time, order, kind, payload)
+        self.drafting: int | None = None  # version of the draft in progress
+        self.running: dict[
+            int, Block
+        ] = {}  # block id -> block, on a worker (a guard: an empty block, id < 0)
+        self.queued: list[Block] = []  # drafted, waiting for a worker
+        self.forwards = self.most = 0
+
+    def _push(self, t: float, kind: str, payload: object) -> None:
+        heapq.heappush(self._events, (t, self._seq, kind, payload))
+        self._seq += 1
+
+    def _run(self, block: Block, prefix: list[int]) -> None:
+        self.running[block.id] = block
+        self.forwards += 1
+        self.most = max(self.most, len(self.running))
+        self._push(self.now + self.verify_seconds(), "verified", (block, prefix))
+
+    def schedule(self, goal: int) -> None:
+        """Start what the schedule lets start: verifications of queued blocks, a guard, a draft."""
+        state, plan = self.state, self.plan
+        for _ in range(plan.verifications(len(self.queued), len(self.running))):
+            block = state.current(self.queued.pop(0))
             assert block is not None  # thrown-away blocks leave the queue at once
             state.mark_sent(block)
-            run(block, state.prefix(block))
+            self._run(block, state.prefix(block))
         room = goal - len(state.committed)
-        if plan.guard(state, len(running), room):
+        if plan.guard(state, len(self.running), room):
             position = state.start_guard()
             assert position is not None
-            run(Block(-1 - position, position, ()), list(state.committed))
-        k = plan.draft(state, drafting is not None, room)
+            self._run(Block(-1 - position, position, ()), list(state.committed))
+        k = plan.draft(state, self.drafting is not None, room)
         if k is not None:
-            drafting = state.version
-            push(now + draft_seconds() * k / lookahead, "drafted", (state.version, state.context(), k))
+            self.drafting = state.version
+            at = self.now + self.draft_seconds() * k / plan.lookahead
+            self._push(at, "drafted", (state.version, state.context(), k))
 
-    schedule()
-    while len(state.committed) < goal:
-        now, _, kind, payload = heapq.heappop(events)
+    def next_event(self, draft: DraftFn, verify: VerifyFn) -> bool:
+        """The next draft or verdict, applied to the state at its time; False if it was stale (a
+        preempted draft or verification), which changes nothing."""
+        state = self.state
+        self.now, _, kind, payload = heapq.heappop(self._events)
         if kind == "drafted":
             version, context, k = payload  # type: ignore[misc]
-            if version != drafting:
-                continue  # preempted by a restart
-            drafting = None
+            if version != self.drafting:
+                return False  # preempted by a restart
+            self.drafting = None
             tokens, drafted = draft(context, k)
             block = state.add(tokens, version, drafted, len(context))
             if block is not None:
-                queued.append(block)
-        else:
-            block, prefix = payload  # type: ignore[misc]
-            if running.pop(block.id, None) is None:
-                continue  # preempted: its worker was freed when it was cancelled
-            if block.tokens:
-                res = state.finish(block.id, verify(prefix, block))
-            else:  # a guard
-                res = state.finish_guard(block.start, verify(prefix, block).next_token)
-            for b in res.cancelled:
-                running.pop(b.id, None)
-            gone = {b.id for b in res.cancelled}
-            queued = [b for b in queued if b.id not in gone]
-            if res.restart:
-                drafting = None
-        schedule()
-    tokens = state.committed[len(prompt) : goal]
-    return SimResult(tokens, now, forwards, most)
+                self.queued.append(block)
+            return True
+        block, prefix = payload  # type: ignore[misc]
+        if self.running.pop(block.id, None) is None:
+            return False  # preempted: its worker was freed when it was cancelled
+        if block.tokens:
+            res = state.finish(block.id, verify(prefix, block))
+        else:  # a guard
+            res = state.finish_guard(block.start, verify(prefix, block).next_token)
+        for b in res.cancelled:
+            self.running.pop(b.id, None)
+        gone = {b.id for b in res.cancelled}
+        self.queued = [b for b in self.queued if b.id not in gone]
+        if res.restart:
+            self.drafting = None
+        return True
 
 
 # ---- the paper's acceptance model, and choosing a shape with it --------------------------------

@@ -97,6 +97,22 @@ def item_index(offsets: np.ndarray) -> np.ndarray:
     return np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
 
 
+class _Problems:
+    """Per item the first thing found wrong with its tree (`TreeColumns.check`)."""
+
+    def __init__(self, n: int, field: str) -> None:
+        self.found: list[ColumnError | None] = [None] * n
+        self._field = field
+
+    def bad(self, mask: np.ndarray, of_item: np.ndarray, name: str, problem: str) -> None:
+        """Where `mask` holds, the item (`of_item` of each entry) has `problem` with `name`."""
+        if not mask.any():  # the usual case, and np.unique's cost is not small for a tick
+            return
+        for i in np.unique(of_item[mask]).tolist():
+            if self.found[i] is None:
+                self.found[i] = ColumnError(f"{self._field}.{name}", problem, i)
+
+
 @dataclass(frozen=True)
 class TreeColumns:
     """DraftTrees, one per item (no tokens: no tree), in columns.
@@ -216,6 +232,21 @@ class TreeColumns:
         """Every column the right size, then each item's tree well formed: per item None or the
         first thing wrong with it (a bad tree fails its session alone). What `DraftTree.validate`
         checks, for the whole tick at once."""
+        rows = self._check_sizes(n, vocab_size, field)
+        problems = _Problems(n, field)
+        node_item = item_index(self.tokens.offsets)
+        local = np.arange(len(self.tokens.values)) - self.tokens.offsets[node_item]
+        parents = self.parents.astype(np.int64)
+        self._check_nodes(problems, vocab_size, node_item, local, parents)
+        n_rows = np.diff(self.item_rows)
+        self._check_prob_rows(problems, node_item, parents, n_rows)
+        if rows:
+            self._check_rows(problems.found, field, n_rows)
+        self._check_modes(problems, node_item, local, parents, n_rows > 0)
+        return problems.found
+
+    def _check_sizes(self, n: int, vocab_size: int, field: str) -> int:
+        """Every column's size for n items (else the whole tick is refused) -> the tick's rows."""
         self.tokens.check(f"{field}.tokens", n)
         nodes = len(self.tokens.values)
         for name, column, size in (
@@ -232,76 +263,81 @@ class TreeColumns:
             raise ColumnError(f"{field}.item_rows", "must rise from 0")
         self.row_ids.check(f"{field}.row_ids", rows)
         self.row_probs.check(f"{field}.row_probs", rows)
-        problems: list[ColumnError | None] = [None] * n
-
-        def bad(mask: np.ndarray, of_item: np.ndarray, name: str, problem: str) -> None:
-            if not mask.any():  # the usual case, and np.unique's cost is not small for a tick
-                return
-            for i in np.unique(of_item[mask]).tolist():
-                if problems[i] is None:
-                    problems[i] = ColumnError(f"{field}.{name}", problem, i)
-
-        sizes = self.tokens.lengths()
-        node_item = item_index(self.tokens.offsets)
-        has_tree = sizes > 0
         if rows and self.vocab_size != vocab_size:
             raise ColumnError(f"{field}.vocab_size", f"the trees were drafted over {self.vocab_size} tokens, "
                               f"this vocabulary has {vocab_size}")  # fmt: skip
+        return rows
+
+    def _check_nodes(
+        self,
+        problems: _Problems,
+        vocab_size: int,
+        node_item: np.ndarray,
+        local: np.ndarray,
+        parents: np.ndarray,
+    ) -> None:
+        """Tokens in the vocabulary, parents before their children, a mode per tree, level order."""
+        n = len(self.modes)
         tok = self.tokens.values
-        bad((tok < 0) | (tok >= vocab_size), node_item, "tokens", f"tokens must be in [0, {vocab_size})")
-        local = np.arange(nodes) - self.tokens.offsets[node_item]
-        parents = self.parents.astype(np.int64)
-        bad((parents < -1) | (parents >= local), node_item, "parents",
-            "parents must come before their children (-1 <= parents[i] < i)")  # fmt: skip
-        bad(has_tree & ((self.modes < 1) | (self.modes > len(MODES))), np.arange(n), "modes",
-            "must be set to the sampling mode the tree was drafted with")  # fmt: skip
+        problems.bad(
+            (tok < 0) | (tok >= vocab_size), node_item, "tokens", f"tokens must be in [0, {vocab_size})"
+        )
+        problems.bad((parents < -1) | (parents >= local), node_item, "parents",
+                     "parents must come before their children (-1 <= parents[i] < i)")  # fmt: skip
+        has_tree = self.tokens.lengths() > 0
+        problems.bad(has_tree & ((self.modes < 1) | (self.modes > len(MODES))), np.arange(n), "modes",
+                     "must be set to the sampling mode the tree was drafted with")  # fmt: skip
         depth = _depths(parents, self.tokens.offsets)
-        if nodes > 1:
+        if len(tok) > 1:
             same_item = node_item[1:] == node_item[:-1]
-            bad(np.concatenate([[False], same_item & (np.diff(depth) < 0)]), node_item, "parents",
-                "nodes must be in level order")  # fmt: skip
-        # prob rows: per item N + 1 entries within the item's rows; every node with children has one
+            problems.bad(np.concatenate([[False], same_item & (np.diff(depth) < 0)]), node_item, "parents",
+                         "nodes must be in level order")  # fmt: skip
+
+    def _check_prob_rows(
+        self, problems: _Problems, node_item: np.ndarray, parents: np.ndarray, n_rows: np.ndarray
+    ) -> None:
+        """Per item N + 1 entries within the item's rows; every node with children has one."""
+        n, nodes = len(self.modes), len(self.tokens.values)
         pr_item = item_index(self.tokens.offsets + np.arange(n + 1))
-        n_rows = np.diff(self.item_rows)
         pr = self.prob_rows.astype(np.int64)
-        bad(
-            (pr < -1) | (pr >= n_rows[pr_item]),
-            pr_item,
-            "prob_rows",
-            "prob_rows must index the item's rows or be -1",
-        )
+        problems.bad((pr < -1) | (pr >= n_rows[pr_item]), pr_item, "prob_rows",
+                     "prob_rows must index the item's rows or be -1")  # fmt: skip
         with_rows = n_rows > 0
-        bad(
-            ~with_rows[pr_item] & (pr != -1),
-            pr_item,
-            "prob_rows",
-            "must all be -1 when there are no draft_probs",
-        )
+        problems.bad(~with_rows[pr_item] & (pr != -1), pr_item, "prob_rows",
+                     "must all be -1 when there are no draft_probs")  # fmt: skip
         # the row of each node's parent: prob_rows entry parent + 1 of the item
         pr_start = self.tokens.offsets[:-1] + np.arange(n)
         safe_parent = np.clip(parents, -1, None)
         parent_row = (
             pr[np.clip(pr_start[node_item] + safe_parent + 1, 0, max(len(pr) - 1, 0))] if nodes else pr[:0]
         )
-        bad(with_rows[node_item] & (parent_row < 0), node_item, "prob_rows",
-            "every node with children needs its draft distribution")  # fmt: skip
-        if rows:
-            self._check_rows(problems, field, n_rows)
-        items = np.arange(n)
-        for mode in (m for m in MODES if m.chain_only):  # what DraftTree.validate adds for these modes
+        problems.bad(with_rows[node_item] & (parent_row < 0), node_item, "prob_rows",
+                     "every node with children needs its draft distribution")  # fmt: skip
+
+    def _check_modes(
+        self,
+        problems: _Problems,
+        node_item: np.ndarray,
+        local: np.ndarray,
+        parents: np.ndarray,
+        with_rows: np.ndarray,
+    ) -> None:
+        """What `DraftTree.validate` adds for the chain-only modes."""
+        has_tree = self.tokens.lengths() > 0
+        items = np.arange(len(self.modes))
+        for mode in (m for m in MODES if m.chain_only):
             of_mode = has_tree & (self.modes == MODE_CODE[mode])
             if not of_mode.any():
                 continue
-            bad(of_mode[node_item] & (parents != local - 1), node_item, "parents",
-                f"a {mode.name} tree must be a chain")  # fmt: skip
+            problems.bad(of_mode[node_item] & (parents != local - 1), node_item, "parents",
+                         f"a {mode.name} tree must be a chain")  # fmt: skip
             if not mode.samples_drafts:
-                bad(of_mode & with_rows, items, "draft_probs",
-                    f"a {mode.name} tree carries none (its tokens were not sampled)")  # fmt: skip
+                problems.bad(of_mode & with_rows, items, "draft_probs",
+                             f"a {mode.name} tree carries none (its tokens were not sampled)")  # fmt: skip
             if mode is SamplingMode.MTAD:
                 threshold = self.thresholds.astype(np.float64)
-                bad(of_mode & ~((threshold >= 0.0) & (threshold <= 1.0)), items, "mtad_thresholds",
-                    "must be in [0, 1]")  # fmt: skip
-        return problems
+                problems.bad(of_mode & ~((threshold >= 0.0) & (threshold <= 1.0)), items, "mtad_thresholds",
+                             "must be in [0, 1]")  # fmt: skip
 
     def _check_rows(self, problems: list[ColumnError | None], field: str, n_rows: np.ndarray) -> None:
         """Every row a distribution over the vocabulary: finite, >= 0, summing to 1; sparse ids in

@@ -168,6 +168,40 @@ class _Plan:
 _GGML_TYPE_BF16 = 30  # ggml.h's enum; the binding does not export it
 
 
+def _load_model(lib: Any, path: str | Path, repack: bool) -> Any:
+    """The GGUF file's weights, on the CPU; repack: llama.cpp's repacked weight layouts."""
+    model_params = lib.llama_model_default_params()
+    model_params.n_gpu_layers = 0
+    model_params.use_extra_bufts = repack
+    model = lib.llama_model_load_from_file(str(path).encode(), model_params)
+    if not model:
+        raise ValueError(f"llama.cpp could not load the model {str(path)!r}")
+    return model
+
+
+def _new_context(
+    lib: Any, model: Any, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int, threads: int,
+    type_k: int, type_v: int, flash_attn: bool,
+) -> Any:  # fmt: skip
+    """A context over `model` whose cells all sequences share (a tree node in several leaf
+    sequences), without embeddings or perf counters."""
+    params = lib.llama_context_default_params()
+    params.n_ctx = n_ctx
+    params.n_batch, params.n_ubatch = n_batch, n_ubatch
+    params.n_seq_max = n_seq_max
+    params.kv_unified = True
+    params.n_threads = params.n_threads_batch = threads
+    params.embeddings = False
+    params.type_k, params.type_v = type_k, type_v
+    params.no_perf = True
+    off, on = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED, lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    params.flash_attn_type = on if flash_attn else off
+    ctx = lib.llama_init_from_model(model, params)
+    if not ctx:
+        raise ValueError("llama.cpp could not create a context (n_ctx, n_seq_max?)")
+    return ctx
+
+
 class LlamaCppRunner(SessionTable[_Session]):
     """Per-session KV in one llama.cpp context; one llama_decode per forward (see the module doc)."""
 
@@ -218,28 +252,14 @@ class LlamaCppRunner(SessionTable[_Session]):
         if deterministic and n_seq_max < 2:
             raise ValueError("deterministic: n_seq_max must be at least 2 (one sequence parks cells)")
         lib.llama_backend_init()
-        model_params = lib.llama_model_default_params()
-        model_params.n_gpu_layers = 0
-        model_params.use_extra_bufts = repack
-        self._model = lib.llama_model_load_from_file(str(path).encode(), model_params)
-        if not self._model:
-            raise ValueError(f"llama.cpp could not load the model {str(path)!r}")
-        params = lib.llama_context_default_params()
-        params.n_ctx = n_ctx
-        params.n_batch, params.n_ubatch = n_batch, min(n_ubatch, n_batch)
-        params.n_seq_max = n_seq_max
-        params.kv_unified = True  # cells shared by sequences: a tree node in several leaf sequences
-        params.n_threads = params.n_threads_batch = threads or (os.cpu_count() or 1)
-        params.embeddings = False
-        params.type_k, params.type_v = type_k, type_v
-        params.no_perf = True
+        self._model = _load_model(lib, path, repack)
         if flash_attn is None:
             flash_attn = type_v != types["f32"]
-        off, on = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED, lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        params.flash_attn_type = on if flash_attn else off
-        self._ctx = lib.llama_init_from_model(self._model, params)
-        if not self._ctx:
-            raise ValueError("llama.cpp could not create a context (n_ctx, n_seq_max?)")
+        self._ctx = _new_context(
+            lib, self._model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_ubatch, n_batch),
+            n_seq_max=n_seq_max, threads=threads or (os.cpu_count() or 1), type_k=type_k, type_v=type_v,
+            flash_attn=flash_attn,
+        )  # fmt: skip
         self._memory = lib.llama_get_memory(self._ctx)
         self.vocab_size = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
         self.n_ctx = lib.llama_n_ctx(self._ctx)

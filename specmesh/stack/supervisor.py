@@ -447,76 +447,34 @@ def plan_stack(
     specs: list[ChildSpec] = []
     redis_dir = ""
     if redis_url is None:
-        # Hardened and persistent (specmesh/stack/redis_server.py): a random password, AOF in a
-        # directory that outlives a restart of redis by the supervisor (same argv, same file).
-        # The password is only in that file (0600) and in the gateway's environment, never in an
-        # argv (which the supervisor logs, and `ps` shows).
-        redis_port, password = free_port(host), new_password()
-        redis_dir = tempfile.mkdtemp(prefix="specmesh-redis-")  # 0700
-        redis_url = f"redis://:{password}@{host}:{redis_port}/0"
-        text = redis_config(redis_port, host, data_dir=redis_dir, password=password)
-        config = write_redis_config(os.path.join(redis_dir, "redis.conf"), text)
-        argv = redis_command(find_redis_server(), redis_port, host, config_file=config)
-        ready = redis_ready(host, redis_port, password)
-        specs.append(ChildSpec("redis", argv, ready, stage=0, ready_timeout=30.0))
+        redis, redis_url, redis_dir = _private_redis(host)
+        specs.append(redis)
     model_flags = ["--dtype", dtype] if dtype else []
     model_flags += ["--backend", backend] if backend else []
     tls_flags, replica_tls_flags, gateway_tls_flags, probe_tls = _tls_plan(certs)
 
-    metrics: dict[str, str] = {}
-
-    # One model replica at a time, drafters first: each measures its forward cost at start-up
-    # (what the gateway's chunk, per-try timeouts and default decide from), and one measuring
-    # while another loads or measures on shared cores sees that load. Two verifiers starting
-    # together on 2 cores measured a one-row forward at 370 ms (58 ms one at a time) and a 16-row
-    # one at 209 ms: the gateway's chunk came out at 2048 tokens, 1.5k-token prompts went whole,
-    # and rounds ran out of the 60 s round timeout, taking both verifiers out as hung
-    # (docs/decisions.md, "Long prompts and conversations").
-    # The n-gram drafters load no model: they start with the first model replica.
-    stages = itertools.count(1)
-
-    def service(kind: str, index: int, model: str, extra: Sequence[str], stage: int) -> tuple[ChildSpec, str]:
-        address, name, metrics_port = f"{host}:{free_port(host)}", f"{kind}-{index}", free_port(host)
-        argv = [python, "-m", f"{kind}_service", "--model", model, "--host", host]
-        argv += ["--port", address.rpartition(":")[2], "--metrics-port", str(metrics_port)]
-        argv += [*model_flags, *tls_flags, *replica_tls_flags, *extra]
-        metrics[name] = f"{host}:{metrics_port}"
-        ready = grpc_ready(address, tls=probe_tls)
-        return ChildSpec(name, argv, ready, stage=stage, ready_timeout=ready_timeout), address
-
-    drafter_addrs, verifier_addrs = [], []
-    for i in range(drafters):
-        spec, addr = service("drafter", i, draft, drafter_args, next(stages))
-        specs.append(dataclasses.replace(spec, expendable=drafters > 1))
-        drafter_addrs.append(addr)
-    ngram_addrs = []
-    for i in range(ngram_drafters):
-        spec, addr = service("drafter", drafters + i, draft, ["--backend", "ngram"], 1)
-        specs.append(dataclasses.replace(spec, name=f"ngram-drafter-{i}", expendable=ngram_drafters > 1))
-        ngram_addrs.append(addr)
-    for i in range(verifiers):
-        spec, addr = service("verifier", i, target, verifier_args, next(stages))
-        specs.append(dataclasses.replace(spec, expendable=verifiers > 1))
-        verifier_addrs.append(addr)
+    common = [*model_flags, *tls_flags, *replica_tls_flags]
+    placed = _model_replicas(
+        python, host, (draft, drafters, drafter_args), (target, verifiers, verifier_args), ngram_drafters,
+        common, probe_tls, ready_timeout,
+    )  # fmt: skip
+    specs += placed.specs
+    metrics = placed.metrics
+    drafter_addrs, ngram_addrs, verifier_addrs = placed.drafters, placed.ngram, placed.verifiers
     replicas = ["--drafters", ",".join(drafter_addrs)] if drafter_addrs else []
     replicas += ["--ngram-drafters", ",".join(ngram_addrs)] if ngram_addrs else []
     replicas += ["--verifiers", ",".join(verifier_addrs)]
     env = {**(gateway_env or {}), "SPECMESH_REDIS_URL": redis_url}  # --redis-url: may hold a password
-    last = next(stages)  # the gateways, once every replica is ready
+    last = placed.last_stage + 1  # the gateways, once every replica is ready
     served = []
     for i in range(gateways):
-        name, grpc_port, web_port = (
-            "gateway" if i == 0 else f"gateway-{i}",
-            port + i,
-            http_port + i if http_port else 0,
+        flags = [*replicas, *tls_flags, *gateway_tls_flags, *gateway_args]
+        spec, address, http = _gateway(
+            python, host, i, port + i, http_port + i if http_port else 0, flags, probe_tls
         )
-        address, http = f"{host}:{grpc_port}", f"{host}:{web_port}" if web_port else ""
-        argv = [python, "-m", "gateway", "--port", str(grpc_port), "--http-port", str(web_port), *replicas]
-        argv += [*tls_flags, *gateway_tls_flags, *gateway_args]
+        specs.append(dataclasses.replace(spec, stage=last, env=env))
         if http:
-            metrics[name] = http
-        ready = grpc_ready(address, tls=probe_tls)
-        specs.append(ChildSpec(name, argv, ready, stage=last, env=env, ready_timeout=120.0))
+            metrics[spec.name] = http
         served.append((address, http))
     gateway, http = served[0]
     return StackPlan(
@@ -531,6 +489,92 @@ def plan_stack(
         certs=certs,
         redis_dir=redis_dir,
     )
+
+
+@dataclass
+class _Replicas:
+    specs: list[ChildSpec]
+    drafters: list[str]
+    ngram: list[str]
+    verifiers: list[str]
+    metrics: dict[str, str]  # name -> its /metrics address
+    last_stage: int
+
+
+def _model_replicas(
+    python: str, host: str, drafter: tuple[str, int, Sequence[str]], verifier: tuple[str, int, Sequence[str]],
+    ngram_drafters: int, common: Sequence[str], probe_tls: ClientTls | None, ready_timeout: float,
+) -> _Replicas:  # fmt: skip
+    """The drafters, n-gram drafters and verifiers ((model, count, extra flags) per model role).
+
+    One model replica at a time, drafters first: each measures its forward cost at start-up
+    (what the gateway's chunk, per-try timeouts and default decide from), and one measuring while
+    another loads or measures on shared cores sees that load. Two verifiers starting together on
+    2 cores measured a one-row forward at 370 ms (58 ms one at a time) and a 16-row one at 209
+    ms: the gateway's chunk came out at 2048 tokens, 1.5k-token prompts went whole, and rounds ran
+    out of the 60 s round timeout, taking both verifiers out as hung (docs/decisions.md, "Long
+    prompts and conversations"). The n-gram drafters load no model: they start with the first
+    model replica."""
+    out = _Replicas([], [], [], [], {}, 0)
+    stages = itertools.count(1)
+
+    def add(kind: str, index: int, model: str, extra: Sequence[str], stage: int, expendable: bool) -> str:
+        spec, address, out.metrics[f"{kind}-{index}"] = _replica(
+            python, host, kind, index, model, [*common, *extra], stage, probe_tls, ready_timeout
+        )
+        out.specs.append(dataclasses.replace(spec, expendable=expendable))
+        out.last_stage = max(out.last_stage, stage)
+        return address
+
+    (draft, drafters, drafter_args), (target, verifiers, verifier_args) = drafter, verifier
+    for i in range(drafters):
+        out.drafters.append(add("drafter", i, draft, drafter_args, next(stages), drafters > 1))
+    for i in range(ngram_drafters):
+        out.ngram.append(add("drafter", drafters + i, draft, ["--backend", "ngram"], 1, ngram_drafters > 1))
+        out.specs[-1] = dataclasses.replace(out.specs[-1], name=f"ngram-drafter-{i}")
+    for i in range(verifiers):
+        out.verifiers.append(add("verifier", i, target, verifier_args, next(stages), verifiers > 1))
+    return out
+
+
+def _replica(
+    python: str, host: str, kind: str, index: int, model: str, flags: Sequence[str], stage: int,
+    probe_tls: ClientTls | None, ready_timeout: float,
+) -> tuple[ChildSpec, str, str]:  # fmt: skip
+    """A drafter or verifier on free ports -> (its spec, its gRPC address, its /metrics address)."""
+    address, metrics_port = f"{host}:{free_port(host)}", free_port(host)
+    argv = [python, "-m", f"{kind}_service", "--model", model, "--host", host]
+    argv += ["--port", address.rpartition(":")[2], "--metrics-port", str(metrics_port), *flags]
+    ready = grpc_ready(address, tls=probe_tls)
+    spec = ChildSpec(f"{kind}-{index}", argv, ready, stage=stage, ready_timeout=ready_timeout)
+    return spec, address, f"{host}:{metrics_port}"
+
+
+def _gateway(
+    python: str, host: str, index: int, port: int, http_port: int, flags: Sequence[str],
+    probe_tls: ClientTls | None,
+) -> tuple[ChildSpec, str, str]:  # fmt: skip
+    """Gateway `index` on `port` (and `http_port`; 0 = none) -> (its spec, its gRPC address, its
+    HTTP address or "")."""
+    address, http = f"{host}:{port}", f"{host}:{http_port}" if http_port else ""
+    argv = [python, "-m", "gateway", "--port", str(port), "--http-port", str(http_port), *flags]
+    name = "gateway" if index == 0 else f"gateway-{index}"
+    return ChildSpec(name, argv, grpc_ready(address, tls=probe_tls), ready_timeout=120.0), address, http
+
+
+def _private_redis(host: str) -> tuple[ChildSpec, str, str]:
+    """A Redis of the stack's own -> (its spec, its URL, its data directory). Hardened and
+    persistent (specmesh/stack/redis_server.py): a random password, AOF in a directory that
+    outlives a restart of redis by the supervisor (same argv, same file). The password is only in
+    that file (0600) and in the gateway's environment, never in an argv (which the supervisor
+    logs, and `ps` shows)."""
+    redis_port, password = free_port(host), new_password()
+    redis_dir = tempfile.mkdtemp(prefix="specmesh-redis-")  # 0700
+    text = redis_config(redis_port, host, data_dir=redis_dir, password=password)
+    config = write_redis_config(os.path.join(redis_dir, "redis.conf"), text)
+    argv = redis_command(find_redis_server(), redis_port, host, config_file=config)
+    spec = ChildSpec("redis", argv, redis_ready(host, redis_port, password), stage=0, ready_timeout=30.0)
+    return spec, f"redis://:{password}@{host}:{redis_port}/0", redis_dir
 
 
 def _tls_plan(certs: CertFiles | None) -> tuple[list[str], list[str], list[str], ClientTls | None]:
