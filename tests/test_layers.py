@@ -98,3 +98,23 @@ def test_every_module_is_named_in_the_architecture_s_module_table() -> None:
             if not found:
                 missing.append(str(rel))
     assert not missing, f"not in docs/architecture.md's module table: {missing}"
+
+
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 400, 80  # issue 60's bars: a piece one reads in a sitting
+
+
+def test_no_class_is_over_400_lines_and_no_function_over_80() -> None:
+    import ast
+
+    big = []
+    for name in PACKAGES:
+        for path in sorted((ROOT / name).rglob("*.py")):
+            if "v1" in path.relative_to(ROOT).parts or path.name.endswith("_pb2.py"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+                if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES:
+                    big.append(f"class {node.name} ({path.relative_to(ROOT)}): {lines} lines")
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and lines > MAX_FUNCTION_LINES:
+                    big.append(f"def {node.name} ({path.relative_to(ROOT)}): {lines} lines")
+    assert not big, big
