@@ -2,7 +2,7 @@
 verifier replicas; the bookkeeping is specmesh.core.dsi.DsiState.
 
     async with SessionRun(plan, env, text, deadline, dsi=DsiShape(lookahead=4, parallel=2)) as run:
-        while not run.finished:
+        while not run.transcript.finished:
             piece = await run.step()                 # the next committed tokens
 
 `DsiRounds` are a SessionRun's rounds in DSI mode: the lifecycle (the session in Redis, release
@@ -40,16 +40,14 @@ from typing import Any
 
 import grpc
 
-from gateway.env import GatewayEnv, GatewayError, Piece
-from gateway.placement import Placer
+from gateway.env import GatewayError, Piece
 from gateway.pools import NoHealthyReplica
-from gateway.requests import GenerationPlan
-from gateway.transcript import Transcript
+from gateway.rounds import RunParts
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.dsi import Block, DsiState, Outcome, Schedule
 from specmesh.core.methods import Method
 from specmesh.core.stats import GenerationStats
-from specmesh.rpc.round_client import Role, RoundClient, needs_resync
+from specmesh.rpc.round_client import Role, needs_resync
 from specmesh.rpc.tick_client import ItemError
 from specmesh.rpc.ticks import Prefilled
 
@@ -83,11 +81,7 @@ class DsiRounds:
 
     def __init__(
         self,
-        env: GatewayEnv,
-        plan: GenerationPlan,
-        client: RoundClient,
-        transcript: Transcript,
-        placer: Placer,
+        parts: RunParts,
         *,
         lookahead: int,
         parallel: int,
@@ -97,16 +91,18 @@ class DsiRounds:
         """client: the session as the replicas know it (DSI calls the tick loops itself).
         verify_cost: the verifier's start-up seconds per forward of n rows, to learn the gateway's
         `Learnt` forward scale from this session's verifications."""
-        self.env, self.plan, self.client, self.transcript, self.placer = env, plan, client, transcript, placer
-        self.id = client.id
+        self.env, self.plan, self.client = parts.env, parts.plan, parts.client
+        self.transcript, self.placer = parts.transcript, parts.placer
+        self.id = parts.client.id
         self.stop_error: BaseException | None = None  # handed over (SIGTERM)
         self.verify_cost = verify_cost
         self.lookahead, self.parallel, self.ahead = lookahead, parallel, ahead
         self.schedule = Schedule(lookahead, parallel, ahead)
         self.guard_rounds = 0  # verifications that were guards, among the stats' rounds
-        self.state = DsiState(transcript.tokens)
+        tokens = parts.transcript.tokens
+        self.state = DsiState(tokens)
         # replica -> the tokens it surely holds (resumed: the committed ones it held, as stored)
-        self.held = {address: transcript.tokens[:n] for address, n in placer.lengths.items()}
+        self.held = {address: tokens[:n] for address, n in parts.placer.lengths.items()}
         self.calls: dict[asyncio.Future, _Call] = {}
         self.queued: list[Block] = []  # drafted, waiting for a verifier
         self.spent: dict[int, _Spent] = {}  # block id -> its cost so far

@@ -8,7 +8,7 @@ rounds, in order, through `step`. The chain's state is one `Stage`. A failure ta
 path: a task that recovers (failover through the `Placer`, a stale commit) and launches the round
 again.
 
-    rounds = SerialRounds(env, plan, client, transcript, placer)
+    rounds = SerialRounds(RunParts(env, plan, client, transcript, placer))
     while not transcript.finished:
         piece = await rounds.step()          # one committed round
 
@@ -67,6 +67,19 @@ class Stage(Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class RunParts:
+    """What a session's rounds work with, whichever way they go (serial or DSI): the gateway's
+    shared state, the plan, the session as the replicas know it, its committed transcript and
+    its placer (gateway/session.py builds them)."""
+
+    env: GatewayEnv
+    plan: GenerationPlan
+    client: RoundClient
+    transcript: Transcript
+    placer: Placer
+
+
+@dataclasses.dataclass(frozen=True)
 class _Verdict:
     """A round's verdict as it waits for its turn to settle."""
 
@@ -78,15 +91,9 @@ class _Verdict:
 class SerialRounds:
     """One session's rounds, one after another (module docstring)."""
 
-    def __init__(
-        self,
-        env: GatewayEnv,
-        plan: GenerationPlan,
-        client: RoundClient,
-        transcript: Transcript,
-        placer: Placer,
-    ) -> None:
-        self.env, self.plan, self.client, self.transcript, self.placer = env, plan, client, transcript, placer
+    def __init__(self, parts: RunParts) -> None:
+        self.env, self.plan, self.client = parts.env, parts.plan, parts.client
+        self.transcript, self.placer = parts.transcript, parts.placer
         self.stage = Stage.OPEN
         self._held: _Verdict | None = None  # Stage.HELD: the verdict waiting for the commit
         self._pieces: asyncio.Queue | None = None  # committed rounds (or the error), for `step`

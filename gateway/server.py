@@ -354,7 +354,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
                     await announce(run.id)
                 clock.started()
                 m.prompt_tokens.inc(len(plan.prompt_ids))
-                while replay is not None or not run.finished:
+                while replay is not None or not run.transcript.finished:
                     piece, replay = (replay, None) if replay is not None else (await run.step(), None)
                     if waiting:  # its first token: it no longer waits (its prompt is in)
                         m.waiting.dec()
@@ -364,19 +364,19 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
                         text=piece.text, token_ids=piece.token_ids, session_id=run.id,
                         logprobs=logprobs_to_proto(piece.logprobs),
                     )  # fmt: skip
-                    if run.finished:
-                        chunk.finish_reason = run.finish_reason
+                    if run.transcript.finished:
+                        chunk.finish_reason = run.transcript.finish_reason
                         chunk.stats.CopyFrom(run.stats_message())
-                        clock.finished(run.finish_reason)
+                        clock.finished(run.transcript.finish_reason)
                     yield chunk
                 log.debug(
                     "generated",
                     extra={
                         "session": run.id,
                         "prompt_tokens": len(plan.prompt_ids),
-                        "tokens": run.generated,
-                        "rounds": run.round,
-                        "finish_reason": run.finish_reason,
+                        "tokens": run.transcript.generated,
+                        "rounds": run.transcript.round,
+                        "finish_reason": run.transcript.finish_reason,
                         "method": plan.spec.method,
                     },
                 )

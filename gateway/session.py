@@ -2,7 +2,7 @@
 (`SessionRun`), and the pieces it is composed of.
 
     async with SessionRun(plan, env, text, deadline) as run:   # creates the session in Redis
-        while not run.finished:
+        while not run.transcript.finished:
             piece = await run.step()                           # one committed round
 
 A run composes:
@@ -38,12 +38,11 @@ from gateway.dsi import DsiRounds
 from gateway.env import GatewayEnv, GatewayError, Piece
 from gateway.placement import Placer
 from gateway.requests import GenerationPlan, stored_plan
-from gateway.rounds import SerialRounds
+from gateway.rounds import RunParts, SerialRounds
 from gateway.session_store import Session, SessionExists, StoreError
 from gateway.text import TextStream
 from gateway.transcript import Transcript
 from specmesh.core.adaptive import RoundPolicy
-from specmesh.core.stats import GenerationStats
 from specmesh.rpc.proto import pb2_grpc
 from specmesh.rpc.round_client import Role, RoundClient, release_session
 
@@ -121,46 +120,29 @@ class SessionRun:
         self.created = resumed is not None
         self.resumed = resumed
         self.ending = Ending.DONE  # what its cleanup does with the session
+        parts = RunParts(env, plan, self.client, self.transcript, self.placer)
         self.rounds: Rounds
         if dsi is None:
-            self.rounds = SerialRounds(env, plan, self.client, self.transcript, self.placer)
+            self.rounds = SerialRounds(parts)
         else:
             self.rounds = DsiRounds(
-                env, plan, self.client, self.transcript, self.placer, lookahead=dsi.lookahead,
-                parallel=dsi.parallel, ahead=dsi.ahead, verify_cost=dsi.verify_cost,
-            )  # fmt: skip
-
-    # ---- what the server reads of the run: its transcript's ----------------------------------------
+                parts,
+                lookahead=dsi.lookahead,
+                parallel=dsi.parallel,
+                ahead=dsi.ahead,
+                verify_cost=dsi.verify_cost,
+            )
 
     @property
     def owner(self) -> str:
+        """The gateway's owner token of the session (`Leased`): its transcript's, which commits
+        are fenced with."""
         return self.transcript.owner
-
-    @property
-    def finished(self) -> bool:
-        return self.transcript.finished
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.transcript.finish_reason
-
-    @property
-    def generated(self) -> int:
-        return self.transcript.generated
-
-    @property
-    def round(self) -> int:
-        return self.transcript.round
-
-    @property
-    def stats(self) -> GenerationStats:
-        return self.transcript.stats
 
     def stats_message(self) -> Any:
         """The public specmesh.v1.GenerationStats of the run so far."""
-        msg = stats_to_proto(
-            self.stats, prompt_tokens=len(self.plan.prompt_ids), generated_tokens=self.generated
-        )
+        t = self.transcript
+        msg = stats_to_proto(t.stats, prompt_tokens=len(self.plan.prompt_ids), generated_tokens=t.generated)
         self.rounds.describe(msg)
         return msg
 
@@ -242,7 +224,7 @@ class SessionRun:
             self.placer.pool(role).release(self.id)
         if self.ending is Ending.LOST:
             return  # the lease is another's
-        if self.finished:
+        if self.transcript.finished:
             # It finished while the gateway shuts down: its last chunk may not reach the client,
             # which then resumes elsewhere. Keep the keys a little while instead of deleting them.
             with contextlib.suppress(StoreError):
