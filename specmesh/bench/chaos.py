@@ -43,6 +43,7 @@ import grpc
 
 from specmesh.bench.tiny import save_tiny_pair
 from specmesh.rpc.proto import load
+from specmesh.stack.ports import free_port
 from specmesh.stack.supervisor import ChildSpec, Supervisor, plan_stack
 
 # The shapes the streams cycle through (gateway Speculation fields)
@@ -199,8 +200,8 @@ def _fault_at(fired: Sequence[tuple[float, str]], when: float) -> str:
 
 
 async def run_chaos(cfg: ChaosConfig, models: dict[str, Path], log: Any) -> dict:
-    plan = plan_stack(
-        str(models["draft"]), str(models["target"]), drafters=2, dtype="fp32", http_port=0,
+    plan = plan_stack(  # a free port: a gateway already on 50051 (a user's, another run's) broke the run
+        str(models["draft"]), str(models["target"]), drafters=2, port=free_port(), dtype="fp32", http_port=0,
         drafter_args=["--torch-threads", "1"], verifier_args=["--torch-threads", "1"],
         gateway_args=["--try-timeout-floor", str(cfg.try_timeout_floor)],
     )  # fmt: skip
