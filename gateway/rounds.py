@@ -61,10 +61,6 @@ class Stage(Enum):
     HELD = "held"  # ... and that round's verdict came first: it waits for the commit
     STOPPED = "stopped"  # no more rounds: whatever still answers is dropped
 
-    @property
-    def commit_in_flight(self) -> bool:
-        return self in (Stage.COMMITTING, Stage.HELD)
-
 
 @dataclasses.dataclass(frozen=True)
 class RunParts:

@@ -27,6 +27,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
@@ -64,8 +65,6 @@ class Ending(StrEnum):
 class Rounds(Protocol):
     """How a run's rounds go: serial (SerialRounds) or DSI (DsiRounds)."""
 
-    stop_error: BaseException | None
-
     async def step(self) -> Piece:
         """The next committed tokens."""
 
@@ -86,7 +85,7 @@ class DsiShape:
     lookahead: int
     parallel: int
     ahead: bool = True
-    verify_cost: Any = None  # rows -> seconds, to learn the gateway's forward scale (None: do not)
+    verify_cost: Callable[[int], float] | None = None  # rows -> seconds, to learn the forward scale
 
 
 class SessionRun:
@@ -106,7 +105,7 @@ class SessionRun:
         resumed: Session | None = None,
         dsi: DsiShape | None = None,
     ) -> None:
-        self.plan, self.env, self.text = plan, env, text
+        self.plan, self.env = plan, env
         self.id = resumed.id if resumed else uuid.uuid4().hex
         # the replicas serve this session only to callers with its key: kept in Redis for a resume
         self.key = resumed.extra["key"] if resumed else secrets.token_hex(16)

@@ -7,8 +7,9 @@ decide their next rounds. The next call of such a session takes its step if it g
 (specmesh.core.ahead.goes_on, the rule pipelined pre-drafts share); any other call rolls it back
 as any speculation (Resume.ROLLBACK).
 
-A step ahead is in one state at a time (`AheadState`), which the `specmesh:verifier_ahead_steps`
-counter reports once it has left RUNNING.
+A step ahead is running while `RunAhead` holds it; what became of it when the next call came is
+one `AheadState`, which the `specmesh:verifier_ahead_steps` counter reports (taken, discarded).
+A step taken back before any call came (`drop`) is only cancelled.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from specmesh.services.model_service import ModelService, NotOwnerError, Session
 
 
 class AheadState(Enum):
-    RUNNING = "running"  # queued or in a forward; its session is held (a stray second call: ABORTED)
+    """What became of a step ahead when the session's next call came (`RunAhead.take`)."""
+
     TAKEN = "taken"  # the next call went on from it: the call's first step
     DISCARDED = "discarded"  # the next call did not go on from it, or had no room for its tokens
     LOST = "lost"  # its run failed, or it was withdrawn before its forward: the call begins afresh
-    DROPPED = "dropped"  # the session was released, or the service closed, before a call came
 
     @property
     def counted(self) -> bool:
@@ -49,7 +50,6 @@ class StepAhead:
     tick: TickRun
     run: asyncio.Future  # -> the run's outcomes, one per job
     index: int  # this job's among them
-    state: AheadState = AheadState.RUNNING
 
 
 Taken = tuple[StepAhead, VerifyOutcome]  # a step the call goes on from, and its outcome
@@ -131,10 +131,10 @@ class RunAhead:
         # else it runs even if the call came before its forward started: the call's first step
         # then rides as the step it expected, whatever the timing (a seed's stats are the tokens')
         first = await self._outcome(prior, v.session_id)
-        prior.state = _settled(v, wanted, first)
-        if prior.state.counted:
-            self._counter.labels(prior.state.value).inc()
-        return (prior, first) if first is not None and prior.state is AheadState.TAKEN else None
+        state = _settled(v, wanted, first)
+        if state.counted:
+            self._counter.labels(state.value).inc()
+        return (prior, first) if first is not None and state is AheadState.TAKEN else None
 
     async def _outcome(self, prior: StepAhead, session_id: str) -> VerifyOutcome | None:
         """The step's outcome, or None if it did not run to one (what it left of the session is
@@ -156,7 +156,6 @@ class RunAhead:
         """The session's step ahead, taken back (released, or gone to another caller)."""
         prior = self._steps.pop(session_id, None)
         if prior is not None:
-            prior.state = AheadState.DROPPED
             prior.tick.cancel(prior.job)
 
     async def close(self) -> None:

@@ -161,8 +161,8 @@ class RoundClient:
         self.id, self.params, self.spec, self.policy = session_id, params, spec, policy
         self.session = Opened(session_id, key, params, frozenset(stop_token_ids), top_logprobs, grammar, salt)
         self.pipeline = pipeline or PipelinePolicy(Pipelining.OFF)
-        # what the last round handed over (`_Round.handover`): the next round's pre-draft, in
-        # flight or done, and the drafter loop told to expect the next round
+        # what the last round handed over (`_ended`): the next round's pre-draft, in flight or
+        # done, and the drafter loop told to expect the next round
         self._pre_draft: _PreDraftCall | None = None
         self._expected_by: TickLoop | None = None
         self._current: _Round | None = None

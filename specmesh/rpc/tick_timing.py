@@ -98,7 +98,7 @@ class TickHold:
 
     def arrived(self, session_id: str) -> None:
         """The session queued its item: the last one waited for flushes at the next turn."""
-        if self._expected.pop(session_id, 0) is None and not self._expected:
+        if self.unexpect(session_id):
             self.schedule(now=True)
 
     def holds(self) -> bool:

@@ -467,8 +467,8 @@ def plan_stack(
     env = {**(gateway_env or {}), "SPECMESH_REDIS_URL": redis_url}  # --redis-url: may hold a password
     last = placed.last_stage + 1  # the gateways, once every replica is ready
     served = []
+    flags = [*replicas, *tls_flags, *gateway_tls_flags, *gateway_args]
     for i in range(gateways):
-        flags = [*replicas, *tls_flags, *gateway_tls_flags, *gateway_args]
         spec, address, http = _gateway(
             python, host, i, port + i, http_port + i if http_port else 0, flags, probe_tls
         )
