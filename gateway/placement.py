@@ -25,6 +25,7 @@ from gateway.requests import GenerationPlan
 from gateway.retries import forward_seconds
 from specmesh.rpc import wire
 from specmesh.rpc.round_client import Placement, ReplicaFailure, Role
+from specmesh.rpc.tick_timing import LoopBound
 
 log = logging.getLogger("specmesh.gateway.placement")
 
@@ -42,7 +43,7 @@ _FAILOVER = {
 CLIENT_DEADLINE_SLACK = 0.05
 
 
-class Placer:
+class Placer(LoopBound):
     """One session's replicas (module docstring). deadline: the client's, on the loop's clock.
     lengths: replica address -> the committed tokens it holds (a resumed session's, as stored)."""
 
@@ -202,14 +203,14 @@ class Placer:
         client's (gRPC's clock and the loop's may differ by a little), with no time to fail over."""
         if self.deadline is None:
             return False
-        return self.deadline - asyncio.get_running_loop().time() < CLIENT_DEADLINE_SLACK
+        return self.deadline - self.loop.time() < CLIENT_DEADLINE_SLACK
 
     def time_left(self) -> float:
         """Seconds a replica call (or a wait for one) may take: the round timeout, or less if the
         client's deadline comes first."""
         left = self.env.round_timeout
         if self.deadline is not None:
-            left = min(left, self.deadline - asyncio.get_running_loop().time())
+            left = min(left, self.deadline - self.loop.time())
         if left <= 0:
             raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline has passed")
         return left

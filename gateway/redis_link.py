@@ -241,23 +241,22 @@ class RedisLink:
 
 class ScriptPipeline:
     """A Lua script's calls: every call queued in one event-loop turn (a tick's sessions) goes to
-    Redis in one pipelined round trip, each script still atomic on its own. `op` names it in
-    errors."""
+    Redis in one pipelined round trip, each script still atomic on its own, and the answers are
+    handed to their callers in one pass when the pipeline's reply is read: no future and no
+    scheduled callback per call. `op` names it in errors."""
 
     def __init__(self, link: RedisLink, script: Any, op: str) -> None:
         self._link, self._script, self._op = link, script, op
-        self._queued: list[tuple[list[Any], list[Any], asyncio.Future]] = []
+        self._queued: list[tuple[list[Any], list[Any], Answer]] = []
         self._flush: asyncio.Handle | None = None
         self._sending: set[asyncio.Task] = set()
 
-    def call(self, keys: list[Any], args: list[Any]) -> asyncio.Future:
-        """Queue one call of the script -> a future of its result."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._queued.append((keys, args, future))
+    def call(self, keys: list[Any], args: list[Any], done: Answer) -> None:
+        """Queue one call of the script; done(its result, or the StoreError / StoreUnavailable it
+        failed with) is called once, on the event loop, with the rest of its pipeline's answers."""
+        self._queued.append((keys, args, done))
         if self._flush is None:
-            self._flush = loop.call_soon(self._flush_queued)
-        return future
+            self._flush = asyncio.get_running_loop().call_soon(self._flush_queued)
 
     def _flush_queued(self) -> None:
         self._flush = None
@@ -266,7 +265,7 @@ class ScriptPipeline:
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
 
-    async def _send(self, batch: list[tuple[list[Any], list[Any], asyncio.Future]]) -> None:
+    async def _send(self, batch: list[tuple[list[Any], list[Any], Answer]]) -> None:
         """One pipeline of EVALSHA, retried as a whole while Redis is unreachable (the caller makes
         a replay harmless: a commit's id makes a replay of one that was applied write nothing)."""
         sha = self._script.sha
@@ -285,16 +284,25 @@ class ScriptPipeline:
         try:
             results = await self._link.call(self._op, send)
         except BaseException as exc:
-            for *_, future in batch:
-                if not future.done():
-                    future.set_exception(exc if isinstance(exc, Exception) else StoreUnavailable(repr(exc)))
+            error = exc if isinstance(exc, Exception) else StoreUnavailable(repr(exc))
+            _answer_all([(done, error) for *_, done in batch])
             if not isinstance(exc, Exception):
                 raise
             return
-        for (*_, future), result in zip(batch, results, strict=True):
-            if future.done():
-                continue
-            if isinstance(result, redis.exceptions.RedisError):
-                future.set_exception(StoreError(f"session store: Redis refused {self._op}: {result}"))
-            else:
-                future.set_result(result)
+        refused = f"session store: Redis refused {self._op}"
+        _answer_all([
+            (done, StoreError(f"{refused}: {r}") if isinstance(r, redis.exceptions.RedisError) else r)
+            for (*_, done), r in zip(batch, results, strict=True)
+        ])  # fmt: skip
+
+
+Answer = Callable[[Any], None]  # a call's result, or the exception it failed with
+
+
+def _answer_all(answers: list[tuple[Answer, Any]]) -> None:
+    """Hand each caller its answer; one caller's bug does not keep the others' from them."""
+    for done, outcome in answers:
+        try:
+            done(outcome)
+        except Exception:
+            log.exception("a store answer could not be handed over")

@@ -201,14 +201,15 @@ class SerialRounds:
             commit_span = _tracer.start_span(
                 "commit", context=_in(verdict.span), attributes={"tokens": len(kept)}
             )
-        committed = transcript.commit_soon(kept, finish, result.stats, lengths)
-        committed.add_done_callback(
-            functools.partial(self._committed, kept, finish, verdict, start, commit_span)
-        )
+        done = functools.partial(self._committed, kept, finish, verdict, start, commit_span)
+        transcript.commit_then(kept, finish, result.stats, lengths, done)
 
     def _committed(
-        self, kept: list[int], finish: str | None, verdict: _Verdict, start: float, span: Any, committed: Any
-    ) -> None:
+        self, kept: list[int], finish: str | None, verdict: _Verdict, start: float, span: Any,
+        committed: bool | Exception,
+    ) -> None:  # fmt: skip
+        """A commit's answer, handed over with the rest of its pipeline's (one pass over a tick's
+        sessions, `ScriptPipeline`)."""
         _end_span(span)
         _end_span(verdict.span)
         if self.stage is Stage.STOPPED:

@@ -50,7 +50,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,7 @@ import redis.exceptions
 from gateway.redis_link import RedisLink, ScriptPipeline, StoreError
 from gateway.redis_link import StoreUnavailable as StoreUnavailable  # the store's errors, raised by its link
 from specmesh.core.stats import GenerationStats
+from specmesh.rpc.tick_client import to_future
 
 log = logging.getLogger("specmesh.gateway.session_store")
 
@@ -531,12 +532,14 @@ class SessionStore:
         owner: this gateway's owner token (fenced: NotOwner if it is not the current one, and the
         lease is renewed); "" commits without the check. Every commit of one event-loop turn goes
         to Redis in one pipelined round trip."""
-        return await self.commit_round_future(
+        answer = asyncio.get_running_loop().create_future()
+        self.commit_round_then(
             session_id, expected_round, new_tokens, stats_delta, replica_lengths,
-            finish_reason=finish_reason, owner=owner,
+            finish_reason=finish_reason, owner=owner, done=functools.partial(to_future, answer),
         )  # fmt: skip
+        return await answer
 
-    def commit_round_future(
+    def commit_round_then(
         self,
         session_id: str,
         expected_round: int,
@@ -546,9 +549,11 @@ class SessionStore:
         *,
         finish_reason: str | None = None,
         owner: str = "",
-    ) -> asyncio.Future:
-        """`commit_round` as a future of its answer (a caller driven by callbacks: the gateway's
-        rounds)."""
+        done: Callable[[bool | Exception], None],
+    ) -> None:
+        """`commit_round` for a caller driven by callbacks (the gateway's rounds): done(whether it
+        committed, or the error commit_round raises) is called with the other commits of its
+        pipeline, in one pass over their answers (`ScriptPipeline`), no future per commit."""
         keys = self.keys(session_id)
         if finish_reason == "":
             raise ValueError("finish_reason must be None or a non-empty string")
@@ -572,11 +577,9 @@ class SessionStore:
             str(self._lease_ms),
             *map(_packed, (tokens, replicas, ints, floats)),
         ]
-        answer = asyncio.get_running_loop().create_future()
         # bytes: redis-py passes them through without its per-argument type checks
-        raw = self._commits.call([k.encode() for k in keys.with_owner()], ["\n".join(fields).encode()])
-        raw.add_done_callback(functools.partial(_commit_answer, session_id, answer))
-        return answer
+        answered = functools.partial(_commit_answer, session_id, done)
+        self._commits.call([k.encode() for k in keys.with_owner()], ["\n".join(fields).encode()], answered)
 
     async def take(self, session_id: str) -> Session:
         """Take a session over (a resume): a new owner token for this gateway, once no other
@@ -742,24 +745,16 @@ def _prefix_keys(prefix: str, address: str) -> list[str]:
     return [f"{tag}:prefixes-meta", f"{tag}:prefixes", f"{tag}:placed"]
 
 
-def _commit_answer(session_id: str, answer: asyncio.Future, raw: asyncio.Future) -> None:
-    """The commit script's result -> committed or not, or the error it means."""
-    if answer.done():
-        return
-    if raw.cancelled():
-        answer.cancel()
-        return
-    error = raw.exception()
-    if error is not None:
-        answer.set_exception(error)
-        return
-    result = raw.result()
+def _commit_answer(session_id: str, done: Callable[[bool | Exception], None], result: Any) -> None:
+    """The commit script's result (or the pipeline's error) -> committed or not, or the error it
+    means."""
     if result == -1:
-        answer.set_exception(SessionNotFound(f"session {session_id!r} does not exist (expired or deleted)"))
+        result = SessionNotFound(f"session {session_id!r} does not exist (expired or deleted)")
     elif result == -2:
-        answer.set_exception(NotOwner(f"session {session_id!r}: another gateway took it over"))
-    else:
-        answer.set_result(result in (1, 2))
+        result = NotOwner(f"session {session_id!r}: another gateway took it over")
+    elif not isinstance(result, Exception):
+        result = result in (1, 2)
+    done(result)
 
 
 # ---- GenerationStats as a Redis hash -----------------------------------------------------------

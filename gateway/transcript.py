@@ -67,23 +67,29 @@ class Transcript:
             return kept[:stop_at], "stop"
         return kept, finish
 
-    def commit_soon(
-        self, kept: list[int], finish: str | None, stats: GenerationStats, lengths: dict[str, int]
-    ) -> asyncio.Future:
-        """The round's commit, sent now (pipelined with the other sessions' of this turn) -> a
-        future for `committed`."""
-        return self.env.store.commit_round_future(
-            self.id, self.round, kept, stats, lengths, finish_reason=finish, owner=self.owner
+    def commit_then(
+        self,
+        kept: list[int],
+        finish: str | None,
+        stats: GenerationStats,
+        lengths: dict[str, int],
+        done: Callable[[bool | Exception], None],
+    ) -> None:
+        """The round's commit, sent now (pipelined with the other sessions' of this turn);
+        done(outcome) gets its answer for `committed`, with the rest of the pipeline's."""
+        self.env.store.commit_round_then(
+            self.id, self.round, kept, stats, lengths, finish_reason=finish, owner=self.owner, done=done
         )
 
-    def committed(self, future: asyncio.Future) -> bool:
-        """A done commit: whether Redis was at this round (else another round is there). Raises
+    def committed(self, outcome: bool | Exception) -> bool:
+        """A commit's answer: whether Redis was at this round (else another round is there). Raises
         Redis's error, or ABORTED if another gateway has the session (it is then `lost`)."""
-        try:
-            return future.result()
-        except NotOwner as exc:
+        if isinstance(outcome, NotOwner):
             self._lost()
-            raise GatewayError(grpc.StatusCode.ABORTED, str(exc)) from None
+            raise GatewayError(grpc.StatusCode.ABORTED, str(outcome)) from None
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
     async def commit(
         self,
@@ -96,9 +102,12 @@ class Transcript:
         """Commit one round's tokens and apply them: what the client gets, or None if Redis is at
         another round."""
         start = time.perf_counter()
-        future = self.commit_soon(kept, finish, stats, lengths)
+        future = asyncio.get_running_loop().create_future()  # of the answer, error or not
+        self.commit_then(
+            kept, finish, stats, lengths, lambda outcome: future.done() or future.set_result(outcome)
+        )
         await asyncio.wait([future])
-        return self.apply(kept, finish, stats, began, start) if self.committed(future) else None
+        return self.apply(kept, finish, stats, began, start) if self.committed(future.result()) else None
 
     def apply(
         self,

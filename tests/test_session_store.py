@@ -5,6 +5,7 @@ a master / replica / Sentinel trio that fails over."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import subprocess
 import threading
 import time
@@ -668,3 +669,37 @@ def test_a_cancelled_call_is_cancelled_wherever_the_cancel_lands(server) -> None
             return swallowed
 
     assert run(go()) == []
+
+
+def test_a_turns_commits_are_each_fenced_and_answered_by_callback(server, raw) -> None:
+    """The gateway's rounds commit with `commit_round_then`: the commits queued in one event-loop
+    turn (a tick's sessions) go out after it, one pipeline, each still fenced and conditional on
+    its own (a stale round: False; another gateway's token: NotOwner), and a caller whose callback
+    raises keeps nobody else from their answer."""
+
+    async def go() -> None:
+        async with SessionStore(server.url, gateway_id="gw-one-pass") as store:
+            ids = [sid() for _ in range(5)]
+            owners = [(await store.create(s, [1, 2, 3])).owner for s in ids]
+            answers: list[tuple[str, object]] = []
+
+            def done(session: str, outcome: object) -> None:
+                answers.append((session, outcome))
+                if session == ids[2]:
+                    raise RuntimeError("a caller's bug")
+
+            expected = [0, 0, 0, 5, 0]  # ids[3] commits for a round it is not at: False
+            owner = list(owners)
+            owner[4] = "gw-other:1"  # ids[4]: another gateway's token, fenced
+            for s, at, o in zip(ids, expected, owner, strict=True):
+                store.commit_round_then(s, at, [7, 8], owner=o, done=functools.partial(done, s))
+            assert answers == []  # nothing is sent before the turn ends
+            while len(answers) < 5:
+                await asyncio.sleep(0.01)
+            outcomes = dict(answers)
+            assert [outcomes[s] for s in ids[:4]] == [True, True, True, False]
+            assert isinstance(outcomes[ids[4]], NotOwner)
+            loaded = [await store.load(s) for s in ids]
+            assert [x.tokens for x in loaded] == [[1, 2, 3, 7, 8]] * 3 + [[1, 2, 3]] * 2
+
+    run(go())

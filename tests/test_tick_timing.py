@@ -8,7 +8,9 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
-from specmesh.rpc.tick_timing import FLUSH_TURNS, SETTLE_TURNS, ItemTimers, TickHold, Timing
+import pytest
+
+from specmesh.rpc.tick_timing import FLUSH_TURNS, SETTLE_TURNS, ItemTimers, LoopBound, TickHold, Timing
 
 
 def on_a_loop(test: Callable[[], Coroutine]) -> Callable[[], None]:
@@ -160,3 +162,22 @@ async def test_a_limited_item_s_patience_and_timeout_run_from_its_send() -> None
     assert item.deadline <= asyncio.get_running_loop().time() + 0.5
     await asyncio.sleep(0.05)
     assert len(given) == 1 and given[0][2]
+
+
+def test_a_loop_bound_object_keeps_the_loop_it_first_ran_on() -> None:
+    """`LoopBound.loop` is looked up once (3.11's get_running_loop makes a system call each time),
+    so it must be the loop the object runs on, per object: one made in another run gets its own."""
+
+    class Clock(LoopBound):
+        pass
+
+    async def first_look(clock: Clock) -> tuple[asyncio.AbstractEventLoop, asyncio.AbstractEventLoop]:
+        return clock.loop, asyncio.get_running_loop()
+
+    a, b = Clock(), Clock()
+    bound, running = asyncio.run(first_look(a))
+    assert bound is running
+    again, other = asyncio.run(first_look(b))
+    assert again is other and again is not bound
+    with pytest.raises(RuntimeError):  # outside a running loop nothing is bound
+        _ = Clock().loop

@@ -50,6 +50,7 @@ from specmesh.core.verification import Verdict
 from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.tick_client import ROLES, Drafted, ItemError, Role, TickLoop, Timing, Verified, to_future
+from specmesh.rpc.tick_timing import LoopBound
 from specmesh.rpc.ticks import Opened, Prefilled
 from specmesh.rpc.tls import ClientTls, aio_channel
 from specmesh.rpc.tracing import tracer
@@ -131,7 +132,7 @@ class ReplicaFailure(Exception):
         self.rows = rows
 
 
-class RoundClient:
+class RoundClient(LoopBound):
     """One session's rounds: `start(tokens, placement, ...)` drafts and verifies after the
     committed `tokens` on the replicas the placement names (`round` awaits it). The client keeps
     only what belongs to the session (its settings as the replicas get them, tree family, adaptive
@@ -209,7 +210,7 @@ class RoundClient:
 
     async def round(self, tokens: Sequence[int], placement: Placement, plain_steps: int = 1) -> RoundResult:
         """`start`, awaited: the RoundResult, or the error raised."""
-        future = asyncio.get_running_loop().create_future()
+        future = self.loop.create_future()
         self.start(tokens, placement, plain_steps, functools.partial(to_future, future))
         try:
             return await future
@@ -427,7 +428,7 @@ class _Round:
         timeout, client = self.placement.timeout, self.placement.deadline
         if timeout is None:
             return client
-        at = asyncio.get_running_loop().time() + timeout
+        at = self.client.loop.time() + timeout
         return at if client is None else min(at, client)
 
     def _call(

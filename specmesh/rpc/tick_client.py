@@ -59,7 +59,7 @@ from specmesh.core.ticks import Ragged, TreeColumns
 from specmesh.core.verification import Verdict
 from specmesh.rpc import wire
 from specmesh.rpc.proto import pb2
-from specmesh.rpc.tick_timing import ItemTimers, TickHold, Timing
+from specmesh.rpc.tick_timing import ItemTimers, LoopBound, TickHold, Timing
 from specmesh.rpc.ticks import (
     GUESS_NEXT,
     SPECULATIVE,
@@ -234,7 +234,7 @@ class _Work:
     awaited: bool = False  # answered through a future that a task awaits (not a callback)
 
 
-class TickLoop:
+class TickLoop(LoopBound):
     """One caller's ticks to one replica (module docstring)."""
 
     def __init__(
@@ -368,7 +368,7 @@ class TickLoop:
 
     def _put(self, work: _Work, future: bool) -> Any:
         if future:  # the future's outcome is the item's; cancelling the future cancels the item
-            f = asyncio.get_running_loop().create_future()
+            f = self.loop.create_future()
             work.done, work.awaited = functools.partial(to_future, f), True
             f.add_done_callback(lambda f, w=work: self.cancel(w) if f.cancelled() else None)
         if self._closed:
@@ -377,7 +377,7 @@ class TickLoop:
             )
             return f if future else work
         if not self._queue:
-            self._queued_since = asyncio.get_running_loop().time()
+            self._queued_since = self.loop.time()
         self._queue.append(work)
         self._hold.arrived(work.session.session_id)
         if work.timing is not None:
@@ -482,7 +482,7 @@ class TickLoop:
             return
         if work:
             self._in_flight[tick_id] = work
-            self._sent_at[tick_id] = asyncio.get_running_loop().time()
+            self._sent_at[tick_id] = self.loop.time()
             if beside:
                 self._beside.add(tick_id)
             for w in work:  # only what is sent is surely coming back: a queued item may wait on us
@@ -555,7 +555,7 @@ class TickLoop:
                 work = self._in_flight.pop(message.id, None)
                 self._beside.discard(message.id)
                 if work is not None:
-                    trip = asyncio.get_running_loop().time() - self._sent_at.pop(message.id)
+                    trip = self.loop.time() - self._sent_at.pop(message.id)
                     self.pace += PACE_WEIGHT * (trip - self.pace) if self.pace else trip
                     log.debug(
                         "tick answered", extra={"replica": self.name, "tick": message.id, "items": len(work)}

@@ -1,5 +1,6 @@
 """A tick loop's two clocks (specmesh/rpc/tick_client.py): when a tick that could go goes
-(`TickHold`), and when a queued or sent item gives up (`ItemTimers`).
+(`TickHold`), and when a queued or sent item gives up (`ItemTimers`); and `LoopBound`, the event
+loop an object of the round path runs on, looked up once.
 
 Both only call back into the loop: `TickHold` calls its `flush` when a tick may go, `ItemTimers`
 calls its `give_up` with an item and why. Neither knows what a tick holds.
@@ -8,6 +9,7 @@ calls its `give_up` with an item and why. Neither knows what a tick holds.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +29,17 @@ SETTLE_TURNS = 3
 PACE_TRIPS = 4
 
 
+class LoopBound:
+    """An object of the round path, bound to the event loop it first runs on. Python 3.11's
+    asyncio.get_running_loop() makes a getpid() system call on every call (its fork check): by
+    py-spy a tenth of the gateway's main thread at 32 sessions, where system calls are dear (this
+    sandbox's). The loop is looked up once per object instead."""
+
+    @functools.cached_property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+
 @dataclass(frozen=True)
 class Timing:
     """How long an item may take. deadline: the loop's time by which it fails (DEADLINE_EXCEEDED);
@@ -43,7 +56,7 @@ class Timing:
     timeout: float | None = None
 
 
-class TickHold:
+class TickHold(LoopBound):
     """When a tick that could go goes. Sent at once, a tick would leave without the sessions
     that wake in the same turn; so `schedule` waits for the event-loop turn in which no more work
     was queued (every session woken together has queued its item), at most FLUSH_TURNS, and at
@@ -72,7 +85,7 @@ class TickHold:
         """Flush after this turn's sessions have queued (now: at the next turn)."""
         if self._turn_at is None:
             self._turns, self._queued_at_check = 0, self._queued()
-            self._turn_at = asyncio.get_running_loop().call_soon(self._turn)
+            self._turn_at = self.loop.call_soon(self._turn)
         if settle:
             self._settle_turns = SETTLE_TURNS
         if now:
@@ -83,7 +96,7 @@ class TickHold:
         grew = self._queued() != self._queued_at_check
         if (grew or self._turns < self._settle_turns) and self._turns < FLUSH_TURNS:
             self._turns, self._queued_at_check = self._turns + 1, self._queued()
-            self._turn_at = asyncio.get_running_loop().call_soon(self._turn)
+            self._turn_at = self.loop.call_soon(self._turn)
             return
         self._settle_turns = 0
         self._flush()
@@ -107,7 +120,7 @@ class TickHold:
         if not self._expected:
             self._since = None
             return False
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         if self._since is None:
             self._since = loop.time()
         until = self._since + self.max_hold
@@ -125,7 +138,7 @@ class TickHold:
 
     def sent(self) -> float:
         """A tick went: how long it was held (seconds); the next one holds afresh."""
-        held = 0.0 if self._since is None else asyncio.get_running_loop().time() - self._since
+        held = 0.0 if self._since is None else self.loop.time() - self._since
         self._since = None
         if self._timer is not None:
             self._timer.cancel()
@@ -138,7 +151,7 @@ class TickHold:
                 handle.cancel()
 
 
-class ItemTimers:
+class ItemTimers(LoopBound):
     """Every queued or sent item's deadline and patience (its per-try timeout, `Timing`), on one
     timer at the earliest of them. An item is given up (`give_up(item, why, per_try)`) past its
     deadline, or past its patience while its caller has a spare replica to move it to; without
@@ -157,7 +170,7 @@ class ItemTimers:
         """A queued item's deadline and patience start now (a limited item's patience: `sent`)."""
         timing = work.timing
         assert timing is not None
-        now = asyncio.get_running_loop().time()
+        now = self.loop.time()
         patient = timing.patience is not None and not work.limited
         work.trying = now
         work.due = now + self.patience(timing) if patient else float("inf")
@@ -167,7 +180,7 @@ class ItemTimers:
 
     def sent(self, limited: Iterable[Any]) -> None:
         """Limited items just sent: their patience and timeout start now (Timing)."""
-        now = asyncio.get_running_loop().time()
+        now = self.loop.time()
         for work in limited:
             timing = work.timing
             if timing is None or work.settled:
@@ -191,11 +204,11 @@ class ItemTimers:
             return
         if self._timer is not None:
             self._timer.cancel()
-        self._timer, self._timer_at = asyncio.get_running_loop().call_at(at, self._expire), at
+        self._timer, self._timer_at = self.loop.call_at(at, self._expire), at
 
     def _expire(self) -> None:
         self._timer = None
-        now = asyncio.get_running_loop().time()
+        now = self.loop.time()
         for work in list(self._timed):
             timing = work.timing
             if work.settled:
