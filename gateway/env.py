@@ -5,8 +5,9 @@ renewed together (`Leases`)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -133,3 +134,69 @@ class Piece:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # of token_ids, if asked
+
+
+class Handout:
+    """Committed pieces on their way to the client's stream, in order, as the rounds' answers
+    commit them; an error ends them (`get` raises it after the pieces before it). One waiter at a
+    time: the run's `step`."""
+
+    def __init__(self) -> None:
+        self._pieces: collections.deque[Piece | BaseException] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, piece: Piece | BaseException) -> None:
+        self._pieces.append(piece)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self, loop: asyncio.AbstractEventLoop, timeout: Callable[[], float] | None = None) -> Piece:
+        """The next piece; timeout(): the seconds it may take (it may raise GatewayError), past
+        them DEADLINE_EXCEEDED."""
+        while not self._pieces:
+            self._waiter = loop.create_future()
+            late = None if timeout is None else loop.call_later(timeout(), self._late, self._waiter)
+            try:
+                await self._waiter
+            finally:
+                if late is not None:
+                    late.cancel()
+                self._waiter = None
+        piece = self._pieces.popleft()
+        if isinstance(piece, BaseException):
+            raise piece
+        return piece
+
+    @staticmethod
+    def _late(waiter: asyncio.Future) -> None:
+        if not waiter.done():
+            waiter.set_exception(
+                GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, "no replica answered in time")
+            )
+
+
+class SlowPaths:
+    """A run's slow paths as tasks (placing a session anew, a failover, a stale commit, a wait for
+    a healthy replica): the rounds' fast path runs on the replicas' answers, these await. An
+    error in one ends the run (`stop(error)`)."""
+
+    def __init__(self, stop: Callable[[BaseException], None]) -> None:
+        self._stop = stop
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._stop(task.exception())  # type: ignore[arg-type]
+
+    async def cancel(self, *others: asyncio.Task) -> None:
+        """Cancel them (and `others`), and wait until they are gone."""
+        tasks, self._tasks = [*self._tasks, *others], set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

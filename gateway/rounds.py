@@ -19,18 +19,16 @@ Only a committed round is handed out, so the client sees exactly the tokens in R
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import Coroutine
 from enum import Enum
 from typing import Any
 
 import grpc
 from opentelemetry import trace
 
-from gateway.env import GatewayEnv, GatewayError, Piece
+from gateway.env import GatewayEnv, GatewayError, Handout, Piece, SlowPaths
 from gateway.placement import Placer
 from gateway.requests import GenerationPlan
 from gateway.transcript import Transcript
@@ -92,8 +90,9 @@ class SerialRounds:
         self.transcript, self.placer = parts.transcript, parts.placer
         self.stage = Stage.OPEN
         self._held: _Verdict | None = None  # Stage.HELD: the verdict waiting for the commit
-        self._pieces: asyncio.Queue | None = None  # committed rounds (or the error), for `step`
-        self._tasks: set[asyncio.Task] = set()  # the slow path (`_spawn`)
+        self.handout = Handout()  # committed rounds (or the error), for `step`
+        self._started = False
+        self.slow = SlowPaths(self.stop)
         self.stop_error: BaseException | None = None  # why the rounds stopped before the end
         self._failures = 0  # failed tries of the current round
         self._stale_commits = 0
@@ -101,15 +100,12 @@ class SerialRounds:
     async def step(self) -> Piece:
         """The next committed round; its failure is raised here. Traced (when tracing is on) as a
         span "round" with its draft, verification and commit under it."""
-        if self._pieces is None:
+        if not self._started:
             if self.stop_error is not None:
                 raise self.stop_error
-            self._pieces = asyncio.Queue()
+            self._started = True
             self._launch(self.transcript.tokens)
-        piece = await self._pieces.get()
-        if isinstance(piece, BaseException):
-            raise piece
-        return piece
+        return await self.handout.get(self.placer.loop)
 
     def stop(self, error: BaseException) -> None:
         """No more rounds: the client gets `error` from `step` (after what was committed)."""
@@ -117,8 +113,7 @@ class SerialRounds:
             return
         self.stage, self.stop_error, self._held = Stage.STOPPED, error, None
         self.client.cancel()
-        if self._pieces is not None:
-            self._pieces.put_nowait(error)
+        self.handout.put(error)
 
     def describe(self, stats: Any) -> None:
         """Serial rounds add nothing to the public GenerationStats."""
@@ -127,10 +122,7 @@ class SerialRounds:
         """The run ends: nothing it started reaches a replica any more (before its releases)."""
         self.stage = Stage.STOPPED
         self.client.cancel()
-        tasks, self._tasks = list(self._tasks), set()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.slow.cancel()
 
     # ---- the chain -------------------------------------------------------------------------------
 
@@ -139,7 +131,7 @@ class SerialRounds:
         the session's replicas: at once while they are healthy, else once placed anew."""
         placement = self.placer.now()
         if placement is None:
-            self._spawn(self._place_and_launch(tokens, began))
+            self.slow.spawn(self._place_and_launch(tokens, began))
             return
         self._begin(tokens, placement, began)
 
@@ -167,7 +159,7 @@ class SerialRounds:
         if isinstance(outcome, ReplicaFailure):
             self.placer.remember(outcome.held)
             _end_span(span, outcome)
-            self._spawn(self._retry(tokens, began, outcome))
+            self.slow.spawn(self._retry(tokens, began, outcome))
             return
         if isinstance(outcome, BaseException):
             _end_span(span, outcome)
@@ -222,13 +214,13 @@ class SerialRounds:
             self.stop(exc)
             return
         if not ok:
-            self._spawn(self._stale(kept, verdict.result))
+            self.slow.spawn(self._stale(kept, verdict.result))
             return
         self._stale_commits = 0
         piece = self.transcript.apply(
             kept, finish, verdict.result.stats, verdict.began, start, verdict.result
         )
-        self._pieces.put_nowait(piece)  # type: ignore[union-attr]
+        self.handout.put(piece)
         if held is not None:
             self._settle(held)
 
@@ -249,7 +241,7 @@ class SerialRounds:
         if piece.token_ids == kept:  # the commit that seemed to fail was this round's
             piece = dataclasses.replace(piece, logprobs=result.logprobs[: len(kept)])
         if piece.token_ids or piece.finish_reason:
-            self._pieces.put_nowait(piece)  # type: ignore[union-attr]
+            self.handout.put(piece)
         if not self.transcript.finished:
             self._launch(self.transcript.tokens)
 
@@ -264,17 +256,6 @@ class SerialRounds:
             )
         await self.placer.recover(failure)
         self._begin(tokens, await self.placer.place(self.transcript.tokens, recorded=True), began)
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        """The slow path, as a task: its error ends the run (raised by `step`)."""
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self.stop(task.exception())  # type: ignore[arg-type]
 
     def _plain_steps(self, tokens: list[int]) -> int:
         """Tokens a plain round after `tokens` may decode in one Verify call: one for the first round

@@ -533,10 +533,9 @@ class SessionStore:
         lease is renewed); "" commits without the check. Every commit of one event-loop turn goes
         to Redis in one pipelined round trip."""
         answer = asyncio.get_running_loop().create_future()
-        self.commit_round_then(
-            session_id, expected_round, new_tokens, stats_delta, replica_lengths,
-            finish_reason=finish_reason, owner=owner, done=functools.partial(to_future, answer),
-        )  # fmt: skip
+        done = functools.partial(to_future, answer)
+        self.commit_round_then(session_id, expected_round, new_tokens, stats_delta, replica_lengths,
+                               finish_reason=finish_reason, owner=owner, done=done)  # fmt: skip
         return await answer
 
     def commit_round_then(
@@ -551,9 +550,8 @@ class SessionStore:
         owner: str = "",
         done: Callable[[bool | Exception], None],
     ) -> None:
-        """`commit_round` for a caller driven by callbacks (the gateway's rounds): done(whether it
-        committed, or the error commit_round raises) is called with the other commits of its
-        pipeline, in one pass over their answers (`ScriptPipeline`), no future per commit."""
+        """`commit_round` for the gateway's rounds: done(whether it committed, or the error
+        commit_round raises), with its pipeline's other answers in one pass (`ScriptPipeline`)."""
         keys = self.keys(session_id)
         if finish_reason == "":
             raise ValueError("finish_reason must be None or a non-empty string")

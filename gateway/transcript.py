@@ -2,12 +2,11 @@
 them (`Transcript`): cut a round's tokens at a stop token, max_new_tokens or a stop sequence,
 commit them with `commit_round(expected_round=…)` (atomic, fenced by the owner token), and
 hand the client exactly what was committed. Serial rounds (gateway/rounds.py) and DSI
-(gateway/dsi.py) both commit through it.
+(gateway/dsi.py) both commit through it: `cut`, `commit_then`, `committed`, `apply`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 
@@ -90,24 +89,6 @@ class Transcript:
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
-
-    async def commit(
-        self,
-        kept: list[int],
-        finish: str | None,
-        stats: GenerationStats,
-        lengths: dict[str, int],
-        began: float,
-    ) -> Piece | None:
-        """Commit one round's tokens and apply them: what the client gets, or None if Redis is at
-        another round."""
-        start = time.perf_counter()
-        future = asyncio.get_running_loop().create_future()  # of the answer, error or not
-        self.commit_then(
-            kept, finish, stats, lengths, lambda outcome: future.done() or future.set_result(outcome)
-        )
-        await asyncio.wait([future])
-        return self.apply(kept, finish, stats, began, start) if self.committed(future.result()) else None
 
     def apply(
         self,

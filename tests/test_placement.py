@@ -10,7 +10,7 @@ import uuid
 import grpc
 import pytest
 
-from gateway.env import GatewayEnv, GatewayError
+from gateway.env import GatewayEnv, GatewayError, Piece
 from gateway.metrics import GatewayMetrics
 from gateway.placement import Placer
 from gateway.pools import ReplicaPool
@@ -164,6 +164,15 @@ def _transcript(store: SessionStore, sid: str, lost: list) -> Transcript:
     return Transcript(sid, PLAN, _env(store, None), text, None, lost=lambda: lost.append(sid))  # type: ignore[arg-type]
 
 
+async def _commit(transcript: Transcript, kept: list[int]) -> Piece | None:
+    """One round's commit as the rounds make it: `commit_then`, its answer read by `committed`,
+    then `apply` (None: Redis is at another round)."""
+    answer = asyncio.get_running_loop().create_future()
+    transcript.commit_then(kept, None, GenerationStats(), {}, answer.set_result)
+    ok = transcript.committed(await answer)
+    return transcript.apply(kept, None, GenerationStats(), began=0.0, start=0.0) if ok else None
+
+
 def test_a_round_is_cut_committed_and_handed_out_as_redis_holds_it(redis_url) -> None:
     async def scenario() -> None:
         store, sid, lost = SessionStore(redis_url), uuid.uuid4().hex, []
@@ -172,7 +181,7 @@ def test_a_round_is_cut_committed_and_handed_out_as_redis_holds_it(redis_url) ->
         kept, finish = transcript.cut([97, 98, 33, 99])  # "ab!c": the stop sequence ends it
         assert (kept, finish) == ([97, 98, 33], "stop")  # through the token that completes it
         assert transcript.cut([97] * 9) == ([97] * 6, "length")  # max_new_tokens
-        piece = await transcript.commit([97], None, GenerationStats(), {}, began=0.0)
+        piece = await _commit(transcript, [97])
         assert (piece.token_ids, piece.text, piece.finish_reason) == ([97], "a", None)
         assert (transcript.round, transcript.tokens) == (1, [72, 105, 97])
         stored = await store.load(sid)
@@ -190,7 +199,7 @@ def test_a_commit_that_finds_another_round_takes_redis_s_tokens(redis_url) -> No
         await store.commit_round(sid, 0, [97, 98], owner=owner)  # a commit that seemed to fail went through
         transcript = _transcript(store, sid, [])
         transcript.owner = owner
-        assert await transcript.commit([97, 98], None, GenerationStats(), {}, began=0.0) is None
+        assert await _commit(transcript, [97, 98]) is None
         piece = await transcript.resume_from_store()
         assert piece.token_ids == [97, 98] and transcript.round == 1
         await store.close()
@@ -206,7 +215,7 @@ def test_a_session_another_gateway_took_is_lost_and_its_commit_aborted(redis_url
         await store.release(sid, transcript.owner)
         await other.take(sid)  # another gateway resumed it
         with pytest.raises(GatewayError) as exc:
-            await transcript.commit([97], None, GenerationStats(), {}, began=0.0)
+            await _commit(transcript, [97])
         assert exc.value.code == grpc.StatusCode.ABORTED and lost == [sid]
         await store.close()
         await other.close()
@@ -219,7 +228,7 @@ def test_a_store_that_lost_committed_rounds_ends_the_session(redis_url) -> None:
         store, sid = SessionStore(redis_url), uuid.uuid4().hex
         transcript = _transcript(store, sid, [])
         transcript.owner = (await store.create(sid, PLAN.prompt_ids)).owner
-        await transcript.commit([97], None, GenerationStats(), {}, began=0.0)
+        await _commit(transcript, [97])
         await store.delete(sid)
         await store.create(sid, PLAN.prompt_ids)  # Redis came back without the round
         with pytest.raises(GatewayError, match="lost committed rounds"):

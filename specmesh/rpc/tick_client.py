@@ -282,7 +282,6 @@ class TickLoop(LoopBound):
         self._closed = False
         self._hold = TickHold(self._flush, lambda: len(self._queue), max_hold)  # when a tick goes
         self._timers = ItemTimers(self._give_up, lambda: self.pace)  # when an item gives up
-        self._queued_since = 0.0  # when the oldest queued item was queued
         self._sent_at: dict[int, float] = {}  # tick id -> when it was sent (ticks with items)
         self._beside: set[int] = set()  # the tick of session starts in flight beside the others (one)
         self.pace = 0.0  # seconds from a tick's send to its answer, averaged (PACE_WEIGHT)
@@ -376,8 +375,6 @@ class TickLoop(LoopBound):
                 work, ItemError(grpc.StatusCode.UNAVAILABLE, f"{self.name}: the tick loop is closed")
             )
             return f if future else work
-        if not self._queue:
-            self._queued_since = self.loop.time()
         self._queue.append(work)
         self._hold.arrived(work.session.session_id)
         if work.timing is not None:
