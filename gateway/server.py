@@ -53,8 +53,6 @@ from gateway.speculation import dsi_shape, plan_speculation, servable
 from gateway.text import TextStream
 from specmesh.core.adaptive import ForwardCost, RoundPolicy
 from specmesh.core.ahead import PipelinePolicy
-from specmesh.core.drafting import TreeSpec
-from specmesh.core.methods import Method
 from specmesh.core.rounds import Pipelining
 from specmesh.rpc import wire
 from specmesh.rpc.flags import ServerConfig
@@ -71,15 +69,9 @@ log = logging.getLogger("specmesh.gateway")
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # requests are prompts, answers text and token ids
 NO_DEADLINE = 1e9  # time_remaining() above this (or None): the client set no deadline
-DSI_MAX_LOOKAHEAD = 8  # the longest lookahead the gateway chooses by itself
-DSI_UNKNOWN_DRAFT_SHARE = 0.5  # a drafter's cost relative to the target's, before one is measured
-ADAPTIVE_PRIOR = 0.7  # the draft model's acceptance per level assumed before a session's first round
 HANDOVER_SHARE = 0.8  # of --grace-seconds that running sessions may use to finish before a handover
 TAKE_SLACK_SECONDS = 0.5  # a resume waits for a dead owner's lease this much past its expiry
 READY_RETRY_SECONDS = 5.0  # between attempts to learn the model (a verifier starting, a bad tokenizer)
-
-
-NONE_SPEC = TreeSpec(Method.NONE)
 
 
 class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):

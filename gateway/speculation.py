@@ -103,7 +103,10 @@ async def dsi_shape(
 
 
 def servable(plan: GenerationPlan, env: GatewayEnv) -> GenerationPlan:
-    """The plan this gateway can run: without drafters, its own default is plain decoding."""
+    """The plan this gateway can run: without drafters, its own default is plain decoding
+    (`plan_speculation` decides the default's rounds from the drafters it has)."""
+    if plan.auto:
+        return plan
     if plan.spec.method is Method.NGRAM and env.ngram_drafters is None:
         raise GatewayError(
             grpc.StatusCode.FAILED_PRECONDITION,

@@ -187,7 +187,8 @@ def api_param(field: str, body: Any) -> str:
         return "top_logprobs"
     if base == "constraint" and forces_call(body):
         return "tools"
-    if base == "constraint" and getattr(body, "response_format", None) is not None:
+    form = getattr(body, "response_format", None)
+    if base == "constraint" and form is not None and form.type != "text":  # text: the constraint's own
         return "response_format.json_schema.schema" if rest == "json_schema" else "response_format"
     return field
 
@@ -214,7 +215,7 @@ def resume_point(last_event_id: str, n: int) -> Any:
     session, _, index = last_event_id.rpartition(":")
     if n != 1:
         raise ApiError(400, "Last-Event-ID: a stream of several choices (n > 1) cannot be resumed", "n")
-    if not session or not index.isdigit() or int(index) >= 2**32:
+    if not session or not (index.isascii() and index.isdigit()) or int(index) >= 2**32:
         raise ApiError(400, f"Last-Event-ID: expected <session>:<token count>, got {last_event_id!r}",
                        "Last-Event-ID")  # fmt: skip
     return gateway_pb2.Resume(session_id=session, token_index=int(index))

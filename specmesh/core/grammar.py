@@ -52,7 +52,7 @@ class TokenMask(Protocol):
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """logits [K, V], allowed [K, V] bool -> logits with every disallowed token at -inf. A row with
     nothing allowed (a grammar in an error state) is left as it is: the session goes on unconstrained
-    rather than sampling from an empty set; the replicas log it."""
+    rather than sampling from an empty set (not logged: a row is built per path of every tree)."""
     empty = ~allowed.any(-1, keepdim=True)
     return logits.masked_fill(~(allowed | empty), -math.inf)
 

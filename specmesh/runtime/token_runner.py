@@ -4,8 +4,8 @@ ngram`) runs on it: its drafts are lookups in those tokens (specmesh.core.ngram)
 position and resync rules of the model services apply to it unchanged.
 
 Its forward returns rows of width 0: there are no logits. A cache budget (`max_cache_tokens`)
-counts committed tokens; over it the least recently used sessions are dropped whole (their
-callers resync, as after an eviction of any backend).
+counts committed and pending tokens; over it the least recently used sessions are dropped whole
+(their callers resync, as after an eviction of any backend).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class _Plan:
     step: Step
     rebuild: bool = False
     source: str | None = None  # never: no prefix cache without KV
+    partial: bool = False  # a chunk of its new tokens only: no rows (Backend.forward)
 
     @property
     def feeds(self) -> bool:
@@ -57,7 +58,7 @@ class TokenRunner(SessionTable[_Session]):
 
     def _plan(self, step: Step) -> _Plan:
         c = self._checked(step, _Session)
-        return _Plan(step.session_id, c.session, c.step)
+        return _Plan(step.session_id, c.session, c.step, partial=c.partial)
 
     def _truncate_kv(self, s: _Session, length: int) -> None:
         pass  # nothing but the tokens, which truncate cuts
@@ -81,7 +82,10 @@ class TokenRunner(SessionTable[_Session]):
 
     def _run(self, plans: list[_Plan]) -> list[torch.Tensor]:
         self.stats["forwards"] += 1
-        return [torch.zeros(int(bool(p.step.new_tokens)) + len(p.step.node_tokens), 0) for p in plans]
+        return [
+            torch.zeros(0 if p.partial else int(bool(p.step.new_tokens)) + len(p.step.node_tokens), 0)
+            for p in plans
+        ]
 
     def _discard_failed(self, plans: list[_Plan]) -> None:
         pass  # _run cannot fail half-way

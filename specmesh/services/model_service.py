@@ -264,6 +264,38 @@ def _advance(ticked: ForwardSteps, results: list) -> Any:
 # ---- the service ------------------------------------------------------------------------------
 
 
+async def drive(
+    batcher: ForwardBatcher, tick: TickRun, ticked: ForwardSteps, before: dict[str, Callable[[], None]]
+) -> list:
+    """Run a step protocol (specmesh.runtime.rounds) through the batcher: each forward's group
+    of steps is queued, and the protocol resumes on the model thread right after it. The tick
+    is a participant while it runs, so that concurrent ticks' forwards wait for each other."""
+    try:  # the first steps: cheap, on the loop (the sessions' resets run later)
+        steps = next(ticked)
+    except StopIteration as done:  # every job stopped before its first forward (a cancel came
+        return done.value  # while the items waited for a grammar or a superseded draft)
+    batcher.join()
+    try:
+        while True:
+            finish = functools.partial(_advance, ticked)
+            tick.pending = batcher.enqueue(steps, before=before, finish=finish)
+            before = {}
+            try:
+                more, batch = await tick.pending
+            except asyncio.CancelledError:
+                if tick.withdrawn:  # taken back before its first forward: nothing ran
+                    raise Withdrawn from None
+                raise
+            finally:
+                tick.pending = None
+            tick.observe(batch)
+            if isinstance(more, _Done):
+                return more.value
+            steps = more.steps
+    finally:
+        batcher.leave()
+
+
 class ModelService(RpcService):
     """What both model services share: the runner and its thread, the batcher, session slots and
     positions, metrics, Release and Info. Subclasses set `service_name`, their tick's message
@@ -400,30 +432,7 @@ class ModelService(RpcService):
     # ---- ticks ---------------------------------------------------------------------------------
 
     async def drive(self, tick: TickRun, ticked: ForwardSteps, before: dict[str, Callable[[], None]]) -> list:
-        """Run a step protocol (specmesh.runtime.rounds) through the batcher: each forward's group
-        of steps is queued, and the protocol resumes on the model thread right after it. The tick
-        is a participant while it runs, so that concurrent ticks' forwards wait for each other."""
-        steps = next(ticked)  # the first steps: cheap, on the loop (the sessions' resets run later)
-        self.batcher.join()
-        try:
-            while True:
-                finish = functools.partial(_advance, ticked)
-                tick.pending = self.batcher.enqueue(steps, before=before, finish=finish)
-                before = {}
-                try:
-                    more, batch = await tick.pending
-                except asyncio.CancelledError:
-                    if tick.withdrawn:  # taken back before its first forward: nothing ran
-                        raise Withdrawn from None
-                    raise
-                finally:
-                    tick.pending = None
-                tick.observe(batch)
-                if isinstance(more, _Done):
-                    return more.value
-                steps = more.steps
-        finally:
-            self.batcher.leave()
+        return await drive(self.batcher, tick, ticked, before)
 
     async def run_tick(self, tick: TickRun, work: Callable[[], Any]) -> Any:
         """Run a tick's work to its end even if its caller goes away (then its jobs stop before
