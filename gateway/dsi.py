@@ -95,17 +95,19 @@ class DsiRounds:
         parallel: int,
         ahead: bool = True,
         verify_cost: Callable[[int], float] | None = None,
+        max_depth: int | None = None,
     ) -> None:
         """client: the session as the replicas know it (DSI calls the tick loops itself).
         verify_cost: the verifier's start-up seconds per forward of n rows, to learn the gateway's
-        `Learnt` forward scale from this session's verifications."""
+        `Learnt` forward scale from this session's verifications. max_depth: the deepest chain the
+        replicas take; a draft's extra token (`DsiState.next_depth`) never goes past it."""
         self.env, self.plan, self.client = parts.env, parts.plan, parts.client
         self.transcript, self.placer = parts.transcript, parts.placer
         self.id = parts.client.id
         self.stop_error: BaseException | None = None  # why the rounds stopped before the end
         self.verify_cost = verify_cost
         self.lookahead, self.parallel, self.ahead = lookahead, parallel, ahead
-        self.schedule = Schedule(lookahead, parallel, ahead)
+        self.schedule = Schedule(lookahead, parallel, ahead, max_depth)
         self.guard_rounds = 0  # verifications that were guards, among the stats' rounds
         tokens = parts.transcript.tokens
         self.state = DsiState(tokens)

@@ -450,8 +450,11 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         assert plan.dsi is not None
         model = self.served_model()
         verify = ForwardCost(model.forward_cost, decay=0.0).shape
-        shape = await dsi_shape(plan.dsi, verify, model.draft_cost, self.env, self.config.dsi_max_parallel)
-        dsi = DsiShape(shape.lookahead, shape.parallel, shape.ahead, verify_cost=verify)
+        tree = model.limits.tree  # --max-depth: what a request may ask; replicas' default alike
+        shape = await dsi_shape(
+            plan.dsi, verify, model.draft_cost, self.env, self.config.dsi_max_parallel, tree.max_depth
+        )
+        dsi = DsiShape(shape.lookahead, shape.parallel, shape.ahead, verify, tree.max_depth)
         return SessionRun(plan, self.env, text, deadline, resumed=resumed, dsi=dsi)
 
     def _speculation(self, plan: GenerationPlan) -> tuple[GenerationPlan, RoundPolicy | None]:

@@ -86,6 +86,7 @@ class DsiShape:
     parallel: int
     ahead: bool = True
     verify_cost: Callable[[int], float] | None = None  # rows -> seconds, to learn the forward scale
+    max_depth: int | None = None  # the deepest chain a replica takes (the served model's tree limit)
 
 
 class SessionRun:
@@ -130,6 +131,7 @@ class SessionRun:
                 parallel=dsi.parallel,
                 ahead=dsi.ahead,
                 verify_cost=dsi.verify_cost,
+                max_depth=dsi.max_depth,
             )
 
     @property

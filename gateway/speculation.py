@@ -72,14 +72,15 @@ def plan_speculation(
 
 async def dsi_shape(
     settings: DsiSettings, verify: Callable[[int], float], draft_cost: dict[int, float], env: GatewayEnv,
-    max_parallel: int,
+    max_parallel: int, max_depth: int = DSI_MAX_LOOKAHEAD,
 ) -> Shape:  # fmt: skip
     """A DSI request's lookahead and parallel verifications; what it leaves unset (0) is what
     the DSI simulation predicts fastest for the replicas' measured forward costs and the
     acceptance of earlier DSI sessions (specmesh.core.dsi.choose_shape). With `parallel` unset
     SI's schedule (no drafting ahead) is a candidate, and drafting ahead is charged the
     slowdown earlier DSI verifications of that many in flight measured: DSI then never plans
-    to be slower than SI. A `parallel` the request sets is run as the paper's DSI, drafting ahead."""
+    to be slower than SI. A `parallel` the request sets is run as the paper's DSI, drafting ahead.
+    A lookahead it chooses is at most `max_depth` (--max-depth: the deepest chain replicas take)."""
     limit = max_parallel
     if settings.parallel > limit:
         raise GatewayError(
@@ -90,7 +91,8 @@ async def dsi_shape(
         )
     available = max(1, min(limit, len(env.verifiers.healthy())))
     parallels = [settings.parallel] if settings.parallel else range(1, available + 1)
-    lookaheads = [settings.lookahead] if settings.lookahead else range(1, DSI_MAX_LOOKAHEAD + 1)
+    longest = min(DSI_MAX_LOOKAHEAD, max_depth)
+    lookaheads = [settings.lookahead] if settings.lookahead else range(1, longest + 1)
     sequential = not settings.parallel
     if settings.parallel and settings.lookahead:
         return Shape(settings.lookahead, settings.parallel, seconds_per_token=0.0)  # nothing predicted

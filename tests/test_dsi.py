@@ -31,6 +31,7 @@ from specmesh.core.dsi import (
     DsiState,
     Outcome,
     Resolution,
+    Schedule,
     acceptance_from_blocks,
     choose_shape,
     guards,
@@ -411,3 +412,15 @@ def test_the_gateways_chain_suffix_of_the_columns_is_chain_suffix(skip: int) -> 
     assert torch.equal(columns.tree(1).draft_probs, tree.draft_probs)  # the drafter's columns kept
     with pytest.raises(ValueError, match="skip"):
         TreeRef(columns, 1).chain_suffix(4)
+
+
+def test_the_extra_token_of_a_draft_stays_within_the_replicas_deepest_tree() -> None:
+    """While every verifier is busy a draft takes one token more than the lookahead (its first is
+    decided by the bonus before it is verified); at the replicas' --max-depth it takes the limit."""
+    state = DsiState([7])
+    state.add([1, 2, 3], state.version)  # one unresolved block: parallel 1 is busy
+    assert Schedule(3, 1).draft(state, drafting=False, room=100) == 4
+    assert Schedule(3, 1, max_depth=3).draft(state, drafting=False, room=100) == 3
+    assert Schedule(2, 1, max_depth=3).draft(state, drafting=False, room=100) == 3
+    idle = DsiState([7])  # no block unresolved: the lookahead itself, limit or not
+    assert Schedule(3, 1, max_depth=3).draft(idle, drafting=False, room=100) == 3

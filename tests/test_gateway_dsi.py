@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from specmesh.core.sampling import SamplingParams
+from specmesh.rpc.flags import Limits
 from specmesh.runtime.models import load_model
 from specmesh.stack.redis_server import RedisServer
 from tests.servers import (
@@ -147,6 +148,17 @@ def test_dsi_greedy_equals_the_targets_greedy_decode(
     # else guards run: they decide each position where this noisy pair disagrees (its greedy
     # agreement is ~0.2), and a block's first token when it matches, so accepted may be 0
     assert_released(dsi_stack, raw_redis)
+
+
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_a_lookahead_at_the_replicas_deepest_tree_stays_within_it(stub, target_greedy, parallel: int) -> None:
+    """DSI drafts one token more than its lookahead while every verifier is busy (so that the
+    lookahead is still verified after a bonus); at --max-depth (16, the replicas' too) that
+    extra token would be a tree the drafter refuses."""
+    depth = Limits().max_depth
+    reply = stub.Generate(dsi_request(40, parallel, depth=depth), timeout=120)
+    assert list(reply.token_ids) == target_greedy[:40]
+    assert reply.stats.dsi_lookahead == depth
 
 
 def test_dsi_sampling_gives_the_requested_length(stub, dsi_stack, raw_redis) -> None:

@@ -219,6 +219,13 @@ def test_the_gateway_chooses_a_lookahead_of_at_most_eight_but_takes_a_longer_one
     assert shape(env, draft={1: 0.0005}, depth=12).lookahead == 12
 
 
+def test_the_lookahead_the_gateway_chooses_is_no_deeper_than_max_depth() -> None:
+    env = gateway_env(config(), Learnt(acceptance=0.99))  # would choose 8
+    settings = plan(dsi=True).dsi
+    chosen = asyncio.run(dsi_shape(settings, VERIFY, {1: 0.0005}, env, 4, max_depth=3))
+    assert chosen.lookahead == 3
+
+
 # ---- servable ----------------------------------------------------------------------------------
 
 NO_DRAFTERS, MODEL_ONLY = config(), config("--drafters", DEAD)

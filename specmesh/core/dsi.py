@@ -281,6 +281,7 @@ class Schedule:
     lookahead: int
     parallel: int
     ahead: bool = True
+    max_depth: int | None = None  # the replicas' deepest tree (--max-depth): the extra token's cap
 
     @property
     def unresolved(self) -> int:
@@ -302,7 +303,8 @@ class Schedule:
         """The depth of the draft to start now, or None."""
         if drafting or len(state.blocks) >= self.unresolved or room <= 0:
             return None
-        return state.next_depth(self.lookahead, self.parallel)
+        depth = state.next_depth(self.lookahead, self.parallel)
+        return depth if self.max_depth is None else min(depth, self.max_depth)
 
 
 @dataclass
