@@ -188,7 +188,8 @@ def api_param(field: str, body: Any) -> str:
     if base == "constraint" and forces_call(body):
         return "tools"
     form = getattr(body, "response_format", None)
-    if base == "constraint" and form is not None and form.type != "text":  # text: the constraint's own
+    # beside a text format a constraint's error is the constraint's own; else it came from the format
+    if base == "constraint" and form is not None and form.type != "text":
         return "response_format.json_schema.schema" if rest == "json_schema" else "response_format"
     return field
 

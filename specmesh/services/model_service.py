@@ -272,8 +272,10 @@ async def drive(
     is a participant while it runs, so that concurrent ticks' forwards wait for each other."""
     try:  # the first steps: cheap, on the loop (the sessions' resets run later)
         steps = next(ticked)
-    except StopIteration as done:  # every job stopped before its first forward (a cancel came
-        return done.value  # while the items waited for a grammar or a superseded draft)
+    except StopIteration as done:
+        # every job was cancelled before its first forward (the cancel came while the items
+        # waited for a grammar or for a superseded draft): no forward, their outcomes say so
+        return done.value
     batcher.join()
     try:
         while True:
