@@ -27,15 +27,18 @@ import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
+import redis.asyncio as aioredis
 
 from specmesh.core.drafting import Path
 from specmesh.core.grammar import TokenMask
 from specmesh.core.methods import Method
 from specmesh.core.ngram import draft_ngram
+from specmesh.core.suffix import SuffixDrafts
 from specmesh.core.tree import DraftTree
-from specmesh.rpc import wire
+from specmesh.rpc import outputs_log, wire
 from specmesh.rpc.metrics import count_labels
 from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.server import rpc
@@ -103,8 +106,42 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         self._reused = metrics.counter(
             "specmesh:drafter_reused_tokens", "committed tokens whose KV was kept from the pending tree"
         )
+        # a model-free drafter's suffix drafts: the finished outputs it learnt, within a budget
+        model_free = model.backend is Backend.NGRAM
+        self.suffix = SuffixDrafts(config.suffix_tokens) if model_free else None
+        self._follower: asyncio.Task | None = None  # reads the outputs log (--redis-url)
+        self._redis: Any = None
+        self._suffix_tokens = metrics.gauge(
+            "specmesh:drafter_suffix_tokens",
+            "tokens of finished outputs the suffix drafts look up (at most --suffix-tokens)",
+        )
+
+    async def start(self) -> None:
+        await super().start()
+        if self.suffix is not None and self.config.redis_url:
+            self._redis = aioredis.Redis.from_url(self.config.redis_url)
+            self._follower = asyncio.create_task(outputs_log.follow(self._redis, self._learn))
+
+    async def close(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            await asyncio.gather(self._follower, return_exceptions=True)
+            await self._redis.aclose()
+        await super().close()
+
+    def _learn(self, tokens: list[int]) -> None:
+        """One finished output of the mesh (the outputs log), into the suffix drafts' index."""
+        assert self.suffix is not None
+        self.suffix.shared.add(tokens)
+        self._suffix_tokens.set(self.suffix.shared.tokens)
 
     def forget_local(self, session_id: str) -> None:
+        if self.suffix is not None:
+            # with the outputs log, the gateways publish what finished (all of the mesh's); without
+            # it, the session's tokens here teach the shared index (unless it is private)
+            tokens = None if self._follower is not None else self.runner.committed_tokens(session_id)
+            self.suffix.finish(session_id, tokens)
+            self._suffix_tokens.set(self.suffix.shared.tokens)
         super().forget_local(session_id)
         self._pending.pop(session_id, None)
 
@@ -155,7 +192,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
                     session_id=o.session_id, position=positions[i], new_tokens=new, params=o.params,
                     grammar=o.grammar, spec=spec, guess_next=bool(f & GUESS_NEXT),
                     speculative=bool(f & SPECULATIVE), supersedable=bool(f & SUPERSEDABLE), salt=o.salt,
-                    feed_limit=feeds[i] or None,
+                    feed_limit=feeds[i] or None, private=o.private,
                 )  # fmt: skip
                 drafts.append((draft, owner_hash(o.key)))
                 where.append(i)
@@ -196,7 +233,7 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         masks = await self._masks(drafts)
         items: list[_Item] = []
         befores: dict[str, Callable[[], None]] = {}
-        ngram: list[_Item] = []
+        lookups: list[_Item] = []
         for k, ((d, owner), mask) in enumerate(zip(drafts, masks, strict=True)):
             try:
                 if isinstance(mask, BaseException):
@@ -214,9 +251,9 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
                 continue
             item = self._start(k, d, resume, mask)
             befores[d.session_id] = item.before
-            (ngram if d.spec.method is Method.NGRAM else items).append(item)
-        for item in ngram:  # no model: a lookup, on the loop
-            out[item.index] = self._draft_ngram(item)
+            (lookups if d.spec.method.model_free else items).append(item)
+        for item in lookups:  # no model: a lookup, on the loop
+            out[item.index] = self._draft_lookup(item)
         if items:
             await self._run(items, befores, out, abandoned, on_start)
         drafted, self._drafted = self._drafted, []
@@ -310,9 +347,9 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
             await asyncio.wait(waits)
 
     async def _masks(self, drafts: Sequence[tuple[wire.DraftInput, bytes]]) -> list:
-        """Each draft's grammar matcher, or None, or the error compiling it (n-gram drafts are not
+        """Each draft's grammar matcher, or None, or the error compiling it (lookups are not
         masked: the verifier's mask rejects what leaves the grammar)."""
-        constrained = [d.grammar is not None and d.spec.method is not Method.NGRAM for d, _ in drafts]
+        constrained = [d.grammar is not None and not d.spec.method.model_free for d, _ in drafts]
         if not any(constrained):
             return [None] * len(drafts)
         asked = [self.grammar_masks(d) for (d, _), c in zip(drafts, constrained, strict=True) if c]
@@ -320,26 +357,35 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         return [next(got) if c else None for c in constrained]
 
     def _check_method(self, method: Method) -> None:
-        """A drafter with a model drafts with it; one with none (--backend ngram) looks up n-grams."""
-        if self.model.backend is Backend.NGRAM and method is not Method.NGRAM:
+        """A drafter with a model drafts with it; one with none (--backend ngram) looks drafts up
+        (methods ngram and suffix)."""
+        if self.model.backend is Backend.NGRAM and not method.model_free:
             raise wire.WireError(
                 "tree_spec.method",
-                f"this drafter has no model (--backend ngram); it drafts 'ngram', not {method!r}",
+                f"this drafter has no model (--backend ngram): it drafts 'ngram' and 'suffix', "
+                f"not {method!r}",
             )
-        if self.model.backend is not Backend.NGRAM and method is Method.NGRAM:
+        if self.model.backend is not Backend.NGRAM and method.model_free:
             raise wire.WireError(
                 "tree_spec.method",
-                "'ngram' is drafted by drafters started with --backend ngram, not this one",
+                f"{method!r} is drafted by drafters started with --backend ngram, not this one",
             )
 
-    def _draft_ngram(self, item: _Item) -> DraftAnswer | BaseException:
-        """No model: record the new tokens and look the proposal up in the session's tokens (the
-        token runner is thread-safe and computes nothing, so no batcher and no model thread)."""
+    def _draft_lookup(self, item: _Item) -> DraftAnswer | BaseException:
+        """No model: record the new tokens and look the proposal up in the session's tokens (and,
+        for suffix drafts, in the outputs of finished sessions). The token runner is thread-safe
+        and computes nothing, so no batcher and no model thread."""
         d, sid = item.draft, item.draft.session_id
         try:
             item.before()
             self.runner.forward([Step(sid, new_tokens=list(d.new_tokens[item.fed :]))])
-            tree = draft_ngram(self.runner.committed_tokens(sid) or [], d.spec.depth, self.vocab_size)
+            tokens = self.runner.committed_tokens(sid) or []
+            if d.spec.method is Method.SUFFIX:
+                tree = self.suffix.draft(
+                    sid, tokens, d.spec.depth, d.spec.max_nodes, self.vocab_size, private=d.private
+                )
+            else:
+                tree = draft_ngram(tokens, d.spec.depth, self.vocab_size)
         except Exception as exc:
             self.end(sid, item.resume, True, False)
             return exc

@@ -50,6 +50,12 @@ class GatewayConfig(ServerConfig):
         "",
         shown="empty (no key needed)",
     )
+    private_api_keys: str = flag(
+        "comma-separated API keys (each one of --api-keys) whose requests are all private: their "
+        "outputs never teach other sessions' suffix drafts (GenerateRequest.private)",
+        "",
+        shown="empty",
+    )
     replica_ca: str = flag(
         "PEM CA that signed the replicas' certificates: TLS to the replicas (a dns:/// target's "
         "certificate must name its host)",

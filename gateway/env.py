@@ -71,10 +71,11 @@ class GatewayEnv:
         task.add_done_callback(self.deferred.discard)
 
     def pool(self, role: Role, method: Method) -> ReplicaPool:
-        """The replicas of a role; a session of method ngram drafts on the model-free drafters."""
+        """The replicas of a role; a session of a model-free method (ngram, suffix) drafts on the
+        model-free drafters."""
         if role is Role.VERIFIER:
             return self.verifiers
-        pool = self.ngram_drafters if method is Method.NGRAM else self.drafters
+        pool = self.ngram_drafters if method.model_free else self.drafters
         assert pool is not None
         return pool
 

@@ -39,6 +39,8 @@ METHOD_DEFAULTS: dict[Method, TreeSpec] = {
     Method.RSD_S: TreeSpec(Method.RSD_S, depth=3, beam_width=3),
     Method.MTAD: TreeSpec(Method.MTAD, depth=3, beam_width=3, mtad_threshold=0.1),
     Method.NGRAM: TreeSpec(Method.NGRAM, depth=4),
+    # at most 8 * 2 = 16 nodes: each node costs the target a row (docs/decisions.md, "Suffix drafts")
+    Method.SUFFIX: TreeSpec(Method.SUFFIX, depth=8, beam_width=2),
 }
 
 
@@ -91,6 +93,7 @@ class GenerationPlan:
     top_logprobs: int | None = None  # logprobs asked for, with this many alternatives (None: not)
     grammar: Grammar | None = None  # structured output (Constraint), for the tokens after the prompt
     prefix_salt: bytes = b""  # the prefix cache's namespace: its API key's and its cache_salt (`prefix_salt`)
+    private: bool = False  # its output never teaches other sessions' drafts (GenerateRequest.private)
 
 
 def stored_plan(plan: GenerationPlan) -> dict[str, Any]:
@@ -101,6 +104,7 @@ def stored_plan(plan: GenerationPlan) -> dict[str, Any]:
         "stop": list(plan.stop), "stop_token_ids": list(plan.stop_token_ids),
         "top_logprobs": plan.top_logprobs, "grammar": grammar, "auto": plan.auto,
         "dsi": asdict(plan.dsi) if plan.dsi else None, "prefix_salt": plan.prefix_salt.hex(),
+        "private": plan.private,
     }  # fmt: skip
     return {
         "sampling": asdict(plan.params),
@@ -129,6 +133,7 @@ def plan_from_session(session: Any) -> GenerationPlan:
         top_logprobs=extra.get("top_logprobs"),
         grammar=Grammar(grammar["text"], grammar["start"]) if grammar else None,
         prefix_salt=bytes.fromhex(extra.get("prefix_salt", "")),
+        private=bool(extra.get("private", False)),
     )
 
 
@@ -147,9 +152,10 @@ def prefix_salt(tenant: bytes, cache_salt: str) -> bytes:
 
 
 def parse_generate_request(
-    request: Any, tokenizer: Any, limits: ModelLimits, tenant: bytes = b""
+    request: Any, tokenizer: Any, limits: ModelLimits, tenant: bytes = b"", private: bool = False
 ) -> GenerationPlan:
-    """request: a specmesh.v1.GenerateRequest; tenant: its API key's namespace (`prefix_salt`)."""
+    """request: a specmesh.v1.GenerateRequest; tenant: its API key's namespace (`prefix_salt`);
+    private: its key's requests are all private (--private-api-keys)."""
     salt = prefix_salt(tenant, request.cache_salt)
     _check_prompt_bytes(request, limits.max_prompt_bytes)
     prompt_ids = prompt_token_ids(request, tokenizer, limits.vocab_size)
@@ -167,6 +173,7 @@ def parse_generate_request(
         top_logprobs=_top_logprobs(request, dsi),
         grammar=_grammar(request.constraint, len(prompt_ids), dsi),
         prefix_salt=salt,
+        private=private or request.private,
         **shape,
     )
 

@@ -134,6 +134,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         self._not_ready = "waiting for a healthy verifier to learn the model"
         self._ready_task: asyncio.Task | None = None
         self._api_keys = [k.strip().encode() for k in config.api_keys.split(",") if k.strip()]
+        self._private_tenants = private_tenants(self._api_keys, config.private_api_keys)
         self._admitted = 0  # generate() calls in progress (the admission limit counts these)
         self._runs: set[SessionRun] = set()  # sessions running here (handed over on SIGTERM)
         self._draining = False
@@ -278,7 +279,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             )
         if not any(hmac.compare_digest(token.encode(), key) for key in self._api_keys):
             raise GatewayError(grpc.StatusCode.UNAUTHENTICATED, "authorization: invalid API key")
-        return hashlib.sha256(b"specmesh-api-key:" + token.encode()).digest()
+        return tenant_of(token.encode())
 
     def served_model(self) -> ServedModel:
         """The model being served; UNAVAILABLE until the gateway has learnt it."""
@@ -330,13 +331,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             if request.HasField("resume"):
                 run, replay = await self._resumed_run(request.resume, deadline)
             else:
-                # tokenizing (and a chat template) may take a while: never on the event loop
-                parse = functools.partial(
-                    parse_generate_request, request, model.tokenizer, model.limits, tenant
-                )
-                plan = servable(
-                    await asyncio.get_running_loop().run_in_executor(self._parser, parse), self.env
-                )
+                plan = await self._new_plan(request, model, tenant)
                 text = TextStream(model.tokenizer, plan.stop, context=plan.prompt_ids)
                 run, replay = await self._session_run(plan, text, deadline), None
             plan = run.plan
@@ -378,6 +373,15 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
                 self._runs.discard(run)
             if waiting:
                 m.waiting.dec()
+
+    async def _new_plan(self, request: Any, model: ServedModel, tenant: bytes) -> GenerationPlan:
+        """The request's plan, servable here; parsed off the event loop (tokenizing, and a chat
+        template, may take a while). Every request of a --private-api-keys key is private."""
+        private = tenant in self._private_tenants
+        parse = functools.partial(
+            parse_generate_request, request, model.tokenizer, model.limits, tenant, private
+        )
+        return servable(await asyncio.get_running_loop().run_in_executor(self._parser, parse), self.env)
 
     async def _resumed_run(self, resume: Any, deadline: float | None) -> tuple[SessionRun, Piece]:
         """A session another gateway started, taken over (its lease: session_store, "Ownership"),
@@ -468,6 +472,19 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         if remaining is None or remaining > NO_DEADLINE:
             return None
         return asyncio.get_running_loop().time() + remaining
+
+
+def tenant_of(key: bytes) -> bytes:
+    """An API key's namespace: its hash (the replicas and Redis never see a key)."""
+    return hashlib.sha256(b"specmesh-api-key:" + key).digest()
+
+
+def private_tenants(api_keys: list[bytes], private_api_keys: str) -> frozenset[bytes]:
+    """The namespaces of --private-api-keys, each of which must be one of --api-keys."""
+    private = [k.strip().encode() for k in private_api_keys.split(",") if k.strip()]
+    if any(k not in api_keys for k in private):
+        raise ValueError("--private-api-keys: every key must also be one of --api-keys")
+    return frozenset(tenant_of(k) for k in private)
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:

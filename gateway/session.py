@@ -113,7 +113,7 @@ class SessionRun:
         self.client = RoundClient(
             self.id, plan.params, plan.spec, policy=policy, key=self.key, pipeline=env.pipeline,
             stop_token_ids=plan.stop_token_ids, top_logprobs=plan.top_logprobs, grammar=plan.grammar,
-            salt=plan.prefix_salt,
+            salt=plan.prefix_salt, private=plan.private,
         )  # fmt: skip
         self.transcript = Transcript(self.id, plan, env, text, resumed, lost=self.lose)
         self.placer = Placer(env, self.id, plan, deadline, resumed.replica_lengths if resumed else None)
@@ -213,11 +213,21 @@ class SessionRun:
                 self.env.defer(self._release_later(role, address, stub))
         for role in placer.roles:
             placer.pool(role).release(self.id)
+        if self.env.ngram_drafters is not None and self.transcript.finished and not self.plan.private:
+            self.env.defer(self._publish())  # what the suffix drafters learn from
         if self.created:
             try:
                 await self.env.store.delete(self.id)
             except StoreError as exc:  # Redis down: the TTL removes the keys
                 log.warning("could not delete a session", extra={"session": self.id, "error": str(exc)})
+
+    async def _publish(self) -> None:
+        generated = self.transcript.tokens[len(self.plan.prompt_ids) :]
+        if generated:
+            try:
+                await self.env.store.outputs.publish(generated)
+            except StoreError as exc:  # Redis down: the drafters miss one output
+                log.warning("could not publish an output", extra={"session": self.id, "error": str(exc)})
 
     async def _leave(self) -> None:
         """Another gateway goes on (or will) with this session, its keys and its replicas' KV."""

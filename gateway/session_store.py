@@ -59,6 +59,7 @@ import redis.exceptions
 from gateway.redis_link import RedisLink, ScriptPipeline, StoreError
 from gateway.redis_link import StoreUnavailable as StoreUnavailable  # the store's errors, raised by its link
 from specmesh.core.stats import GenerationStats
+from specmesh.rpc import outputs_log
 from specmesh.rpc.tick_client import to_future
 
 log = logging.getLogger("specmesh.gateway.session_store")
@@ -335,6 +336,20 @@ def _tokens(tokens: Sequence[int]) -> list[int]:
     return out
 
 
+class OutputsLog:
+    """The mesh's log of finished outputs on the store's Redis, which the suffix drafters learn
+    from (specmesh/rpc/outputs_log.py)."""
+
+    def __init__(self, link: RedisLink, stream: str) -> None:
+        self._link, self.stream = link, stream
+
+    async def publish(self, tokens: Sequence[int]) -> None:
+        """One finished session's output; cleanup, so it waits for Redis less than a commit."""
+        budget = min(self._link.reconnect_timeout, CLEANUP_RECONNECT_SECONDS)
+        send = lambda: outputs_log.publish(self._link.redis, tokens, self.stream)  # noqa: E731
+        await self._link.call("publish", send, budget)
+
+
 class SessionStore:
     """Async session store on one Redis, or on the master a Sentinel names (redis-py `redis.asyncio`).
 
@@ -386,6 +401,7 @@ class SessionStore:
         self._prefixes = self._redis.register_script(_PREFIXES)
         # every commit of one event-loop turn in one pipelined round trip
         self._commits = ScriptPipeline(self._link, self._commit, "commit_round")
+        self.outputs = OutputsLog(self._link, f"{prefix}:{outputs_log.STREAM_NAME}")
 
     async def __aenter__(self) -> SessionStore:
         return self

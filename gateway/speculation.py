@@ -109,10 +109,11 @@ def servable(plan: GenerationPlan, env: GatewayEnv) -> GenerationPlan:
     (`plan_speculation` decides the default's rounds from the drafters it has)."""
     if plan.auto:
         return plan
-    if plan.spec.method is Method.NGRAM and env.ngram_drafters is None:
+    if plan.spec.method.model_free and env.ngram_drafters is None:
         raise GatewayError(
             grpc.StatusCode.FAILED_PRECONDITION,
-            "speculation.method: 'ngram' needs n-gram drafters; this gateway has none (--ngram-drafters)",
+            f"speculation.method: {plan.spec.method!r} needs model-free drafters; this gateway has none "
+            "(--ngram-drafters)",
             "speculation.method",
         )
     if plan.spec.method.needs_model and env.drafters is None:

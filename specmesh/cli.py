@@ -260,6 +260,16 @@ def _bench_default(args: argparse.Namespace) -> int:
     return _write_json(args.json, results)
 
 
+def _bench_agentic(args: argparse.Namespace) -> int:
+    from specmesh.bench.agentic import bench_agentic
+
+    results = bench_agentic(
+        args.address, args.prompts, args.max_new_tokens, tuple(args.temperatures), tuple(args.sessions),
+        args.target,
+    )  # fmt: skip
+    return _write_json(args.json, results)
+
+
 def _bench_conversation(args: argparse.Namespace) -> int:
     from specmesh.bench.conversation import PHASES, bench_conversation, markdown
 
@@ -919,8 +929,8 @@ def _add_bench_mesh(bench: Any) -> None:
     mesh.add_argument("--target-ms-per-row", type=float, default=0.1, help="verifier forward: per row (ms)")
     mesh.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 32], help="concurrent sessions")
     mesh.add_argument(
-        "--shapes", nargs="+", default=["none", "chain 4", "rsd_s 2x4", "dsi 4x4"],
-        help="among: none, 'chain 4', 'rsd_s 2x4', 'dsi 4x4'",
+        "--shapes", nargs="+", default=["none", "chain 4", "rsd_s 2x4", "dsi 4x4", "suffix 8x2"],
+        help="among: none, 'chain 4', 'rsd_s 2x4', 'dsi 4x4', 'suffix 8x2' (model-free)",
     )  # fmt: skip
     _add_workload_flags(mesh, 64)
     mesh.add_argument(
@@ -1043,6 +1053,31 @@ def _add_bench_default(bench: Any) -> None:
     )
     _add_output_flags(default)
     default.set_defaults(func=_bench_default)
+
+
+def _add_bench_agentic(bench: Any) -> None:
+    agentic = bench.add_parser(
+        "agentic",
+        help="templated agent traffic (JSON, SQL, dataclasses, tool calls): method suffix vs ngram, "
+        "none and the default, on a freshly started stack",
+    )
+    _add_gateway_flags(agentic)
+    agentic.add_argument(
+        "--target", default="default-target", help="the stack's target (its tokenizer and chat template)"
+    )
+    _add_workload_flags(agentic, 96, prompts=24, what="prompts per row, each row with fresh values")
+    agentic.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="sampling temperatures, each run at every --sessions count",
+    )
+    agentic.add_argument(
+        "--sessions", type=int, nargs="+", default=[1, 4, 8], help="streams at once, a row each"
+    )
+    _add_output_flags(agentic)
+    agentic.set_defaults(func=_bench_agentic)
 
 
 def _add_bench_conversation(bench: Any) -> None:
@@ -1236,6 +1271,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_bench_invariance,
         _add_bench_same_text,
         _add_bench_default,
+        _add_bench_agentic,
         _add_bench_conversation,
         _add_bench_rides,
         _add_bench_http,

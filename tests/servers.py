@@ -156,8 +156,9 @@ def redis_client(url: str) -> Iterator[redis.Redis]:
 
 def session_keys(client: redis.Redis) -> list[str]:
     """The sessions' keys in Redis, by SCAN (the stack's Redis has KEYS disabled): not the
-    replicas' prefix summaries (`specmesh:replica:{<address>}:...`)."""
-    return sorted(k for k in client.scan_iter("specmesh:*") if not k.startswith("specmesh:replica:"))
+    replicas' prefix summaries (`specmesh:replica:{<address>}:...`) nor the outputs log."""
+    shared = ("specmesh:replica:", "specmesh:outputs")
+    return sorted(k for k in client.scan_iter("specmesh:*") if not k.startswith(shared))
 
 
 def grpcurl(*args: str) -> subprocess.CompletedProcess:

@@ -82,8 +82,10 @@ def test_the_chain_is_proposed_tokens_only() -> None:
     assert tree.tokens.tolist() == [3, 1, 4] and tree.parents.tolist() == [-1, 0, 1]
     assert tree.mode is SamplingMode.PROPOSED and not tree.has_draft_probs
     tree.check_drawable()  # sampled verification needs no rows for proposed tokens
-    with pytest.raises(ValueError, match="parents: a PROPOSED tree must be a chain"):
-        dataclasses.replace(tree, parents=torch.tensor([-1, -1, 0])).validate(VOCAB)
+    branching = dataclasses.replace(tree, parents=torch.tensor([-1, -1, 0]))
+    branching.validate(VOCAB)  # a tree of proposed tokens may branch, its siblings distinct
+    with pytest.raises(ValueError, match="tokens: siblings of a PROPOSED tree must carry distinct tokens"):
+        dataclasses.replace(branching, tokens=torch.tensor([3, 3, 4])).validate(VOCAB)
     rows = torch.full((3, VOCAB), 1.0 / VOCAB)
     with pytest.raises(ValueError, match="draft_probs: a PROPOSED tree carries none"):
         dataclasses.replace(tree, draft_probs=rows, prob_rows=torch.tensor([0, 1, 2, -1])).validate(VOCAB)

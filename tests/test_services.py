@@ -973,7 +973,8 @@ def token_outside_support(r) -> None:
 
 def proposed(chain: bool) -> Callable:
     """Relabel the tree as proposed tokens (SamplingMode.PROPOSED): a chain that keeps its draft
-    rows, or one without rows that branches (node 2 hangs from node 0)."""
+    rows, or one without rows that branches into two siblings alike (node 2 hangs from node 0 and
+    takes node 1's token)."""
 
     def mutate(r) -> None:
         r.tree.mode = pb2.SAMPLING_MODE_PROPOSED
@@ -981,6 +982,7 @@ def proposed(chain: bool) -> Callable:
             r.tree.ClearField("draft_probs")
             r.tree.prob_rows[:] = [-1] * len(r.tree.prob_rows)
             r.tree.parents[2] = 0
+            r.tree.tokens[2] = r.tree.tokens[1]
 
     return mutate
 
@@ -1039,7 +1041,7 @@ BAD_INPUT: dict[str, tuple[str, Callable, str]] = {
     "tree-token-with-p-zero": ("Verify", token_outside_support, "tree.tokens[0]: "),
     # proposed tokens (n-gram chains): a chain, and tokens only
     "proposed-tree-with-rows": ("Verify", proposed(chain=True), "tree.draft_probs: "),
-    "proposed-tree-not-a-chain": ("Verify", proposed(chain=False), "tree.parents: "),
+    "proposed-tree-repeating-a-sibling": ("Verify", proposed(chain=False), "tree.tokens: "),
     # issue 14, finding 3: a session longer than the model's context
     "draft-beyond-context": (
         "Draft",

@@ -128,16 +128,20 @@ def test_a_bad_tree_is_named_alone_and_the_others_of_the_tick_pass(what: str) ->
     assert problems[bad].field == f"trees.{what}" and problems[bad].item == bad
 
 
-def test_a_proposed_chain_is_a_chain_without_rows_or_named() -> None:
+def test_a_proposed_tree_has_distinct_siblings_and_no_rows_or_named() -> None:
     sent = trees(10)
     columns = TreeColumns.from_trees(sent, VOCAB)
     assert sent[6].mode is SamplingMode.PROPOSED and sent[6].num_nodes == 1 and sent[3].num_nodes > 1
-    modes = columns.modes.copy()
-    # item 0 (a sampled chain) has rows; item 3 (an RSD-C tree) is not a chain
+    modes, tokens = columns.modes.copy(), columns.tokens.values.copy()
+    # item 0 (a sampled chain) has rows; item 3 (an RSD-C tree) gets two root children alike
     modes[[0, 3]] = MODE_CODE[SamplingMode.PROPOSED]
-    problems = dataclasses.replace(columns, modes=modes).check(len(sent), VOCAB)
+    first = columns.tokens.offsets[3]
+    assert sent[3].parents[:2].tolist() == [-1, -1]
+    tokens[first + 1] = tokens[first]
+    relabelled = dataclasses.replace(columns, modes=modes, tokens=Ragged(columns.tokens.offsets, tokens))
+    problems = relabelled.check(len(sent), VOCAB)
     assert [i for i, p in enumerate(problems) if p is not None] == [0, 3]
-    assert problems[0].field == "trees.draft_probs" and problems[3].field == "trees.parents"
+    assert problems[0].field == "trees.draft_probs" and problems[3].field == "trees.tokens"
 
 
 def test_an_mtad_tree_is_a_chain_with_a_threshold_in_range_or_named() -> None:

@@ -53,6 +53,7 @@ class Body(_Strict):
     response_format: ResponseFormat | None = None
     constraint: dict[str, Any] | None = None  # specmesh.v1.Constraint as JSON (extra_body): regex, lark
     cache_salt: str | None = None  # vLLM's: the prefix cache's namespace within the API key's
+    private: bool = False  # specmesh.v1.GenerateRequest.private (extra_body): teaches no drafts
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None

@@ -50,6 +50,7 @@ def generate_request(body: Body, tools: ToolPlan) -> Any:
     _set_constraint(request, body, tools)
     if body.cache_salt is not None:
         request.cache_salt = body.cache_salt
+    request.private = body.private
     return request
 
 

@@ -227,13 +227,14 @@ def _prompt(pb2, text: str, chat: bool) -> dict:
 async def run_gateway(
     address: str, texts: list[str], spec: TreeSpec | None, adaptive: bool, temperature: float, max_new: int,
     concurrency: int, dsi_parallel: int | None = None, keep_ids: bool = False, chat: bool = False,
-    first_seed: int = 1000,
+    first_seed: int = 1000, private: bool = False,
 ) -> dict:  # fmt: skip
     """`concurrency` streams at once, each its own prompt (seed first_seed + i); sequential batches
     until every text is done. spec None: no speculation field (the gateway's default);
     dsi_parallel: DSI with spec's depth as the lookahead. Returns tokens, wall seconds, latencies
     and summed stats (keep_ids: and each stream's token ids, `token_ids`). chat: each text is a
-    user message, rendered by the gateway with the target's chat template."""
+    user message, rendered by the gateway with the target's chat template. private: the requests'
+    outputs teach no suffix drafter (GenerateRequest.private)."""
     pb2, pb2_grpc = load("gateway")
     results, wall = [], 0.0
     async with grpc.aio.insecure_channel(address) as channel:
@@ -247,6 +248,7 @@ async def run_gateway(
                     speculation=(
                         speculation_message(pb2, spec, adaptive, dsi_parallel) if spec is not None else None
                     ),
+                    private=private,
                 )
                 for i, text in enumerate(texts[first : first + concurrency])
             ]

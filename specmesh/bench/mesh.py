@@ -62,6 +62,8 @@ SHAPES = (
     Shape("chain 4", TreeSpec(Method.CHAIN, depth=4)),
     Shape("rsd_s 2x4", TreeSpec(Method.RSD_S, depth=4, beam_width=2)),
     Shape("dsi 4x4", TreeSpec(Method.CHAIN, depth=4), dsi_parallel=4),
+    # model-free: the n-gram drafter's lookups in what the sessions and the mesh generated
+    Shape("suffix 8x2", TreeSpec(Method.SUFFIX, depth=8, beam_width=2)),
 )
 
 
@@ -209,7 +211,7 @@ def ideal_wall(cfg: MeshBenchConfig, shape: Shape, sessions: int, m: dict) -> fl
 
     def round_seconds(active: int) -> float:
         verify = cfg.target_cost(active * (1 + nodes))
-        if not shape.spec.method.drafts:
+        if not shape.spec.method.needs_model:  # plain steps, and lookups: no draft forward
             return verify
         return levels * cfg.draft_cost(active * max(per_level, 1.0)) + verify
 

@@ -93,7 +93,7 @@ class TreeSpec:
             return 0
         if self.method.one_node_per_level:
             return self.depth
-        if self.method is Method.RSD_S:
+        if self.method in (Method.RSD_S, Method.SUFFIX):
             return self.beam_width * self.depth
         return sum(math.prod(self.branching[: d + 1]) for d in range(self.depth))
 

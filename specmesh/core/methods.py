@@ -18,11 +18,19 @@ class Method(StrEnum):
     RSD_S = "rsd_s"  # stochastic beam search
     MTAD = "mtad"  # beam sampling, the best beam verified by a joint test (not lossless)
     NGRAM = "ngram"  # a chain copied from the session's own tokens (prompt lookup), no draft model
+    # a tree looked up in the session's tokens and in what other sessions generated (suffix
+    # decoding, specmesh.core.suffix), no draft model
+    SUFFIX = "suffix"
 
     @property
     def needs_model(self) -> bool:
-        """Its drafts come from a draft model's forwards (everything that drafts but NGRAM)."""
-        return self.drafts and self is not Method.NGRAM
+        """Its drafts come from a draft model's forwards."""
+        return self.drafts and not self.model_free
+
+    @property
+    def model_free(self) -> bool:
+        """Its drafts are lookups, served by the model-free drafters (--backend ngram)."""
+        return self in (Method.NGRAM, Method.SUFFIX)
 
     @property
     def drafts(self) -> bool:
@@ -36,8 +44,9 @@ class Method(StrEnum):
 
     @property
     def beamed(self) -> bool:
-        """Its shape is a beam width (TreeSpec.beam_width)."""
-        return self in (Method.RSD_S, Method.MTAD)
+        """Its shape is a beam width (TreeSpec.beam_width; SUFFIX: its trees hold at most
+        beam_width * depth nodes)."""
+        return self in (Method.RSD_S, Method.MTAD, Method.SUFFIX)
 
     @property
     def one_node_per_level(self) -> bool:

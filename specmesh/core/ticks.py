@@ -322,15 +322,20 @@ class TreeColumns:
         parents: np.ndarray,
         with_rows: np.ndarray,
     ) -> None:
-        """What `DraftTree.validate` adds for the chain-only modes."""
+        """What `DraftTree.validate` adds for some modes: chains, distinct siblings, no rows."""
         has_tree = self.tokens.lengths() > 0
         items = np.arange(len(self.modes))
-        for mode in (m for m in MODES if m.chain_only):
+        for mode in MODES:
             of_mode = has_tree & (self.modes == MODE_CODE[mode])
             if not of_mode.any():
                 continue
-            problems.bad(of_mode[node_item] & (parents != local - 1), node_item, "parents",
-                         f"a {mode.name} tree must be a chain")  # fmt: skip
+            if mode.chain_only:
+                problems.bad(of_mode[node_item] & (parents != local - 1), node_item, "parents",
+                             f"a {mode.name} tree must be a chain")  # fmt: skip
+            if mode.distinct_siblings:
+                repeated = _repeated_siblings(of_mode, node_item, local, parents, self.tokens.values)
+                problems.bad(repeated, node_item, "tokens",
+                             f"siblings of a {mode.name} tree must carry distinct tokens")  # fmt: skip
             if not mode.samples_drafts:
                 problems.bad(of_mode & with_rows, items, "draft_probs",
                              f"a {mode.name} tree carries none (its tokens were not sampled)")  # fmt: skip
@@ -429,6 +434,24 @@ def _depths(parents: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         for j, parent in enumerate(local):
             depth[start + j] = 1 if parent < 0 or parent >= j else depth[start + parent] + 1
     return depth
+
+
+def _repeated_siblings(
+    of_mode: np.ndarray, node_item: np.ndarray, local: np.ndarray, parents: np.ndarray, tokens: np.ndarray
+) -> np.ndarray:
+    """[nodes] True where a node of an item of `of_mode` [n] has an earlier sibling (same item,
+    same parent) with its token. Chains have no siblings: only branching items are sorted."""
+    branching = np.zeros(len(of_mode), bool)
+    branching[node_item[of_mode[node_item] & (parents != local - 1)]] = True
+    out = np.zeros(len(tokens), bool)
+    nodes = np.flatnonzero(branching[node_item])
+    if not len(nodes):
+        return out
+    item, parent, token = node_item[nodes], parents[nodes], tokens[nodes].astype(np.int64)
+    order = np.lexsort((nodes, token, parent, item))  # siblings alike together, the first first
+    key = np.stack([item[order], parent[order], token[order]])
+    out[nodes[order[1:]]] = (key[:, 1:] == key[:, :-1]).all(axis=0)
+    return out
 
 
 def _ragged(parts: list[np.ndarray], dtype: type) -> Ragged:

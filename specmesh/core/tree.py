@@ -2,7 +2,8 @@
 
 A tree is stored flat, in level order: `tokens[N]`, `parents[N]` (-1 = child of the root, the
 committed context). Siblings keep the order in which they were sampled: that order is part of
-the verification rule for trees sampled without replacement, so nothing may re-sort them.
+the verification rule for trees sampled without replacement, so nothing may re-sort them. The
+siblings of a tree of proposed tokens (looked up, not sampled) carry distinct tokens.
 """
 
 from __future__ import annotations
@@ -28,14 +29,21 @@ class SamplingMode(StrEnum):
     IID = "iid"  # chain, MCSD with replacement
     WITHOUT_REPLACEMENT = "without_replacement"  # MCSD without replacement, RSD-C, RSD-S
     MTAD = "mtad"  # a chain chosen by beam sampling, verified by MTAD's joint test
-    # a chain looked up, not sampled (n-gram drafts): kept while each token equals the target's own
-    # draw at its position, the draw a plain step there would make (`verification`)
+    # tokens looked up, not sampled (n-gram chains, suffix-tree trees): the walk descends into the
+    # child whose token equals the target's own draw at its position, the draw a plain step there
+    # would make (`verification`)
     PROPOSED = "proposed"
 
     @property
     def chain_only(self) -> bool:
-        """Trees of this mode are chains (their rule compares one candidate per position)."""
-        return self in (SamplingMode.MTAD, SamplingMode.PROPOSED)
+        """Trees of this mode are chains (MTAD's joint test scores one candidate per position)."""
+        return self is SamplingMode.MTAD
+
+    @property
+    def distinct_siblings(self) -> bool:
+        """Siblings must carry distinct tokens: the rule descends into THE child whose token the
+        target drew, which two alike would leave ambiguous."""
+        return self is SamplingMode.PROPOSED
 
     @property
     def samples_drafts(self) -> bool:
@@ -128,6 +136,8 @@ class DraftTree:
             raise ValueError("prob_rows must index draft_probs or be -1")
         if self.mode.chain_only and not self.is_chain:
             raise ValueError(f"parents: a {self.mode.name} tree must be a chain")
+        if self.mode.distinct_siblings and not self.is_chain:
+            self._check_distinct_siblings()
         if not self.mode.samples_drafts and self.has_draft_probs:
             name = self.mode.name
             raise ValueError(f"draft_probs: a {name} tree carries none (its tokens were not sampled)")
@@ -140,6 +150,18 @@ class DraftTree:
         if bool((self.prob_rows[has_children] < 0).any()):
             raise ValueError("prob_rows: every node with children needs its draft distribution")
         self._validate_distributions()
+
+    def _check_distinct_siblings(self) -> None:
+        """No two children of a node carry the same token (ValueError naming the first repeat)."""
+        first: dict[tuple[int, int], int] = {}
+        for node, (parent, token) in enumerate(zip(self.parents.tolist(), self.tokens.tolist(), strict=True)):
+            seen = first.setdefault((parent, token), node)
+            if seen != node:
+                of = "the root" if parent < 0 else f"node {parent}"
+                raise ValueError(
+                    f"tokens: siblings of a {self.mode.name} tree must carry distinct tokens "
+                    f"(nodes {seen} and {node}, children of {of}, both carry {token})"
+                )
 
     def _validate_distributions(self) -> None:
         """Every row a distribution. The acceptance rules divide by and subtract these rows: a row

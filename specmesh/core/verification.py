@@ -13,15 +13,18 @@ The rule comes from the tree's sampling mode (docs/architecture.md), never from 
                        current p, then remove the rejected token from p and renormalise
   mtad                 longest prefix whose joint ratio sum(log q) - sum(log p) > log(lambda);
                        next token from q (approximate by design)
-  proposed             (looked-up chains: n-gram drafts, and a plain step as the chain of no
-                       node) the target draws each position's token as a plain step there
-                       would; the chain is kept while it equals those draws
+  proposed             (looked-up tokens: n-gram chains, suffix-tree trees, and a plain step as
+                       the tree of no node) the target draws each position's token as a plain
+                       step there would; the walk descends into the child (siblings carry
+                       distinct tokens) that equals the draw, and stops at the first draw no
+                       child equals
 At temperature 0 every mode is verified greedily: the target's argmax path through the tree.
 
 Randomness: one uniform per tree node is drawn up front, then one draw for the final token, so a
 seeded stream (`specmesh.core.sampling.Draws`) gives the same verdict whatever path the walk takes,
-and whatever other sessions a tick verifies beside it (`verify_many`). Proposed chains take each
-position's first draw instead (`per_position_many`), so their text is the plain steps' text.
+and whatever other sessions a tick verifies beside it (`verify_many`). Proposed trees take each
+position's first draw instead (`per_position_many`; the nodes of one depth share their position's),
+so their text is the plain steps' text.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def verify_many(
     trees[b]: session b's tree (None: a plain step); logits[b] [N_b + 1, V]: its target rows (row 0
     after the committed context, row i + 1 after node i); params[b], draws[b]: its sampling and its
     round's "verify" stream. Greedy sessions take one argmax over all their rows; plain steps and
-    proposed chains one vectorized draw (`_verify_proposals`); sampled chains one vectorized
+    proposed trees one vectorized draw (`_verify_proposals`); sampled chains one vectorized
     rejection test (`_verify_chains`); other trees their rule one by one."""
     out: list[Verdict | None] = [None] * len(trees)
     greedy, proposals, chains = [], [], []
@@ -171,14 +174,21 @@ def _verify_greedy(tree: DraftTree | None, argmax: list[int]) -> Verdict:
         while n < len(tokens) and tokens[n] == argmax[n]:
             n += 1
         return Verdict(tokens[:n], list(range(n)), argmax[n], bonus=n == len(tokens))
-    children = _children_of(tree.parents)
+    return _walk(tokens, _children_of(tree.parents), argmax)
+
+
+def _walk(tokens: list[int], children: dict[int, list[int]], drawn: list[int]) -> Verdict:
+    """The path of the tree along the target's own tokens: drawn[i] is its token at row i (row 0
+    the root's, row i + 1 after node i). From the root, descend into the child whose token is the
+    drawn one (the first such, in sampling order); at a node none matches, emit the drawn token:
+    a bonus when the node has no children, else a recovered token."""
     node, accepted = -1, []
     while True:
-        best = argmax[node + 1]
+        y = drawn[node + 1]
         kids = children.get(node, [])
-        match = next((c for c in kids if tokens[c] == best), None)
+        match = next((c for c in kids if tokens[c] == y), None)
         if match is None:
-            return Verdict([tokens[n] for n in accepted], accepted, best, bonus=not kids)
+            return Verdict([tokens[n] for n in accepted], accepted, y, bonus=not kids)
         node = match
         accepted.append(node)
 
@@ -209,34 +219,59 @@ def _verify_proposals(
     params: list[SamplingParams],
     draws: list[Draws],
 ) -> list[Verdict]:
-    """Plain steps (None) and proposed chains (SamplingMode.PROPOSED), vectorized over the tick.
+    """Plain steps (None) and proposed trees (SamplingMode.PROPOSED), vectorized over the tick.
 
-    Session b, nodes x_0..x_{n-1} after position P: y_j is drawn from q_j = warp(row j) with the
-    first draw of position P + j's stream (`per_position_many`), exactly what a plain step at
-    P + j draws. x_j is kept while x_j = y_j; the first y_j that differs (or y_n after a whole
-    chain: the bonus) is the next token. Every emitted token is a plain step's, so the rule is
-    lossless whatever was proposed and a seeded text is the same with or without proposals; x_j
-    is kept with probability q_j(x_j), as rejection sampling of a one-hot draft would keep it.
-    Worked example, two sessions:
+    Session b after position P: row 0 (the root) is position P, row i + 1 (after node i, at depth
+    d_i, 1 for the root's children) position P + d_i. y_r is drawn from q_r = warp(row r) with the
+    first draw of its position's stream (`per_position_many`), exactly what a plain step there
+    draws; the rows of one depth share it (one of them is on the walked path). From the root, the
+    walk descends into the child whose token is the current row's y (siblings are distinct); the
+    first y no child equals is the next token: recovered, or a bonus at a node without children.
+    Every emitted token is a plain step's, so the rule is lossless whatever was proposed and a
+    seeded text is the same with or without proposals; a child x is kept with probability q(x),
+    as rejection sampling of a one-hot draft would keep it. A chain (nodes x_0..x_{n-1}, row j at
+    P + j) keeps x_j while x_j = y_j. Worked example, three sessions:
 
-        lengths   [2, 0]                  (the second a plain step)
-        rows      [q_0, q_1, q_2 | q_0]   one draw each: y = [7, 4, 9 | 3]
-        tokens    [7, 5]                  x_0 = y_0 kept, x_1 != y_1 -> session 0 emits [7, 4]
-                                          session 1 emits [3]
+        session 0  tokens [7, 2, 4, 5], parents [-1, -1, 0, 0]: 7 and 2 under the root, 4 and 5
+                   under 7; rows [root, 7, 2, 4, 5] at offsets [0, 1, 1, 2, 2] (3 positions)
+                   y = [7, 4, 9, 1, 3]: root y 7 -> node 0; node 0's row y 4 -> node 2; node 2
+                   has no children -> bonus y_3 = 1: emits [7, 4, 1], accepted nodes [0, 2]
+        session 1  a chain [7, 5]: offsets [0, 1, 2], y = [7, 4, 9]: 7 kept, 5 != 4 -> [7, 4]
+        session 2  a plain step: offsets [0], y = [3]: emits [3]
+        per_position_many(draws, [3, 3, 1]) -> u [7]; row uniforms u[[0, 1, 1, 2, 2 | 3, 4, 5 | 6]]
     """
-    lengths = [0 if t is None else t.num_nodes for t in trees]
-    u = per_position_many(draws, [n + 1 for n in lengths])
-    rows = _cat(logits)  # [sum(n + 1), V]
-    q = warp_rows(rows, [p for p, n in zip(params, lengths, strict=True) for _ in range(n + 1)])
-    drawn = sample_rows(q, u.unsqueeze(-1))[:, 0].tolist()
+    offsets = [_position_offsets(t) for t in trees]  # per session: each row's position - P
+    spans = [max(o) + 1 for o in offsets]  # positions drawn: max depth + 1 (a chain of n: n + 1)
+    u = per_position_many(draws, spans)  # [sum(spans)]
+    starts = [0]
+    for n in spans[:-1]:
+        starts.append(starts[-1] + n)
+    u_rows = u[[start + o for start, o_b in zip(starts, offsets, strict=True) for o in o_b]]
+    rows = _cat(logits)  # [sum(N + 1), V]
+    q = warp_rows(rows, [p for p, o in zip(params, offsets, strict=True) for _ in o])
+    drawn = sample_rows(q, u_rows.unsqueeze(-1))[:, 0].tolist()  # y of every row
     out, at = [], 0
-    for tree, n in zip(trees, lengths, strict=True):
+    for tree, o in zip(trees, offsets, strict=True):
+        y = drawn[at : at + len(o)]
+        at += len(o)
+        if tree is not None and not tree.is_chain:
+            out.append(_walk(tree.tokens.tolist(), _children_of(tree.parents), y))
+            continue
         proposed = tree.tokens.tolist() if tree is not None else []
-        y = drawn[at : at + n + 1]
+        n = len(proposed)
         kept = next((j for j in range(n) if proposed[j] != y[j]), n)
         out.append(Verdict(proposed[:kept], list(range(kept)), y[kept], bonus=kept == n))
-        at += n + 1
     return out
+
+
+def _position_offsets(tree: DraftTree | None) -> list[int]:
+    """Each target row's position after the committed context [N + 1]: 0 for the root, the depth
+    of node i (1 for the root's children) for row i + 1. A chain's are 0..N."""
+    if tree is None:
+        return [0]
+    if tree.is_chain:
+        return list(range(tree.num_nodes + 1))
+    return [0, *tree.depths().tolist()]
 
 
 def _verify_chains(

@@ -151,6 +151,7 @@ class RoundClient(LoopBound):
         top_logprobs: int | None = None,
         grammar: Grammar | None = None,
         salt: bytes = b"",
+        private: bool = False,
     ) -> None:
         """params: with the session's seed fixed. policy: adaptive speculation; `spec` is then only
         its family and first depth. key: the session's secret (replicas serve the session only to
@@ -158,9 +159,12 @@ class RoundClient(LoopBound):
         one among its sessions, so that what one learnt holds for all. stop_token_ids: where a
         plain call of several steps stops. top_logprobs: every round returns its tokens'
         log-probabilities with this many alternatives (None: none). grammar: structured output.
-        salt: the replicas' prefix cache namespace of the session (TickSession.prefix_salt)."""
+        salt: the replicas' prefix cache namespace of the session (TickSession.prefix_salt).
+        private: its output never teaches other sessions' drafts (TickSession.private)."""
         self.id, self.params, self.spec, self.policy = session_id, params, spec, policy
-        self.session = Opened(session_id, key, params, frozenset(stop_token_ids), top_logprobs, grammar, salt)
+        self.session = Opened(
+            session_id, key, params, frozenset(stop_token_ids), top_logprobs, grammar, salt, private
+        )
         self.pipeline = pipeline or PipelinePolicy(Pipelining.OFF)
         # what the last round handed over (`_ended`): the next round's pre-draft, in flight or
         # done, and the drafter loop told to expect the next round

@@ -117,6 +117,7 @@ class Opened:
     top_logprobs: int | None = None
     grammar: Grammar | None = None
     salt: bytes = b""  # the prefix cache's namespace (TickSession.prefix_salt)
+    private: bool = False  # its output never teaches other sessions' drafts (TickSession.private)
 
 
 def opened_from_proto(msg: Any, vocab_size: int) -> Opened:
@@ -133,6 +134,7 @@ def opened_from_proto(msg: Any, vocab_size: int) -> Opened:
         top_logprobs=top,
         grammar=wire.grammar_from_proto(msg.grammar),
         salt=msg.prefix_salt,
+        private=msg.private,
     )
 
 
@@ -145,6 +147,7 @@ def opened_to_proto(handle: int, o: Opened) -> pb2.TickSession:
         stop_token_ids=sorted(o.stop_token_ids),
         grammar=wire.grammar_to_proto(o.grammar),
         prefix_salt=o.salt,
+        private=o.private,
     )
     if o.top_logprobs is not None:
         msg.top_logprobs = o.top_logprobs

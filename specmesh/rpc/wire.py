@@ -305,6 +305,7 @@ class DraftInput(RoundInput):
     supersedable: bool = False  # a later Draft of the session supersedes it (DSI's drafts)
     salt: bytes = b""  # the prefix cache's namespace of a session it starts (TickSession.prefix_salt)
     feed_limit: int | None = None  # chunked prefill: past it, the call feeds a chunk only (partial)
+    private: bool = False  # its session's output never teaches other sessions' drafts (suffix)
 
     @property
     def superseded_by_next(self) -> bool:
@@ -374,6 +375,7 @@ def parse_draft_request(req: pb2.DraftRequest, vocab_size: int, limits: Limits) 
         guess_next=req.guess_next,
         speculative=req.speculative,
         supersedable=req.supersedable,
+        private=req.private,
     )
 
 

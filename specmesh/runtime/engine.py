@@ -32,6 +32,7 @@ from specmesh.core.ngram import draft_ngram
 from specmesh.core.rounds import Request, keep_emitted, session_seed
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.stats import GenerationResult, GenerationStats
+from specmesh.core.suffix import SHARED_TOKENS, SuffixDrafts
 from specmesh.core.tree import DraftTree
 from specmesh.runtime.backend import ModelBackend
 from specmesh.runtime.costs import measure_forward_cost
@@ -76,6 +77,7 @@ class SpeculativeEngine:
         self._ids = count()
         self.policies = PolicyMemory()
         self.forward_cost: dict[int, float] | None = None  # the target's, measured for adaptive sessions
+        self.suffix = SuffixDrafts(SHARED_TOKENS)  # method suffix: what earlier sessions generated
 
     def generate(
         self,
@@ -112,6 +114,7 @@ class SpeculativeEngine:
                 active = [s for s in active if s.finish_reason is None]
         finally:
             for s in sessions:
+                self.suffix.finish(s.id, s.tokens)
                 self.drafter.release(s.id)
                 self.verifier.release(s.id)
                 if s.policy:
@@ -150,8 +153,11 @@ class SpeculativeEngine:
 
     def _draft(self, sessions: list[_Session]) -> None:
         for s in sessions:
+            vocab = self.verifier.vocab_size
             if s.spec.method is Method.NGRAM:  # no draft model: a lookup in the session's tokens
-                s.tree = draft_ngram(s.tokens, s.spec.depth, self.verifier.vocab_size)
+                s.tree = draft_ngram(s.tokens, s.spec.depth, vocab)
+            elif s.spec.method is Method.SUFFIX:  # ... and in the outputs of earlier sessions
+                s.tree = self.suffix.draft(s.id, s.tokens, s.spec.depth, s.spec.max_nodes, vocab)
         drafting = [s for s in sessions if s.spec.method.needs_model]
         if not drafting:
             return

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from specmesh.core.suffix import SHARED_TOKENS
 from specmesh.rpc.flags import Limits, ServerConfig, flag, parse_flags
 
 _TREE = Limits()
@@ -126,6 +127,19 @@ class ServiceConfig(ServerConfig):
         "call that goes on from it takes it, any other rolls it back (docs/services.md, "
         '"Run-ahead: the next plain step while the answer travels")',
         True,
+    )
+    suffix_tokens: int = flag(
+        "drafter --backend ngram: tokens of finished outputs kept for method suffix's drafts (the "
+        "oldest outputs go first; about 300 bytes a token)",
+        SHARED_TOKENS,
+        bound=">= 0",
+    )
+    redis_url: str = flag(
+        "drafter --backend ngram: the gateways' Redis; the mesh's outputs log there (every finished, "
+        "non-private session's output) teaches method suffix's drafts, replayed from its start, so "
+        "a drafter that starts late learns what the others did",
+        "",
+        shown="empty (it learns from the sessions it serves)",
     )
     prefix_cache: bool = flag(
         "keep released sessions' KV as prefixes and start sessions from the longest prefix held "

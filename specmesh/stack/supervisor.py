@@ -458,7 +458,9 @@ def plan_stack(
         python, host, (draft, drafters, drafter_args), (target, verifiers, verifier_args), ngram_drafters,
         common, probe_tls, ready_timeout,
     )  # fmt: skip
-    specs += placed.specs
+    # the n-gram drafters learn method suffix's drafts from the gateways' outputs log in Redis
+    shared = {"SPECMESH_REDIS_URL": redis_url}  # in the environment: the URL may hold a password
+    specs += [dataclasses.replace(s, env=shared) if s.name.startswith("ngram-") else s for s in placed.specs]
     metrics = placed.metrics
     drafter_addrs, ngram_addrs, verifier_addrs = placed.drafters, placed.ngram, placed.verifiers
     replicas = ["--drafters", ",".join(drafter_addrs)] if drafter_addrs else []
