@@ -37,6 +37,7 @@ def plan_speculation(
     overhead = config.call_overhead_ms / 1000.0
     draft_level = {
         Method.NGRAM: 0.0,  # a lookup: no forward
+        Method.SUFFIX: 0.0,
         Method.CHAIN: model.draft_cost.get(1, DSI_UNKNOWN_DRAFT_SHARE * model.forward_cost.get(1, 0.0)),
     }
 

@@ -144,6 +144,14 @@ def test_an_adaptive_ngram_plan_assumes_its_prompts_hit_rate_and_free_drafts(pro
     assert (policy.prior_alpha, policy.draft_cost, policy.call_overhead) == (prior, 0.0, 0.002)
 
 
+def test_an_adaptive_suffix_plan_assumes_the_fixed_prior_and_free_drafts() -> None:
+    """Suffix drafts are lookups too: no draft forward charged (a drafter's cost would be)."""
+    asked = plan(COPYING, method="suffix", adaptive=True)
+    got, policy = plan_speculation(asked, model({1: 0.004}), gateway_env(config()), config())
+    assert got is asked and isinstance(policy, AdaptivePolicy) and policy.base == asked.spec
+    assert (policy.prior_alpha, policy.draft_cost, policy.call_overhead) == (ADAPTIVE_PRIOR, 0.0, 0.002)
+
+
 # an unmeasured drafter (no Info answered): half a target forward, 0.5 * FLAT[1]
 @pytest.mark.parametrize("method", ["chain", "mcsd", "rsd_s"])
 @pytest.mark.parametrize("draft, level", [({1: 0.004, 2: 0.9}, 0.004), ({}, 0.010)])
