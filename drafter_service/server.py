@@ -35,8 +35,7 @@ import redis.asyncio as aioredis
 from specmesh.core.drafting import Path
 from specmesh.core.grammar import TokenMask
 from specmesh.core.methods import Method
-from specmesh.core.ngram import draft_ngram
-from specmesh.core.suffix import SuffixDrafts
+from specmesh.core.suffix import SuffixDrafts, lookup_tree
 from specmesh.core.tree import DraftTree
 from specmesh.rpc import outputs_log, wire
 from specmesh.rpc.metrics import count_labels
@@ -379,13 +378,9 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         try:
             item.before()
             self.runner.forward([Step(sid, new_tokens=list(d.new_tokens[item.fed :]))])
+            assert self.suffix is not None  # a model-free drafter (_check_method)
             tokens = self.runner.committed_tokens(sid) or []
-            if d.spec.method is Method.SUFFIX:
-                tree = self.suffix.draft(
-                    sid, tokens, d.spec.depth, d.spec.max_nodes, self.vocab_size, private=d.private
-                )
-            else:
-                tree = draft_ngram(tokens, d.spec.depth, self.vocab_size)
+            tree = lookup_tree(self.suffix, sid, tokens, d.spec, self.vocab_size, d.private)
         except Exception as exc:
             self.end(sid, item.resume, True, False)
             return exc

@@ -235,12 +235,19 @@ class GatewayConfig(ServerConfig):
             raise ValueError(f"--tool-call-parser: one of auto, none, {', '.join(TOOL_PARSERS)}")
         if self.prefill_chunk != "auto" and not (self.prefill_chunk.isdigit()):
             raise ValueError(f"--prefill-chunk: auto or a number of tokens >= 0, got {self.prefill_chunk!r}")
+        if not set(key_list(self.private_api_keys)) <= set(key_list(self.api_keys)):
+            raise ValueError("--private-api-keys: every key must also be one of --api-keys")
 
     def chunk(self, cost: Mapping[int, float]) -> int:
         """--prefill-chunk for replicas of this forward cost (rows -> seconds)."""
         from gateway.retries import prefill_chunk
 
         return prefill_chunk(cost) if self.prefill_chunk == "auto" else int(self.prefill_chunk)
+
+
+def key_list(keys: str) -> list[bytes]:
+    """A comma-separated list of API keys (--api-keys, --private-api-keys)."""
+    return [k.strip().encode() for k in keys.split(",") if k.strip()]
 
 
 def parse_config(argv: list[str] | None = None) -> GatewayConfig:

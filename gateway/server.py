@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from gateway.api import SESSION_ID_METADATA, gateway_pb2, gateway_pb2_grpc, logprobs_to_proto
-from gateway.config import GatewayConfig, parse_config
+from gateway.config import GatewayConfig, key_list, parse_config
 from gateway.env import GatewayEnv, GatewayError, Piece
 from gateway.http.app import create_app
 from gateway.http.server import HttpServer
@@ -133,8 +133,8 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
         self.model: ServedModel | None = None
         self._not_ready = "waiting for a healthy verifier to learn the model"
         self._ready_task: asyncio.Task | None = None
-        self._api_keys = [k.strip().encode() for k in config.api_keys.split(",") if k.strip()]
-        self._private_tenants = private_tenants(self._api_keys, config.private_api_keys)
+        self._api_keys = key_list(config.api_keys)
+        self._private_tenants = frozenset(tenant_of(k) for k in key_list(config.private_api_keys))
         self._admitted = 0  # generate() calls in progress (the admission limit counts these)
         self._runs: set[SessionRun] = set()  # sessions running here (handed over on SIGTERM)
         self._draining = False
@@ -477,14 +477,6 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
 def tenant_of(key: bytes) -> bytes:
     """An API key's namespace: its hash (the replicas and Redis never see a key)."""
     return hashlib.sha256(b"specmesh-api-key:" + key).digest()
-
-
-def private_tenants(api_keys: list[bytes], private_api_keys: str) -> frozenset[bytes]:
-    """The namespaces of --private-api-keys, each of which must be one of --api-keys."""
-    private = [k.strip().encode() for k in private_api_keys.split(",") if k.strip()]
-    if any(k not in api_keys for k in private):
-        raise ValueError("--private-api-keys: every key must also be one of --api-keys")
-    return frozenset(tenant_of(k) for k in private)
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:

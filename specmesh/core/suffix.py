@@ -32,7 +32,10 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specmesh.core.drafting import TreeSpec
 from specmesh.core.extras import missing
+from specmesh.core.methods import Method
+from specmesh.core.ngram import draft_ngram
 from specmesh.core.tree import DraftTree, SamplingMode
 
 try:
@@ -222,8 +225,7 @@ def propose(
     """The best-scoring proposal of the indexes (a session's own, the global one); None when none
     matched or every tree came out empty."""
     proposals = [best_proposal(i, context, depth, max_nodes, alpha, min_prob) for i in indexes]
-    best = max((p for p in proposals if p is not None and p.tokens), key=lambda p: p.score, default=None)
-    return best
+    return max((p for p in proposals if p is not None and p.tokens), key=lambda p: p.score, default=None)
 
 
 def proposed_tree(proposal: Proposal | None, vocab_size: int) -> DraftTree | None:
@@ -293,3 +295,14 @@ class SuffixDrafts:
         self.sessions.drop(session_id)
         if teaches and tokens is not None and len(tokens) > prompt:
             self.shared.add(tokens[prompt:])
+
+
+def lookup_tree(
+    drafts: SuffixDrafts, session_id: str, tokens: Sequence[int], spec: TreeSpec, vocab_size: int,
+    private: bool = False,
+) -> DraftTree | None:  # fmt: skip
+    """A model-free method's tree after the session's committed `tokens`: ngram's chain from them
+    alone, or suffix's tree from them and what `drafts` learnt; None when nothing matched."""
+    if spec.method is Method.SUFFIX:
+        return drafts.draft(session_id, tokens, spec.depth, spec.max_nodes, vocab_size, private)
+    return draft_ngram(tokens, spec.depth, vocab_size)

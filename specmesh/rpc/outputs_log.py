@@ -35,8 +35,9 @@ def encode_output(tokens: Sequence[int]) -> dict[bytes, bytes]:
 
 
 def decode_output(fields: dict[Any, Any]) -> list[int] | None:
-    """An entry's tokens; None for one this version cannot read (skipped, never fatal)."""
-    raw = fields.get(FIELD, fields.get(FIELD.decode()))
+    """An entry's tokens (fields as a client without decode_responses reads them); None for one
+    this version cannot read (skipped, never fatal)."""
+    raw = fields.get(FIELD)
     if not isinstance(raw, bytes | bytearray) or len(raw) % 4:
         return None
     return np.frombuffer(raw, dtype="<u4").astype(np.int64).tolist()
@@ -58,9 +59,7 @@ async def follow(
     while True:
         try:
             got = await redis.xread({stream: last}, count=READ_COUNT, block=BLOCK_MS)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # Redis gone or failing: try again from the same entry
+        except Exception as exc:  # Redis gone or failing (a cancel is no Exception): the same entry again
             log.warning("reading the outputs log failed", extra={"error": str(exc)})
             await asyncio.sleep(RETRY_SECONDS)
             continue

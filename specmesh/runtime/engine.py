@@ -28,11 +28,10 @@ import torch
 from specmesh.core.adaptive import AdaptivePolicy, Load, PolicyMemory
 from specmesh.core.drafting import Path, TreeSpec
 from specmesh.core.methods import Method
-from specmesh.core.ngram import draft_ngram
 from specmesh.core.rounds import Request, keep_emitted, session_seed
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.stats import GenerationResult, GenerationStats
-from specmesh.core.suffix import SHARED_TOKENS, SuffixDrafts
+from specmesh.core.suffix import SHARED_TOKENS, SuffixDrafts, lookup_tree
 from specmesh.core.tree import DraftTree
 from specmesh.runtime.backend import ModelBackend
 from specmesh.runtime.costs import measure_forward_cost
@@ -153,11 +152,8 @@ class SpeculativeEngine:
 
     def _draft(self, sessions: list[_Session]) -> None:
         for s in sessions:
-            vocab = self.verifier.vocab_size
-            if s.spec.method is Method.NGRAM:  # no draft model: a lookup in the session's tokens
-                s.tree = draft_ngram(s.tokens, s.spec.depth, vocab)
-            elif s.spec.method is Method.SUFFIX:  # ... and in the outputs of earlier sessions
-                s.tree = self.suffix.draft(s.id, s.tokens, s.spec.depth, s.spec.max_nodes, vocab)
+            if s.spec.method.model_free:  # no draft model: a lookup (and suffix's earlier sessions)
+                s.tree = lookup_tree(self.suffix, s.id, s.tokens, s.spec, self.verifier.vocab_size)
         drafting = [s for s in sessions if s.spec.method.needs_model]
         if not drafting:
             return

@@ -456,11 +456,9 @@ def plan_stack(
     common = [*model_flags, *tls_flags, *replica_tls_flags]
     placed = _model_replicas(
         python, host, (draft, drafters, drafter_args), (target, verifiers, verifier_args), ngram_drafters,
-        common, probe_tls, ready_timeout,
+        common, probe_tls, ready_timeout, redis_url,
     )  # fmt: skip
-    # the n-gram drafters learn method suffix's drafts from the gateways' outputs log in Redis
-    shared = {"SPECMESH_REDIS_URL": redis_url}  # in the environment: the URL may hold a password
-    specs += [dataclasses.replace(s, env=shared) if s.name.startswith("ngram-") else s for s in placed.specs]
+    specs += placed.specs
     metrics = placed.metrics
     drafter_addrs, ngram_addrs, verifier_addrs = placed.drafters, placed.ngram, placed.verifiers
     replicas = ["--drafters", ",".join(drafter_addrs)] if drafter_addrs else []
@@ -506,6 +504,7 @@ class _Replicas:
 def _model_replicas(
     python: str, host: str, drafter: tuple[str, int, Sequence[str]], verifier: tuple[str, int, Sequence[str]],
     ngram_drafters: int, common: Sequence[str], probe_tls: ClientTls | None, ready_timeout: float,
+    redis_url: str,
 ) -> _Replicas:  # fmt: skip
     """The drafters, n-gram drafters and verifiers ((model, count, extra flags) per model role).
 
@@ -516,7 +515,8 @@ def _model_replicas(
     ms: the gateway's chunk came out at 2048 tokens, 1.5k-token prompts went whole, and rounds ran
     out of the 60 s round timeout, taking both verifiers out as hung (docs/decisions.md, "Long
     prompts and conversations"). The n-gram drafters load no model: they start with the first
-    model replica."""
+    model replica. They learn method suffix's drafts from the gateways' outputs log in `redis_url`
+    (in their environment: the URL may hold a password)."""
     out = _Replicas([], [], [], [], {}, 0)
     stages = itertools.count(1)
 
@@ -533,7 +533,9 @@ def _model_replicas(
         out.drafters.append(add("drafter", i, draft, drafter_args, next(stages), drafters > 1))
     for i in range(ngram_drafters):
         out.ngram.append(add("drafter", drafters + i, draft, ["--backend", "ngram"], 1, ngram_drafters > 1))
-        out.specs[-1] = dataclasses.replace(out.specs[-1], name=f"ngram-drafter-{i}")
+        out.specs[-1] = dataclasses.replace(
+            out.specs[-1], name=f"ngram-drafter-{i}", env={"SPECMESH_REDIS_URL": redis_url}
+        )
     for i in range(verifiers):
         out.verifiers.append(add("verifier", i, target, verifier_args, next(stages), verifiers > 1))
     return out
