@@ -27,17 +27,15 @@ import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
-import redis.asyncio as aioredis
 
 from specmesh.core.drafting import Path
 from specmesh.core.grammar import TokenMask
 from specmesh.core.methods import Method
 from specmesh.core.suffix import SuffixDrafts, lookup_tree
 from specmesh.core.tree import DraftTree
-from specmesh.rpc import outputs_log, wire
+from specmesh.rpc import wire
 from specmesh.rpc.metrics import count_labels
 from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.rpc.server import rpc
@@ -56,6 +54,7 @@ from specmesh.runtime.models import LoadedModel
 from specmesh.runtime.rounds import Cancelled, DraftJob, DraftOutcome, draft_steps, reusable_nodes
 from specmesh.runtime.runner import Step
 from specmesh.services.config import DRAFTER_DEFAULTS
+from specmesh.services.learned import LearnedOutputs
 from specmesh.services.metrics import ServiceMetrics
 from specmesh.services.model_service import (
     ModelService,
@@ -108,39 +107,30 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         # a model-free drafter's suffix drafts: the finished outputs it learnt, within a budget
         model_free = model.backend is Backend.NGRAM
         self.suffix = SuffixDrafts(config.suffix_tokens) if model_free else None
-        self._follower: asyncio.Task | None = None  # reads the outputs log (--redis-url)
-        self._redis: Any = None
-        self._suffix_tokens = metrics.gauge(
+        gauge = metrics.gauge(
             "specmesh:drafter_suffix_tokens",
             "tokens of finished outputs the suffix drafts look up (at most --suffix-tokens)",
         )
+        self.learned = LearnedOutputs(self.suffix.shared, config.redis_url, gauge) if self.suffix else None
 
     async def start(self) -> None:
         await super().start()
-        if self.suffix is not None and self.config.redis_url:
-            self._redis = aioredis.Redis.from_url(self.config.redis_url)
-            self._follower = asyncio.create_task(outputs_log.follow(self._redis, self._learn))
+        if self.learned is not None:
+            self.learned.start()
 
     async def close(self) -> None:
-        if self._follower is not None:
-            self._follower.cancel()
-            await asyncio.gather(self._follower, return_exceptions=True)
-            await self._redis.aclose()
+        if self.learned is not None:
+            await self.learned.close()
         await super().close()
 
-    def _learn(self, tokens: list[int]) -> None:
-        """One finished output of the mesh (the outputs log), into the suffix drafts' index."""
-        assert self.suffix is not None
-        self.suffix.shared.add(tokens)
-        self._suffix_tokens.set(self.suffix.shared.tokens)
-
     def forget_local(self, session_id: str) -> None:
-        if self.suffix is not None:
+        if self.suffix is not None and self.learned is not None:
             # with the outputs log, the gateways publish what finished (all of the mesh's); without
             # it, the session's tokens here teach the shared index (unless it is private)
-            tokens = None if self._follower is not None else self.runner.committed_tokens(session_id)
-            self.suffix.finish(session_id, tokens)
-            self._suffix_tokens.set(self.suffix.shared.tokens)
+            tokens = None if self.learned.follows else self.runner.committed_tokens(session_id)
+            with self.learned.lock:
+                self.suffix.finish(session_id, tokens)
+            self.learned.measure()
         super().forget_local(session_id)
         self._pending.pop(session_id, None)
 

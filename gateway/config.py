@@ -192,6 +192,12 @@ class GatewayConfig(ServerConfig):
         4,
         bound=">= 1",
     )
+    suffix_rides: bool = flag(
+        "the default's plain steps may carry suffix trees the verifier looks up in the mesh's "
+        "finished outputs (the outputs log; the verifier needs --redis-url), each cut to what pays at "
+        'the forward\'s size (docs/gateway.md, "Suffix drafts"); finished outputs are then published',
+        True,
+    )
     prefill_chunk: str = flag(
         "chunked prefill: the most tokens of prompts (or of any re-feed) one tick to a replica "
         "feeds, shared by the sessions prefilling (vLLM's max_num_batched_tokens); a longer prompt "

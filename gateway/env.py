@@ -57,6 +57,7 @@ class GatewayEnv:
     ngram_drafters: ReplicaPool | None = None  # model-free drafters (drafter_service --backend ngram)
     routing: dict[str, PrefixRouting] = dataclasses.field(default_factory=dict)  # pool name -> its
     plain_steps: int = 1  # plain decoding: tokens per Verify call after the first (--plain-steps)
+    suffix_rides: bool = False  # the default's plain steps ride the mesh's suffix trees (--suffix-rides)
     # what a forward costs by its rows, per role (the replicas' start-up measurement, Info)
     forward_costs: dict[Role, dict[int, float]] = dataclasses.field(default_factory=dict)
     leases: Leases = dataclasses.field(init=False)
@@ -69,6 +70,12 @@ class GatewayEnv:
         task = asyncio.ensure_future(work)
         self.deferred.add(task)
         task.add_done_callback(self.deferred.discard)
+
+    @property
+    def learns(self) -> bool:
+        """Whether finished outputs go to the outputs log: something drafts from it (suffix drafts
+        on the model-free drafters, the verifiers' suffix rides)."""
+        return self.ngram_drafters is not None or self.suffix_rides
 
     def pool(self, role: Role, method: Method) -> ReplicaPool:
         """The replicas of a role; a session of a model-free method (ngram, suffix) drafts on the

@@ -128,6 +128,7 @@ class GatewayService(RpcService, gateway_pb2_grpc.GatewayServicer):
             pipeline=PipelinePolicy(Pipelining.parse(config.pipeline)),
             dsi_timeline=Path(config.dsi_timeline) if config.dsi_timeline else None,
             plain_steps=config.plain_steps,
+            suffix_rides=config.suffix_rides,
         )
         self.metrics.kv_usage.set_function(verifiers.kv_usage)
         self.model: ServedModel | None = None

@@ -213,8 +213,8 @@ class SessionRun:
                 self.env.defer(self._release_later(role, address, stub))
         for role in placer.roles:
             placer.pool(role).release(self.id)
-        if self.env.ngram_drafters is not None and self.transcript.finished and not self.plan.private:
-            self.env.defer(self._publish())  # what the suffix drafters learn from
+        if self.env.learns and self.transcript.finished and not self.plan.private:
+            self.env.defer(self._publish())  # what suffix drafts and rides learn from
         if self.created:
             try:
                 await self.env.store.delete(self.id)

@@ -53,10 +53,12 @@ def plan_speculation(
                 AUTO_SPEC, model.forward_cost, prior_alpha=ADAPTIVE_PRIOR,
                 draft_cost=draft_level[Method.CHAIN], call_overhead=overhead,
             )  # fmt: skip
+        free = plan.grammar is None  # a grammar masks a tree's paths: no rides (VerifyRequest.lookup_depth)
         family = FamilyPolicy(
             model.forward_cost, overhead, env.plain_steps, len(plan.prompt_ids), chain,
-            max_lookup=0 if plan.grammar is not None else min(MAX_LOOKUP, config.max_depth),
-        )  # fmt: skip  # a grammar masks a tree's paths: no rides (VerifyRequest.lookup_depth)
+            max_lookup=min(MAX_LOOKUP, config.max_depth) if free else 0,
+            suffix_rides=free and config.suffix_rides,
+        )  # fmt: skip
         family.estimate.sync(plan.prompt_ids)  # here in the parse thread, not on the event loop
         # a drafter role only where the draft model's rounds may ever pay (FamilyPolicy)
         spec = AUTO_SPEC if family.chain is not None else NONE_SPEC

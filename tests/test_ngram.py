@@ -21,6 +21,7 @@ from specmesh.core.ngram import (
     prompt_hit_rate,
     propose,
 )
+from specmesh.core.rides import Calibration, ngram_ride
 from specmesh.core.rounds import verify_round
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.tree import SamplingMode
@@ -259,7 +260,7 @@ def ride_run(params: SamplingParams, seed: int, steps: int, depth: int = 3) -> t
 
     def ride(before: int, after: list[int], depth: int):
         index.sync(toy.tokens[:before])
-        return chain_tree(index.propose(depth, after), VOCAB)
+        return ngram_ride(Calibration(), index.propose(depth, after), VOCAB)
 
     job = VerifyJob(
         "s", [HISTORY[-1]], None, params, seed, len(HISTORY), plain_steps=steps, ride=ride, lookup_depth=depth

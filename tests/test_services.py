@@ -1079,6 +1079,8 @@ BAD_INPUT: dict[str, tuple[str, Callable, str]] = {
         "lookup_min_ngram: ",
     ),
     "max-tokens-with-a-tree": ("Verify", put("max_tokens", 3), "max_tokens: "),
+    # suffix rides: plain steps only
+    "suffix-rides-with-a-tree": ("Verify", put("suffix_rides", True), "suffix_rides: "),
 }
 
 

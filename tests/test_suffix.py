@@ -22,7 +22,7 @@ from specmesh.core.suffix import (
     SuffixIndex,
     best_proposal,
     propose,
-    proposed_tree,
+    suffix_proposed_tree,
     suffix_tree,
 )
 from specmesh.core.tree import SamplingMode
@@ -355,7 +355,7 @@ def test_propose_is_none_when_nothing_matches_or_every_tree_is_empty() -> None:
 
 def test_proposed_tree_is_a_valid_draft_tree_of_proposed_tokens() -> None:
     p = suffix_tree(WORKED, match=3, max_nodes=10, alpha=2, min_prob=0.1)
-    tree = proposed_tree(p, vocab_size=16)
+    tree = suffix_proposed_tree(p, vocab_size=16)
     assert tree is not None and tree.mode is SamplingMode.PROPOSED
     assert tree.tokens.dtype == tree.parents.dtype == tree.prob_rows.dtype == torch.long
     assert tree.tokens.tolist() == p.tokens and tree.parents.tolist() == p.parents
@@ -370,14 +370,14 @@ def test_proposed_trees_of_lookups_always_validate() -> None:
     for _ in range(100):
         index = index_of(*([rng.randrange(3) for _ in range(rng.randrange(1, 30))] for _ in range(3)))
         context = [rng.randrange(3) for _ in range(rng.randrange(1, 8))]
-        tree = proposed_tree(propose([index], context, depth=4, max_nodes=12, alpha=3.0), vocab_size=3)
+        tree = suffix_proposed_tree(propose([index], context, depth=4, max_nodes=12, alpha=3.0), vocab_size=3)
         if tree is not None:
             tree.validate(3)
 
 
 def test_proposed_tree_of_no_proposal_is_none() -> None:
-    assert proposed_tree(None, vocab_size=16) is None
-    assert proposed_tree(Proposal([], [], [], match=3), vocab_size=16) is None
+    assert suffix_proposed_tree(None, vocab_size=16) is None
+    assert suffix_proposed_tree(Proposal([], [], [], match=3), vocab_size=16) is None
 
 
 # --- SessionIndexes and SuffixDrafts --------------------------------------------------------

@@ -16,7 +16,9 @@ import redis
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.rounds import Request
 from specmesh.core.sampling import SamplingParams
+from specmesh.rpc import wire
 from specmesh.rpc.outputs_log import STREAM
+from specmesh.rpc.proto import pb2, pb2_grpc
 from specmesh.runtime.engine import SpeculativeEngine
 from specmesh.runtime.models import load_model
 from specmesh.stack.redis_server import RedisServer
@@ -71,6 +73,7 @@ def test_the_engine_drafts_suffix_trees_with_the_same_text(pair) -> None:
 class Mesh:
     redis: RedisServer
     drafters: list[Server]
+    verifier: Server
     gateway: Server
     logs: object
 
@@ -83,7 +86,10 @@ def mesh(models, tmp_path_factory) -> Iterator[Mesh]:
         drafters = [
             replica("drafter_service", models["target"], logs / f"ngram-{i}.log", shared) for i in range(2)
         ]
-        verifier = replica("verifier_service", models["target"], logs / "verifier.log")
+        # the verifier follows the log too: the default's plain steps ride its suffix trees
+        verifier = replica(
+            "verifier_service", models["target"], logs / "verifier.log", ["--redis-url", redis_server.url]
+        )
         args = [
             *("--ngram-drafters", ",".join(d.address for d in drafters), "--verifiers", verifier.address),
             *("--redis-url", redis_server.url, "--round-timeout", "30"),
@@ -91,13 +97,13 @@ def mesh(models, tmp_path_factory) -> Iterator[Mesh]:
         gateway = Server("gateway", args, logs / "gateway.log")
         try:
             start_all(*drafters, verifier, gateway)
-            yield Mesh(redis_server, drafters, gateway, logs)
+            yield Mesh(redis_server, drafters, verifier, gateway, logs)
         finally:
             stop_all(*drafters, verifier, gateway)
 
 
-def learnt(server: Server) -> float:
-    return server.metrics().get((TOKENS, ()), 0.0)
+def learnt(server: Server, gauge: str = TOKENS) -> float:
+    return server.metrics().get((gauge, ()), 0.0)
 
 
 def log_length(url: str) -> int:
@@ -128,9 +134,23 @@ def test_outputs_teach_every_drafter_through_the_log_and_private_ones_none(mesh)
     assert third.stats.accepted_tokens >= 12  # most of the 16 tokens came drafted
 
 
+def suffix_tree_of(address: str, session_id: str, tokens: list[int]) -> list[tuple[int, int]]:
+    """The drafter's suffix tree after `tokens` (a session of its own, released): (token, parent)
+    per node."""
+    with grpc.insecure_channel(address) as channel:
+        stub = pb2_grpc.DrafterStub(channel)
+        request = wire.draft_request(session_id, 0, tokens, SamplingParams(0.0, seed=1), SUFFIX)
+        got = stub.Draft(request, timeout=30)
+        stub.Release(pb2.ReleaseRequest(session_id=session_id), timeout=30)
+    return list(zip(got.tree.tokens, got.tree.parents, strict=True))
+
+
 def test_a_drafter_that_starts_late_replays_the_log(mesh, models) -> None:
+    """A drafter started after the mesh generated replays the log: it holds what the others learnt
+    and proposes the same trees they do, so it drafts as well from its first request."""
+    request = make_request(SUFFIX, max_new_tokens=8)
     with gateway_stub(mesh.gateway.address) as stub:
-        stub.Generate(make_request(SUFFIX, max_new_tokens=8), timeout=60)
+        output = list(stub.Generate(request, timeout=60).token_ids)
     wait_until(lambda: log_length(mesh.redis.url) >= 1, what="an output in the log")
     held = log_length(mesh.redis.url)
     late = replica(
@@ -142,6 +162,12 @@ def test_a_drafter_that_starts_late_replays_the_log(mesh, models) -> None:
         want = learnt(mesh.drafters[0])
         wait_until(lambda: learnt(late) == want, what="the late drafter replayed the log")
         assert held >= 1 and want > 0
+        prompt = list(request.prompt_token_ids.ids)
+        for k in (2, 4, 6):  # after the prompt and part of the output the log holds
+            context = prompt + output[:k]
+            early = suffix_tree_of(mesh.drafters[0].address, f"early-{k}", context)
+            assert early  # it proposes something here ...
+            assert suffix_tree_of(late.address, f"late-{k}", context) == early  # ... and so does the late one
     finally:
         stop_all(late)
 
@@ -153,3 +179,26 @@ def test_a_suffix_tree_past_the_replicas_node_limit_is_refused_naming_the_field(
         stub.Generate(request, timeout=60)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "speculation" in refused.value.details() and "--max-tree-nodes" in refused.value.details()
+
+
+def test_the_default_rides_the_suffix_trees_of_what_the_mesh_generated(mesh) -> None:
+    """No speculation asked: the default's plain steps carry the verifier's suffix trees, looked up
+    in the outputs the verifier learnt from the log. A private answer teaches nothing; once a
+    public one is in the log the same request rides it (its tokens come drafted), and the text
+    stays the plain decode's. Last in the module: it adds to the log."""
+    request = make_request(TreeSpec("none"), max_new_tokens=16)
+    request.ClearField("speculation")  # the default
+    request.prompt_token_ids.ids[:] = list(range(40, 60))  # no other test's prompt: its own outputs
+    gauge = "specmesh:verifier_suffix_tokens"
+    with gateway_stub(mesh.gateway.address) as stub:
+        before = learnt(mesh.verifier, gauge)
+        request.private = True
+        first = stub.Generate(request, timeout=60)
+        time.sleep(0.5)  # a private output published late would show here
+        assert learnt(mesh.verifier, gauge) == before
+        request.private = False
+        stub.Generate(request, timeout=60)
+        wait_until(lambda: learnt(mesh.verifier, gauge) == before + 16, what="the verifier learnt it")
+        third = stub.Generate(request, timeout=60)
+    assert list(first.token_ids) == list(third.token_ids)
+    assert third.stats.accepted_tokens >= first.stats.accepted_tokens + 8  # most of 16 came riding

@@ -351,14 +351,14 @@ def test_plan_stack_runs_several_gateways_on_the_same_replicas():
     plan.cleanup()
 
 
-def test_the_ngram_drafters_get_the_stacks_redis_in_their_environment_only():
-    """They follow the gateways' outputs log (method suffix); the URL holds the password, so it is
-    in no argv, and the model drafters and verifiers do not get it."""
+def test_the_ngram_drafters_and_verifiers_get_the_stacks_redis_in_their_environment_only():
+    """They follow the gateways' outputs log (method suffix, suffix rides); the URL holds the
+    password, so it is in no argv, and the model drafters do not get it."""
     plan = plan_stack("d", "t", drafters=1, ngram_drafters=2, python="py")
     envs = {s.name: s.env for s in plan.specs if s.name != "redis"}
     shared = {"SPECMESH_REDIS_URL": plan.redis_url}
     assert envs == {"drafter-0": None, "ngram-drafter-0": shared, "ngram-drafter-1": shared,
-                    "verifier-0": None, "gateway": shared}  # fmt: skip
+                    "verifier-0": shared, "gateway": shared}  # fmt: skip
     assert all(urlsplit(plan.redis_url).password not in " ".join(s.argv) for s in plan.specs)
     plan.cleanup()
 

@@ -321,18 +321,24 @@ def test_a_verify_tick_comes_back_through_its_codec() -> None:
         6, OPENS, ITEMS, TreeColumns.from_trees(sent_trees, VOCAB),
         plain_steps=np.array([1, 4, 1], np.uint8), lookup_depth=np.array([0, 3, 0], np.uint8),
         lookup_min_ngram=np.array([0, 2, 0], np.uint8), max_tokens=np.array([0, 9, 0], np.uint32),
+        suffix_rides=np.array([1, 0, 1], np.uint8),
     )  # fmt: skip
     back = ticks.VerifyTickMessage.from_proto(through_bytes(sent.to_proto()), VOCAB)
     assert back.id == 6 and back.opens == OPENS
     assert_same_items(back.items, ITEMS)
     assert_same_columns(back.trees, sent.trees, 3)
-    for name in ("plain_steps", "lookup_depth", "lookup_min_ngram", "max_tokens"):
+    for name in ("plain_steps", "lookup_depth", "lookup_min_ngram", "max_tokens", "suffix_rides"):
         assert np.array_equal(getattr(back, name), getattr(sent, name)), name
     # the optional columns are left out when all zero, and read back as zeros
     zeros = dataclasses.replace(sent, lookup_depth=np.zeros(3, np.uint8), max_tokens=np.zeros(3, np.uint32))
     assert not zeros.to_proto().lookup_depth and not zeros.to_proto().max_tokens
     back = ticks.VerifyTickMessage.from_proto(through_bytes(zeros.to_proto()), VOCAB)
     assert back.lookup_depth.tolist() == [0, 0, 0] and back.max_tokens.tolist() == [0, 0, 0]
+    assert back.suffix_rides.tolist() == [1, 0, 1]  # ... and a column left unset reads as zeros
+    unset = ticks.VerifyTickMessage.from_proto(
+        through_bytes(dataclasses.replace(sent, suffix_rides=np.zeros(0, np.uint8)).to_proto()), VOCAB
+    )
+    assert unset.suffix_rides.tolist() == [0, 0, 0]
 
 
 def test_a_bad_opening_refuses_its_handle_alone() -> None:

@@ -22,6 +22,7 @@ from enum import Enum
 from typing import Any
 
 from specmesh.core.ahead import goes_on
+from specmesh.core.rides import RideSizer
 from specmesh.rpc import wire
 from specmesh.runtime.rounds import Cancelled, VerifyJob, VerifyOutcome, next_plain_job, verify_steps
 from specmesh.services.model_service import ModelService, NotOwnerError, SessionBusyError, TickRun, Withdrawn
@@ -58,8 +59,8 @@ Taken = tuple[StepAhead, VerifyOutcome]  # a step the call goes on from, and its
 class RunAhead:
     """The verifier's steps ahead, by session. Loop thread only."""
 
-    def __init__(self, service: ModelService, counter: Any) -> None:
-        self._service = service
+    def __init__(self, service: ModelService, rides: RideSizer, counter: Any) -> None:
+        self._service, self._rides = service, rides
         self._counter = counter  # specmesh:verifier_ahead_steps, by outcome
         self._steps: dict[str, StepAhead] = {}
 
@@ -88,7 +89,7 @@ class RunAhead:
         jobs = [step for _, step in aheads]
         tick = TickRun(service.batcher, jobs)
         before = {job.session_id: functools.partial(_still_wanted, job) for job in jobs}
-        ticked = verify_steps(jobs, runner.commit)
+        ticked = verify_steps(jobs, runner.commit, self._rides)
         # no caller to go away (run_tick's concern): its own task, whose first turn queues the
         # forward; yielding once lets that turn come before the answers are built (~1-3 ms of the
         # model's time a call, measured in docs/decisions.md, "Run-ahead")

@@ -21,9 +21,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
+import numpy as np
 
 from specmesh.core.grammar import TokenMask
-from specmesh.core.ngram import NgramIndex, chain_tree
+from specmesh.core.ngram import NgramIndex
+from specmesh.core.rides import SUFFIX_RIDE_DEPTH, SUFFIX_RIDE_NODES, Ride, RideSizer, ngram_ride
+from specmesh.core.suffix import MAX_MATCH, SuffixIndex, best_proposal
 from specmesh.core.tree import DraftTree
 from specmesh.rpc import wire
 from specmesh.rpc.metrics import RoundMetrics, count_labels
@@ -40,6 +43,7 @@ from specmesh.runtime.rounds import (
     verify_steps,
 )
 from specmesh.services.config import VERIFIER_DEFAULTS
+from specmesh.services.learned import LearnedOutputs
 from specmesh.services.metrics import ServiceMetrics
 from specmesh.services.model_service import (
     ModelService,
@@ -81,9 +85,17 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
     def __init__(self, config: ServiceConfig, model: LoadedModel, metrics: ServiceMetrics) -> None:
         super().__init__(config, model, metrics)
         self._lookups: dict[str, NgramIndex] = {}  # sessions' n-gram indexes (plain steps' rides)
+        # the mesh's finished outputs (the outputs log, --redis-url): suffix rides are looked up there
+        gauge = metrics.gauge(
+            "specmesh:verifier_suffix_tokens",
+            "tokens of finished outputs the suffix rides look up (at most --suffix-tokens)",
+        )
+        self.learned = LearnedOutputs(SuffixIndex(config.suffix_tokens), config.redis_url, gauge)
         self._runs: dict[int, VerifyJob] = {}  # id -> a plain run of several steps, running (`_yield_runs`)
+        self.rides = RideSizer({})  # priced by the forward cost `start` measures (core.rides)
         self.ahead = RunAhead(
             self,
+            self.rides,
             metrics.counter(
                 "specmesh:verifier_ahead_steps",
                 "plain steps run ahead of their call (--run-ahead), by whether the next call took them",
@@ -125,6 +137,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         steps, lookups, min_ngrams, max_tokens = (
             tick.plain_steps, tick.lookup_depth, tick.lookup_min_ngram, tick.max_tokens,
         )  # fmt: skip
+        suffix = tick.suffix_rides if len(tick.suffix_rides) else np.zeros(n, np.uint8)
         answers: list = [None] * n
         verifies, where = [], []
         positions, handles, feeds = items.positions.tolist(), items.handles.tolist(), items.feed.tolist()
@@ -147,7 +160,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
                     grammar=o.grammar, tree=tree, plain_steps=plain, stop_token_ids=o.stop_token_ids,
                     top_logprobs=o.top_logprobs, lookup_depth=int(lookups[i]),
                     lookup_min_ngram=int(min_ngrams[i]), max_tokens=int(max_tokens[i]), salt=o.salt,
-                    feed_limit=feeds[i] or None,
+                    feed_limit=feeds[i] or None, suffix_rides=bool(suffix[i]),
                 )  # fmt: skip
                 wire.check_verify_input(v, self.limits)
                 verifies.append((v, owner_hash(o.key)))
@@ -277,7 +290,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         runs = self._yield_runs(items)
         try:
             try:
-                ticked = verify_steps([item.job for item in items], self.runner.commit)
+                ticked = verify_steps([item.job for item in items], self.runner.commit, self.rides)
                 return await self.run_tick(tick, lambda: self.drive(tick, ticked, befores))
             except Withdrawn:
                 return [VerifyOutcome(error=Cancelled("cancelled before its forward")) for _ in items]
@@ -318,20 +331,40 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             v.session_id, list(v.new_tokens), v.tree, v.params, v.params.seed or 0, v.committed_length,
             plain_steps=plain_room(v.plain_steps, v.committed_length, max_context),
             stop_token_ids=v.stop_token_ids, top_logprobs=v.top_logprobs, allowed=allowed,
-            ride=functools.partial(self._ride, v.session_id, v.lookup_min_ngram) if v.lookup_depth else None,
-            lookup_depth=v.lookup_depth, room=min(room, default=None), salt=v.salt, feed_limit=v.feed_limit,
+            ride=functools.partial(self._ride, v) if v.lookup_depth or v.suffix_rides else None,
+            lookup_depth=max(v.lookup_depth, self.suffix_depth if v.suffix_rides else 0),
+            room=min(room, default=None), salt=v.salt, feed_limit=v.feed_limit,
         )  # fmt: skip
 
-    def _ride(
-        self, session_id: str, min_ngram: int, before: int, after: list[int], depth: int
-    ) -> DraftTree | None:
-        """The lookup's chain after the session's first `before` committed tokens and `after` (a
-        step's fed tokens), from a match of at least `min_ngram` tokens. The session's index
+    @property
+    def suffix_depth(self) -> int:
+        return min(SUFFIX_RIDE_DEPTH, self.limits.max_depth)
+
+    def _ride(self, v: wire.VerifyInput, before: int, after: list[int], depth: int) -> Ride | None:
+        """A plain step's proposal after the session's first `before` committed tokens and `after`
+        (the step's fed tokens): the n-gram chain of its own tokens (at most v.lookup_depth, from a
+        match of at least v.lookup_min_ngram), or with v.suffix_rides the suffix tree of the
+        mesh's outputs, whichever is expected to add more (core.rides). The session's n-gram index
         follows its committed tokens (rebuilt when they were rolled back); only this session's own
         request reads them, so any thread may call it."""
-        index = self._lookups.setdefault(session_id, NgramIndex())
-        index.sync((self.runner.committed_tokens(session_id) or [])[:before])
-        return chain_tree(index.propose(depth, after, min_ngram), self.vocab_size)
+        tokens = self.runner.committed_tokens(v.session_id) or []
+        chain = None
+        if v.lookup_depth:
+            index = self._lookups.setdefault(v.session_id, NgramIndex())
+            index.sync(tokens[:before])
+            proposal = index.propose(min(depth, v.lookup_depth), after, v.lookup_min_ngram)
+            chain = ngram_ride(self.rides.calibration, proposal, self.vocab_size)
+        if not v.suffix_rides:
+            return chain
+        context = [*tokens[max(0, before - MAX_MATCH) : before], *after]
+        nodes = min(SUFFIX_RIDE_NODES, self.limits.max_tree_nodes)
+        with self.learned.lock:
+            found = best_proposal(self.learned.index, context, min(depth, self.suffix_depth), nodes)
+        if found is None or not found.tokens:
+            return chain
+        calibration = self.rides.calibration
+        tree = calibration.ride("suffix", found.tokens, found.parents, found.probs, self.vocab_size)
+        return tree if chain is None or tree.expected > chain.expected else chain
 
     def forget_local(self, session_id: str) -> None:
         super().forget_local(session_id)
@@ -341,7 +374,13 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
     def drop_own_work(self, session_id: str) -> None:
         self.ahead.drop(session_id)
 
+    async def start(self) -> None:
+        await super().start()
+        self.rides.priced(self.forward_cost)
+        self.learned.start()
+
     async def close(self) -> None:
+        await self.learned.close()
         await self.ahead.close()
         await super().close()
 
@@ -354,8 +393,7 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
             counts += outcome.checked  # every step's, rides in plain steps included
             if tree is not None:
                 depths += range(1, tree.num_nodes + 1) if tree.is_chain else tree.depths().tolist()
-            for nodes, _ in outcome.checked if tree is None else ():  # rides are chains
-                depths += range(1, nodes + 1)
+            depths += outcome.ride_depths
         self._rounds.observe_many(counts)
         count_labels(self._per_depth, depths)
 

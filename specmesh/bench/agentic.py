@@ -25,13 +25,12 @@ the first half of its prompts against the second half: the mesh learning.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import random
 import time
 
-from specmesh.bench.default_path import FIRST_SEED, Engine, ratios, summed, with_rates
-from specmesh.bench.measure import render_chat, run_gateway
+from specmesh.bench.default_path import FIRST_SEED, Engine, gateway_run, ratios, summed, with_rates
+from specmesh.bench.measure import render_chat
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.methods import Method
 
@@ -134,20 +133,13 @@ ENGINES: dict[str, tuple[TreeSpec | None, bool]] = {
     TEACHER: (TreeSpec(Method.SUFFIX, depth=8, beam_width=2), False),  # the gateway's defaults
 }
 PAIRS = (("suffix", "none"), ("suffix", "ngram"), ("default", "none"), ("default", "ngram"))
-_KEYS = (
-    "tokens", "seconds", "decode_tokens", "decode_seconds", "accepted_tokens", "drafted_tokens",
-    "target_calls", "block_efficiency",
-)  # fmt: skip
 
 
 def _gateway_run(
     address: str, spec: TreeSpec | None, private: bool, temperature: float, max_new: int, sessions: int,
     texts: list[str], first_seed: int,
 ) -> dict:  # fmt: skip
-    run = run_gateway(address, texts, spec, False, temperature, max_new, sessions, first_seed=first_seed,
-                      private=private)  # fmt: skip
-    m = asyncio.run(run)
-    return {k: m[k] for k in _KEYS}
+    return gateway_run(address, texts, spec, temperature, max_new, sessions, first_seed, private)
 
 
 def learning_order(engines: dict[str, Engine], texts: list[str], teacher: str = TEACHER) -> dict[str, list]:

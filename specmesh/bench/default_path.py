@@ -8,8 +8,10 @@ gives the same text over three runs through gRPC and HTTP, the third beside a lo
 Prompt sets: `chat` (LongBench-Write questions as user messages), `code` (HumanEval prompts to
 complete), and three whose answers copy their context, where n-gram drafts apply: `edit`
 (HumanEval code to rewrite with a rename), `quote` (a document's paragraphs to quote) and
-`rewrite` (a text to give back with one word changed). What the default chose shows in the stats:
-drafted tokens (n-gram rides in the verifier's plain steps, or the draft model's), or none. With
+`rewrite` (a text to give back with one word changed); and the broad copy set (copy_set.py: 8
+kinds of copying, 4 prompts each), its tuning half `copy` and its held-out half `copy-held`, the
+one to quote (`--sets copy-held --prompts 16`: all of it). What the default chose shows in the
+stats: drafted tokens (n-gram rides in the verifier's plain steps, or the draft model's), or none. With
 llama-server given, the copying sets also run llama.cpp's own prompt lookup (`llama-lookup`).
 """
 
@@ -36,7 +38,7 @@ NONE = TreeSpec(Method.NONE)
 
 FIRST_SEED = 1000  # prompt i's seed is FIRST_SEED + i, in every engine
 Engine = Callable[[list[str], int], dict]  # (texts, the first one's seed) -> what it measured
-_GATEWAY_KEYS = (
+GATEWAY_KEYS = (
     "tokens", "seconds", "decode_tokens", "decode_seconds", "accepted_tokens", "drafted_tokens",
     "target_calls", "block_efficiency",
 )  # fmt: skip
@@ -64,7 +66,7 @@ def compare(
     if lookup is not None:
         engines["llama_lookup"] = lookup
     for name, spec in (("none", NONE), ("default", None)):
-        engines[name] = lambda t, seed, spec=spec: _gateway_run(
+        engines[name] = lambda t, seed, spec=spec: gateway_run(
             address, t, spec, temperature, max_new, sessions, seed
         )
     if sessions == 1:
@@ -81,14 +83,20 @@ def compare(
     return row
 
 
-def _gateway_run(
+def gateway_run(
     address: str, texts: list[str], spec: TreeSpec | None, temperature: float, max_new: int, sessions: int,
-    first_seed: int,
+    first_seed: int, private: bool = True,
 ) -> dict:  # fmt: skip
+    """One engine's run through the gateway. private (the default): its outputs teach no suffix
+    drafter or ride, so that no engine's answer to a prompt becomes another engine's drafts for
+    that same prompt (at temperature 0 it would be the exact answer)."""
     m = asyncio.run(
-        run_gateway(address, texts, spec, False, temperature, max_new, sessions, first_seed=first_seed)
-    )
-    return {k: m[k] for k in _GATEWAY_KEYS}
+        run_gateway(
+            address, texts, spec, False, temperature, max_new, sessions, first_seed=first_seed,
+            private=private,
+        )
+    )  # fmt: skip
+    return {k: m[k] for k in GATEWAY_KEYS}
 
 
 def interleaved(engines: dict[str, Engine], texts: list[str]) -> dict[str, dict]:

@@ -14,6 +14,7 @@ import zipfile
 import grpc
 import torch
 
+from specmesh.bench.copy_set import copy_prompts, passage
 from specmesh.core.drafting import TreeSpec
 from specmesh.core.sampling import SamplingParams
 from specmesh.core.stats import GenerationStats
@@ -66,7 +67,8 @@ def chat_questions(n: int) -> list[str]:
 
 
 # Passages of English prose for `quote` and `rewrite`: the module docstrings of the standard
-# library of the Python that runs the benchmark (PSF licence), so they need no download.
+# library of the Python that runs the benchmark (PSF licence, copy_set.passage), so they need no
+# download.
 QUOTE_MODULES = (
     "socketserver",
     "statistics",
@@ -78,20 +80,6 @@ QUOTE_MODULES = (
     "inspect",
 )
 REWRITE_MODULES = ("copy", "heapq", "timeit", "uuid", "sched", "struct", "doctest", "subprocess")
-
-
-def passage(module: str, limit: int = 1600) -> str:
-    """A module's docstring, its whole paragraphs up to `limit` characters (at least one)."""
-    import importlib
-    import inspect
-
-    paragraphs = (inspect.getdoc(importlib.import_module(module)) or "").split("\n\n")
-    kept = [paragraphs[0]]
-    for p in paragraphs[1:]:
-        if sum(len(k) + 2 for k in kept) + len(p) > limit:
-            break
-        kept.append(p)
-    return "\n\n".join(kept)
 
 
 def quote_prompts(n: int) -> list[str]:
@@ -122,15 +110,18 @@ def rewrite_prompts(n: int) -> list[str]:
     return out
 
 
-PROMPT_SETS = ("code", "chat", "edit", "quote", "rewrite")
-COPYING_SETS = ("edit", "quote", "rewrite")  # answers that copy their context: where n-gram rides apply
+PROMPT_SETS = ("code", "chat", "edit", "quote", "rewrite", "copy", "copy-held")
+# answers that copy their context: where n-gram rides apply
+COPYING_SETS = ("edit", "quote", "rewrite", "copy", "copy-held")
 
 
 def prompt_set(name: str, n: int, tokenizer) -> list[str]:
     """n texts of a set as every engine gets them (one text each engine tokenizes alike): code
     (HumanEval to complete) as it is; chat (questions), edit (code to rewrite), quote (a document
     to quote) and rewrite (a text to give back with one change) as user messages in the model's
-    chat template. The last three copy their context: where n-gram rides apply."""
+    chat template. The last three copy their context: where n-gram rides apply. So does the broad
+    copy set (copy_set.py, 8 kinds of copying): `copy` its tuning half, `copy-held` its held-out
+    half, the one reports quote."""
     if name == "code":
         return humaneval_prompts(n)
     if name == "chat":
@@ -141,6 +132,10 @@ def prompt_set(name: str, n: int, tokenizer) -> list[str]:
         return render_chat(quote_prompts(n), tokenizer)
     if name == "rewrite":
         return render_chat(rewrite_prompts(n), tokenizer)
+    if name == "copy":
+        return render_chat(copy_prompts(n, "tuning"), tokenizer)
+    if name == "copy-held":
+        return render_chat(copy_prompts(n, "held-out"), tokenizer)
     raise ValueError(f"unknown prompt set {name!r}; use one of {', '.join(PROMPT_SETS)}")
 
 

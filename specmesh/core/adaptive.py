@@ -135,6 +135,7 @@ class RoundPlan:
     lookup_depth: int = 0  # plain rounds: n-gram proposals of up to this many tokens ride in each step
     lookup_min_ngram: int = 0  # ... when they match a suffix of at least this many tokens (0: any)
     plain_run: bool = False  # plain rounds: several steps in one Verify call (--plain-steps)
+    suffix_rides: bool = False  # plain rounds: the mesh's suffix trees may ride too (core.rides)
 
 
 @dataclass
@@ -337,8 +338,10 @@ class FamilyPolicy:
         chain: AdaptivePolicy | None = None,
         max_lookup: int = MAX_LOOKUP,
         tolerance: float = 0.03,
+        suffix_rides: bool = False,
     ) -> None:
         self.verify = ForwardCost(forward_cost, decay=0.0)  # never rescaled: reproducible
+        self.suffix_rides = suffix_rides  # plain rounds: the verifier may ride the mesh's suffix trees
         self.call_share = call_overhead / max(1, plain_steps)
         self.estimate = NgramEstimate(start=prompt_length)
         self.chain, self.max_lookup, self.tolerance = chain, max_lookup, tolerance
@@ -379,8 +382,9 @@ class FamilyPolicy:
             if chain_depth and (self.chain.probing or chain_rate > (1 + self.tolerance) * rate):
                 return RoundPlan(family_spec(self.chain.base, chain_depth))
         return RoundPlan(
-            TreeSpec(Method.NONE), lookup_depth=depth, lookup_min_ngram=min_ngram, plain_run=True
-        )
+            TreeSpec(Method.NONE), lookup_depth=depth, lookup_min_ngram=min_ngram, plain_run=True,
+            suffix_rides=self.suffix_rides,
+        )  # fmt: skip
 
     def observe(self, spec: TreeSpec, stats: GenerationStats, load: Load | None = None) -> None:
         if self.chain is not None and spec.method.drafts:

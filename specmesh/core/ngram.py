@@ -39,13 +39,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from specmesh.core.extras import missing
-from specmesh.core.tree import DraftTree, SamplingMode
-
-try:
-    import torch
-except ModuleNotFoundError as exc:  # a gateway-only install (specmesh.core.extras)
-    torch = missing(exc)
+from specmesh.core.tree import DraftTree, proposed_tree
 
 MAX_NGRAM = 3
 MIN_NGRAM = 1
@@ -122,18 +116,9 @@ def prompt_hit_rate(prompt: Sequence[int], max_ngram: int = MAX_NGRAM, min_ngram
 
 
 def chain_tree(proposal: Sequence[int], vocab_size: int) -> DraftTree | None:
-    """The proposal as a chain of proposed tokens (SamplingMode.PROPOSED: no draft distributions);
-    None for an empty proposal."""
+    """The proposal as a chain of proposed tokens; None for an empty proposal."""
     k = len(proposal)
-    if k == 0:
-        return None
-    return DraftTree(
-        tokens=torch.tensor(list(proposal), dtype=torch.long),
-        parents=torch.arange(-1, k - 1),
-        mode=SamplingMode.PROPOSED,
-        draft_probs=torch.zeros(0, vocab_size),
-        prob_rows=torch.full((k + 1,), -1),
-    )
+    return proposed_tree(list(proposal), list(range(-1, k - 1)), vocab_size) if k else None
 
 
 def draft_ngram(tokens: Sequence[int], depth: int, vocab_size: int) -> DraftTree | None:

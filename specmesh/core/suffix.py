@@ -33,15 +33,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specmesh.core.drafting import TreeSpec
-from specmesh.core.extras import missing
 from specmesh.core.methods import Method
 from specmesh.core.ngram import draft_ngram
-from specmesh.core.tree import DraftTree, SamplingMode
-
-try:
-    import torch
-except ModuleNotFoundError as exc:  # a gateway-only install (specmesh.core.extras)
-    torch = missing(exc)
+from specmesh.core.tree import DraftTree, proposed_tree
 
 MAX_KEY = 4  # the longest n-gram indexed: a match is found by its last MAX_KEY tokens ...
 MAX_MATCH = 32  # ... and measured back from there up to this many tokens
@@ -228,19 +222,11 @@ def propose(
     return max((p for p in proposals if p is not None and p.tokens), key=lambda p: p.score, default=None)
 
 
-def proposed_tree(proposal: Proposal | None, vocab_size: int) -> DraftTree | None:
-    """The proposal as a tree of proposed tokens (SamplingMode.PROPOSED: no draft distributions);
-    None for no proposal."""
+def suffix_proposed_tree(proposal: Proposal | None, vocab_size: int) -> DraftTree | None:
+    """The proposal as a tree of proposed tokens; None for no proposal."""
     if proposal is None or not proposal.tokens:
         return None
-    n = len(proposal.tokens)
-    return DraftTree(
-        tokens=torch.tensor(proposal.tokens, dtype=torch.long),
-        parents=torch.tensor(proposal.parents, dtype=torch.long),
-        mode=SamplingMode.PROPOSED,
-        draft_probs=torch.zeros(0, vocab_size),
-        prob_rows=torch.full((n + 1,), -1),
-    )
+    return proposed_tree(proposal.tokens, proposal.parents, vocab_size)
 
 
 class SessionIndexes:
@@ -286,7 +272,7 @@ class SuffixDrafts:
         """The tree after the session's committed `tokens` (its first call's are its prompt)."""
         self._prompts.setdefault(session_id, (len(tokens), not private))
         own = self.sessions.synced(session_id, tokens)
-        return proposed_tree(propose([own, self.shared], tokens, depth, max_nodes), vocab_size)
+        return suffix_proposed_tree(propose([own, self.shared], tokens, depth, max_nodes), vocab_size)
 
     def finish(self, session_id: str, tokens: Sequence[int] | None) -> None:
         """The session ended here with these committed tokens (None: unknown); its output teaches

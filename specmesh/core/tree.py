@@ -192,6 +192,18 @@ class DraftTree:
             raise ValueError(f"tokens[{i}]: token {token} has probability 0 under its draft row")
 
 
+def proposed_tree(tokens: list[int], parents: list[int], vocab_size: int) -> DraftTree:
+    """A tree of proposed tokens (SamplingMode.PROPOSED: looked up, no draft distributions): the
+    n-gram chains, suffix trees and rides."""
+    return DraftTree(
+        tokens=torch.tensor(tokens, dtype=torch.long),
+        parents=torch.tensor(parents, dtype=torch.long),
+        mode=SamplingMode.PROPOSED,
+        draft_probs=torch.zeros(0, vocab_size),
+        prob_rows=torch.full((len(tokens) + 1,), -1),
+    )
+
+
 def tree_depths(parents: torch.Tensor) -> torch.Tensor:
     """Level of every node [N]: 1 for children of the root."""
     depth = [0] * len(parents)

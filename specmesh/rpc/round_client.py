@@ -367,7 +367,10 @@ class _Round:
         plain = self.drafted is None
         steps = self.plain_steps if plain and self.plan.plain_run else 1
         lookup = self.plan.lookup_depth if plain else 0
-        rides = dict(lookup_depth=lookup, lookup_min_ngram=self.plan.lookup_min_ngram if lookup else 0)
+        rides = dict(
+            lookup_depth=lookup, lookup_min_ngram=self.plan.lookup_min_ngram if lookup else 0,
+            suffix_rides=plain and self.plan.suffix_rides,
+        )  # fmt: skip
         max_tokens = self.max_tokens if plain else 0
         verifier = placement.verifier
         # its next round drafts (unless pre-drafted already): the drafter's loop expects it

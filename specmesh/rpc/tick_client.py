@@ -221,6 +221,7 @@ class _Work:
     lookup_depth: int = 0  # plain steps: the deepest n-gram ride (VerifyRequest.lookup_depth)
     lookup_min_ngram: int = 0  # ... of matches at least this long (VerifyRequest.lookup_min_ngram)
     max_tokens: int = 0  # plain steps: tokens the call may emit at most (VerifyRequest.max_tokens)
+    suffix_rides: bool = False  # plain steps: suffix trees may ride (VerifyRequest.suffix_rides)
     limited: bool = False  # it may feed only what the tick's budget gives it (chunked prefill)
     feed: int = 0  # limited: what the tick it went in gave it
     since: float = 0.0  # limited: when its session's prefill began (the oldest is fed first)
@@ -312,15 +313,17 @@ class TickLoop(LoopBound):
         self, session: Opened, position: int, new_tokens: Sequence[int], tree: TreeRef | None,
         plain_steps: int = 1, timing: Timing | None = None, then: TickLoop | None = None,
         done: Done | None = None, lookup_depth: int = 0, lookup_min_ngram: int = 0, max_tokens: int = 0,
-        limited: float | None = None,
+        limited: float | None = None, suffix_rides: bool = False,
     ) -> Any:  # fmt: skip
         """A verification -> a future of Verified (or, with `done`, as `draft`); tree None: plain
         decoding of up to `plain_steps` steps and `max_tokens` tokens (0: no bound), n-gram
         proposals of up to `lookup_depth` tokens that match at least `lookup_min_ngram` riding in
-        them. then, limited: as `draft`'s (its drafter's, next round)."""
+        them, and with `suffix_rides` suffix trees of the mesh's outputs too. then, limited: as
+        `draft`'s (its drafter's, next round)."""
         work = _Work(
             session, position, list(new_tokens), done or _no_answer, tree=tree, plain_steps=plain_steps,
             lookup_depth=lookup_depth, lookup_min_ngram=lookup_min_ngram, max_tokens=max_tokens,
+            suffix_rides=suffix_rides,
         )  # fmt: skip
         work.timing, work.then = timing, then
         work.limited, work.since = limited is not None, limited or 0.0
@@ -673,6 +676,7 @@ def _message(
         lookup_depth=np.asarray([w.lookup_depth for w in work], np.uint8),
         lookup_min_ngram=np.asarray([w.lookup_min_ngram for w in work], np.uint8),
         max_tokens=np.asarray([w.max_tokens for w in work], np.uint32),
+        suffix_rides=np.asarray([w.suffix_rides for w in work], np.uint8),
     ).to_proto()  # fmt: skip
 
 

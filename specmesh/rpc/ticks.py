@@ -297,6 +297,8 @@ class VerifyTickMessage:
     lookup_depth: np.ndarray  # uint8 [n]: the deepest n-gram ride of a plain step (0: none)
     lookup_min_ngram: np.ndarray  # uint8 [n]: ... of matches at least this long
     max_tokens: np.ndarray  # uint32 [n]: tokens the item may emit at most (0: no bound)
+    # uint8 [n]: 1: suffix trees may ride its plain steps (empty: none may)
+    suffix_rides: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
 
     def to_proto(self) -> pb2.VerifyTick:
         return pb2.VerifyTick(
@@ -304,7 +306,7 @@ class VerifyTickMessage:
             trees=trees_to_proto(self.trees), plain_steps=packed(self.plain_steps, "u1"),
             lookup_depth=_optional(self.lookup_depth, "u1"),
             lookup_min_ngram=_optional(self.lookup_min_ngram, "u1"),
-            max_tokens=_optional(self.max_tokens, "<u4"),
+            max_tokens=_optional(self.max_tokens, "<u4"), suffix_rides=_optional(self.suffix_rides, "u1"),
         )  # fmt: skip
 
     @classmethod
@@ -317,6 +319,7 @@ class VerifyTickMessage:
             lookup_depth=_zeros_if_absent(msg.lookup_depth, "u1", "lookup_depth", n),
             lookup_min_ngram=_zeros_if_absent(msg.lookup_min_ngram, "u1", "lookup_min_ngram", n),
             max_tokens=_zeros_if_absent(msg.max_tokens, "<u4", "max_tokens", n),
+            suffix_rides=_zeros_if_absent(msg.suffix_rides, "u1", "suffix_rides", n),
         )  # fmt: skip
 
 

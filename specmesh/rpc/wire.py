@@ -321,6 +321,7 @@ class VerifyInput(RoundInput):
     lookup_depth: int = 0  # no tree: n-gram proposals of at most this many tokens ride in the steps
     lookup_min_ngram: int = 0  # ... those whose match has at least this many tokens (0: any)
     max_tokens: int = 0  # no tree: tokens the call may emit at most, rides included (0: no bound)
+    suffix_rides: bool = False  # no tree: suffix trees from the mesh's outputs may ride too
     salt: bytes = b""  # the prefix cache's namespace of a session it starts (TickSession.prefix_salt)
     feed_limit: int | None = None  # chunked prefill: past it, the call feeds a chunk only (partial)
 
@@ -389,6 +390,7 @@ def parse_verify_request(req: pb2.VerifyRequest, vocab_size: int, limits: Limits
     v = VerifyInput(
         **fields, tree=tree, plain_steps=max(req.plain_steps, 1), stop_token_ids=stops, top_logprobs=top,
         lookup_depth=req.lookup_depth, lookup_min_ngram=req.lookup_min_ngram, max_tokens=req.max_tokens,
+        suffix_rides=req.suffix_rides,
     )  # fmt: skip
     check_verify_input(v, limits)
     return v
@@ -425,6 +427,10 @@ def check_verify_input(v: VerifyInput, limits: Limits, field: str = "tree") -> N
         raise WireError("lookup_min_ngram", f"must be at most {MAX_MATCH} (the longest match it measures)")
     if v.max_tokens and tree is not None:
         raise WireError("max_tokens", "is for plain decoding only; a request with a tree decodes one round")
+    if v.suffix_rides and tree is not None:
+        raise WireError("suffix_rides", "is for plain decoding only; a request with a tree has its draft")
+    if v.suffix_rides and v.grammar is not None:
+        raise WireError("suffix_rides", "cannot be used with a grammar (its masks follow the draft's paths)")
 
 
 def _round_message(
@@ -464,6 +470,7 @@ def verify_request(
     lookup_depth: int = 0,
     lookup_min_ngram: int = 0,
     max_tokens: int = 0,
+    suffix_rides: bool = False,
 ) -> pb2.VerifyRequest | pb2.VerifyRequestRelay:
     """tree None (or empty): a plain autoregressive step, or `plain_steps` of them in one call
     (stopping after a stop token); bytes: a tree relayed as the drafter encoded it (a
@@ -477,6 +484,8 @@ def verify_request(
         fields.update(lookup_depth=lookup_depth, lookup_min_ngram=lookup_min_ngram)
     if max_tokens:
         fields.update(max_tokens=max_tokens)
+    if suffix_rides:
+        fields.update(suffix_rides=True)
     if isinstance(tree, bytes):
         return pb2.VerifyRequestRelay(**fields, tree=tree)
     return pb2.VerifyRequest(**fields, tree=tree)

@@ -24,9 +24,11 @@ the same way, because a kept node's KV is the KV of that token at that position.
 Verifier. `verify_steps` decides every session's round (core.rounds.verify_rounds) and compacts
 each session's KV to its accepted path right away, so a session's state never holds half a round;
 plain sessions (no tree) may go on for more steps in the same call (`VerifyJob.plain_steps`).
-A plain step may carry an n-gram proposal (`VerifyJob.ride`: a "ride", checked in the step's own
-forward by the same rejection sampling as an n-gram drafter's chain) and then emits the accepted
-tokens and one more. Each step's random draws are keyed by its root's position, as any round's.
+A plain step may carry a proposal (`VerifyJob.ride`: a "ride", the session's n-gram chain or a
+suffix tree from the mesh's outputs, checked in the step's own forward by the proposed-token rule
+of a model-free drafter's trees) and then emits the accepted tokens and one more; a forward's rides
+are cut together to what pays at its size (core.rides). Each step's random draws are keyed by
+its root's position, as any round's.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from specmesh.core.ahead import likely_path
 from specmesh.core.drafting import NextLogits, Path, TreeSpec, draft_many
 from specmesh.core.grammar import mask_logits, tree_paths
 from specmesh.core.logprobs import TokenLogprob
+from specmesh.core.rides import Ride, RideSizer
 from specmesh.core.rounds import draft_draws, verify_rounds
 from specmesh.core.sampling import SamplingParams, argmax_rows
 from specmesh.core.tree import DraftTree
@@ -218,8 +221,9 @@ class VerifyJob:
     cancelled: bool = False  # set from outside: no further plain step
     yielded: bool = False  # set from outside: a prefill chunk came; the run answers after this step
     # plain steps: (committed tokens before `after`, after = the step's fed tokens, depth) -> the
-    # lookup's chain of at most depth nodes, or None; called on the thread that builds the step
-    ride: Callable[[int, list[int], int], DraftTree | None] | None = None
+    # step's proposal (core.rides: its nodes' estimated probabilities, depth at most `depth`), or
+    # None; called on the thread that builds the step
+    ride: Callable[[int, list[int], int], Ride | None] | None = None
     lookup_depth: int = 0  # the deepest ride
     room: int | None = None  # tokens the call may emit: the model's context, the request's max_tokens
     salt: bytes = b""  # the prefix cache's namespace of a session it starts
@@ -235,6 +239,7 @@ class VerifyOutcome:
     steps: int = 0  # forwards it took part in
     emitted: int = 0  # tokens its verdicts emitted (plain_tokens and the last verdict's)
     checked: list[tuple[int, int]] = field(default_factory=list)  # per step: (tree nodes, accepted)
+    ride_depths: list[int] = field(default_factory=list)  # every ridden node's depth (for the metrics)
     partial: bool = False  # its first step fed a chunk of its tokens only: no verdict
 
     @property
@@ -243,15 +248,21 @@ class VerifyOutcome:
         return sum(n for n, _ in self.checked), sum(a for _, a in self.checked)
 
 
-def verify_steps(jobs: Sequence[VerifyJob], commit: Callable[[str, list[int]], None]) -> ForwardSteps:
+def verify_steps(
+    jobs: Sequence[VerifyJob], commit: Callable[[str, list[int]], None], sizer: RideSizer | None = None
+) -> ForwardSteps:
     """Verify every job's tree (or take its plain step) in one forward, commit each session's
     accepted path (`commit(session, nodes)`, on the model thread), then run further plain steps
-    for the jobs that asked for them, each fed the token the step before decoded."""
+    for the jobs that asked for them, each fed the token the step before decoded. A forward's
+    rides are sized together by `sizer` (core.rides; None: each rides whole), and teach its
+    calibration."""
     outcomes = [VerifyOutcome() for _ in jobs]
     feed = {b: list(j.new_tokens) for b, j in enumerate(jobs)}
-    trees = {b: j.tree if j.tree is not None else _ride(j, feed[b], 0) for b, j in enumerate(jobs)}
+    rides = {b: _ride(j, feed[b], 0) for b, j in enumerate(jobs)}  # proposed, before sizing
     live = list(range(len(jobs)))
     while live:
+        kept = _size_rides(jobs, [outcomes[b].steps == 0 for b in live], live, feed, rides, sizer)
+        trees = {b: jobs[b].tree if jobs[b].tree is not None else _tree(kept[b]) for b in live}
         steps = []
         for b in live:
             tree = trees[b]
@@ -282,23 +293,55 @@ def verify_steps(jobs: Sequence[VerifyJob], commit: Callable[[str, list[int]], N
                 except Exception as exc:  # this session fails alone
                     outcomes[b].error = exc
                     continue
-                out = outcomes[b]
-                if out.verdict is not None:
-                    out.plain_tokens += out.verdict.emitted_tokens
-                out.verdict = verdict
-                out.emitted += len(verdict.emitted_tokens)
-                tree = trees[b]
-                out.checked.append((tree.num_nodes if tree is not None else 0, len(verdict.accepted_nodes)))
-                out.logprobs += verdict.logprobs
+                _record_step(outcomes[b], trees[b], rides[b], verdict, sizer)
         live = [b for b in live if _continues(jobs[b], outcomes[b])]
         for b in live:
             feed[b] = [outcomes[b].verdict.next_token]  # type: ignore[union-attr]
-            trees[b] = _ride(jobs[b], feed[b], outcomes[b].emitted)
+            rides[b] = _ride(jobs[b], feed[b], outcomes[b].emitted)
     return outcomes
 
 
-def _ride(job: VerifyJob, feed: list[int], emitted: int) -> DraftTree | None:
-    """A plain step's n-gram chain (None: a plain step): at most lookup_depth nodes, none past the
+def _record_step(
+    out: VerifyOutcome, tree: DraftTree | None, ride: Ride | None, verdict: Verdict, sizer: RideSizer | None
+) -> None:
+    """One step's verdict into its job's outcome; a proposal (all of it, ridden or cut) and what
+    the step emitted into the sizer's calibration."""
+    if out.verdict is not None:
+        out.plain_tokens += out.verdict.emitted_tokens
+    out.verdict = verdict
+    out.emitted += len(verdict.emitted_tokens)
+    out.checked.append((tree.num_nodes if tree is not None else 0, len(verdict.accepted_nodes)))
+    out.logprobs += verdict.logprobs
+    if ride is not None:
+        out.ride_depths += tree.depths().tolist() if tree is not None else []
+        if sizer is not None:
+            sizer.calibration.observe(ride, verdict.emitted_tokens)
+
+
+def _size_rides(
+    jobs: Sequence[VerifyJob], first: list[bool], live: list[int], feed: dict[int, list[int]],
+    rides: dict[int, Ride | None], sizer: RideSizer | None,
+) -> dict[int, Ride | None]:  # fmt: skip
+    """The next forward's rides, cut together to what pays (core.rides.sized): the forward's steps
+    and its rows without rides (fed tokens, drafted trees) price every node."""
+    proposed = [rides[b] for b in live]
+    if sizer is None or not any(r is not None for r in proposed):
+        return dict(zip(live, proposed, strict=True))
+    rows = 0
+    for b, is_first in zip(live, first, strict=True):
+        job = jobs[b]
+        limit = job.feed_limit if is_first else None  # a prefill chunk feeds at most this many
+        rows += min(len(feed[b]), limit) if limit else len(feed[b])
+        rows += job.tree.num_nodes if job.tree is not None else 0
+    return dict(zip(live, sizer.size(proposed, len(live), rows), strict=True))
+
+
+def _tree(ride: Ride | None) -> DraftTree | None:
+    return ride.tree() if ride is not None else None
+
+
+def _ride(job: VerifyJob, feed: list[int], emitted: int) -> Ride | None:
+    """A plain step's proposal (None: a plain step): at most lookup_depth deep, none past the
     call's room. Not with a grammar: its masks follow a tree's paths the lookup knows nothing of."""
     if job.ride is None or job.tree is not None or job.allowed is not None or job.cancelled:
         return None
@@ -361,6 +404,7 @@ def joined(first: VerifyOutcome, then: VerifyOutcome) -> VerifyOutcome:
         steps=first.steps + then.steps,
         emitted=first.emitted + then.emitted,
         checked=first.checked + then.checked,
+        ride_depths=first.ride_depths + then.ride_depths,
     )
 
 

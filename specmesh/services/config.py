@@ -129,17 +129,18 @@ class ServiceConfig(ServerConfig):
         True,
     )
     suffix_tokens: int = flag(
-        "drafter --backend ngram: tokens of finished outputs kept for method suffix's drafts (the "
-        "oldest outputs go first; about 300 bytes a token)",
+        "drafter --backend ngram and verifier: tokens of finished outputs kept for method suffix's "
+        "drafts and the verifier's suffix rides (the oldest outputs go first; about 300 bytes a token)",
         SHARED_TOKENS,
         bound=">= 0",
     )
     redis_url: str = flag(
-        "drafter --backend ngram: the gateways' Redis; the mesh's outputs log there (every finished, "
-        "non-private session's output) teaches method suffix's drafts, replayed from its start, so "
-        "a drafter that starts late learns what the others did",
+        "drafter --backend ngram and verifier: the gateways' Redis; the mesh's outputs log there "
+        "(every finished, non-private session's output) teaches method suffix's drafts and the "
+        "verifier's suffix rides, replayed from its start, so a replica that starts late learns what "
+        "the others did",
         "",
-        shown="empty (it learns from the sessions it serves)",
+        shown="empty (a drafter learns from the sessions it serves, a verifier nothing)",
     )
     prefix_cache: bool = flag(
         "keep released sessions' KV as prefixes and start sessions from the longest prefix held "

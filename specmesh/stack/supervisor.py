@@ -515,8 +515,8 @@ def _model_replicas(
     ms: the gateway's chunk came out at 2048 tokens, 1.5k-token prompts went whole, and rounds ran
     out of the 60 s round timeout, taking both verifiers out as hung (docs/decisions.md, "Long
     prompts and conversations"). The n-gram drafters load no model: they start with the first
-    model replica. They learn method suffix's drafts from the gateways' outputs log in `redis_url`
-    (in their environment: the URL may hold a password)."""
+    model replica. They and the verifiers (suffix rides) learn from the gateways' outputs log in
+    `redis_url` (in their environment: the URL may hold a password)."""
     out = _Replicas([], [], [], [], {}, 0)
     stages = itertools.count(1)
 
@@ -538,6 +538,7 @@ def _model_replicas(
         )
     for i in range(verifiers):
         out.verifiers.append(add("verifier", i, target, verifier_args, next(stages), verifiers > 1))
+        out.specs[-1] = dataclasses.replace(out.specs[-1], env={"SPECMESH_REDIS_URL": redis_url})
     return out
 
 
