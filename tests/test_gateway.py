@@ -266,13 +266,13 @@ def test_adaptive_greedy_through_the_gateway_equals_the_targets_greedy_decode(
 def test_a_request_without_speculation_gets_the_gateways_reproducible_choice(stub, target_greedy) -> None:
     """No speculation field: the gateway chooses every round (plain steps with n-gram rides, or the
     draft model's chain, from start-up costs and the session's tokens and rounds); the output is
-    still the target's greedy decode, and the same request makes the same rounds again."""
+    still the target's greedy decode, every time. (How much of each ride rides is the verifier's
+    choice per forward, from its load and its earlier verdicts: the counts may differ, the tokens
+    never do.)"""
     request = make_request(max_new_tokens=24)
     request.ClearField("speculation")
     first, second = (stub.Generate(request, timeout=60) for _ in range(2))
     assert list(first.token_ids) == list(second.token_ids) == target_greedy[:24]
-    fields = ("rounds", "drafted_tokens", "accepted_tokens")
-    assert [getattr(first.stats, f) for f in fields] == [getattr(second.stats, f) for f in fields]
 
 
 def test_the_default_rides_n_gram_drafts_where_the_answer_copies_its_prompt(
@@ -280,8 +280,8 @@ def test_the_default_rides_n_gram_drafts_where_the_answer_copies_its_prompt(
 ) -> None:
     """A prompt that holds its own greedy continuation, then its start again: the answer copies
     the prompt, the default lets n-gram drafts ride in the verifier's plain steps (drafted and
-    accepted tokens, no drafter call), and the output is still the target's greedy decode; the
-    same request makes the same rounds again."""
+    accepted tokens, no drafter call), and the output is still the target's greedy decode, every
+    time."""
     target = load_model(models["target"], dtype="fp32", device="cpu")
     prompt = [*PROMPT, *target_greedy[:32], *PROMPT]
     want = hf_greedy(target.model, prompt, 32)
@@ -292,8 +292,6 @@ def test_the_default_rides_n_gram_drafts_where_the_answer_copies_its_prompt(
     assert list(first.token_ids) == list(second.token_ids) == want
     stats = first.stats
     assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0 and stats.draft_calls == 0
-    fields = ("rounds", "drafted_tokens", "accepted_tokens")
-    assert [getattr(first.stats, f) for f in fields] == [getattr(second.stats, f) for f in fields]
 
 
 def test_any_speculation_field_is_the_clients_choice() -> None:

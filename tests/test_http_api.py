@@ -179,17 +179,19 @@ REPEATING = " ".join(["w3 w9 w14 w2 w27 w5"] * 8)  # text an n-gram drafter can 
 @pytest.mark.parametrize("prompt", [WORDS, REPEATING], ids=["fresh", "repeating"])
 def test_a_seed_gives_the_same_text_every_time_whatever_the_load(client, stub, stack, prompt: str) -> None:
     """No speculation field, T = 0.8, a seed: three runs through gRPC and HTTP give one text, the
-    third with eight other streams running beside it (the verifier batches them together), and the
-    same rounds each time. On text that repeats, every position has an n-gram match to weigh (the
-    tiny model's sampled answer does not copy it, so its estimate keeps rides off: the greedy copy
-    in test_gateway is where they ride); never a drafter call.
+    third with eight other streams running beside it (the verifier batches them together). On text
+    that repeats, every position has an n-gram match to weigh (the tiny model's sampled answer
+    does not copy it, so its estimate keeps rides off: the greedy copy in test_gateway is where
+    they ride); never a drafter call.
 
     The other streams have begun before it: a session's start in the same tick as a plain run cuts
     the run to one step (the tick loop's `_plain_steps`), so a start that lands on this request's
     run splits it into more calls, which may ride differently. The text stays the same (rides never
-    change it); the counts of a run that starts beside other starts are a function of the timing."""
+    change it); the counts of a run that starts beside other starts are a function of the timing,
+    and so are every run's rides: the verifier sizes them per forward, by the forward's size and what
+    its earlier verdicts taught it (specmesh.core.rides), so only the text is compared."""
     params = {"temperature": 0.8, "seed": 5}
-    texts, stats = [], []
+    texts = []
     for run in range(3):
         load: list[threading.Thread] = []
         if run == 2:
@@ -207,14 +209,12 @@ def test_a_seed_gives_the_same_text_every_time_whatever_the_load(client, stub, s
                 assert event.wait(timeout=30)
         response = stub.Generate(grpc_request(prompt=prompt, max_tokens=32, **params), timeout=60)
         texts.append(response.text)
-        stats.append((response.stats.rounds, response.stats.drafted_tokens, response.stats.accepted_tokens))
         texts.append(
             client.completions.create(model="tiny", prompt=prompt, max_tokens=32, **params).choices[0].text
         )
         for t in load:
             t.join()
     assert len(set(texts)) == 1, texts
-    assert len(set(stats)) == 1, stats  # the same rounds: each round's choice is the tokens'
     assert response.stats.draft_calls == 0
 
 
