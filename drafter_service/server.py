@@ -124,7 +124,8 @@ class DrafterService(ModelService, pb2_grpc.DrafterServicer):
         await super().close()
 
     def forget_local(self, session_id: str) -> None:
-        if self.suffix is not None and self.learned is not None:
+        if self.learned is not None:  # a model-free drafter: it has suffix drafts
+            assert self.suffix is not None
             # with the outputs log, the gateways publish what finished (all of the mesh's); without
             # it, the session's tokens here teach the shared index (unless it is private)
             tokens = None if self.learned.follows else self.runner.committed_tokens(session_id)

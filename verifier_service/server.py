@@ -21,7 +21,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
-import numpy as np
 
 from specmesh.core.grammar import TokenMask
 from specmesh.core.ngram import NgramIndex
@@ -134,10 +133,9 @@ class VerifierService(ModelService, pb2_grpc.VerifierServicer):
         n = len(items)
         problems = trees.check(n, self.vocab_size)
         rows = trees.dense_rows() if len(trees.row_probs) else None
-        steps, lookups, min_ngrams, max_tokens = (
-            tick.plain_steps, tick.lookup_depth, tick.lookup_min_ngram, tick.max_tokens,
+        steps, lookups, min_ngrams, max_tokens, suffix = (
+            tick.plain_steps, tick.lookup_depth, tick.lookup_min_ngram, tick.max_tokens, tick.suffix_rides,
         )  # fmt: skip
-        suffix = tick.suffix_rides if len(tick.suffix_rides) else np.zeros(n, np.uint8)
         answers: list = [None] * n
         verifies, where = [], []
         positions, handles, feeds = items.positions.tolist(), items.handles.tolist(), items.feed.tolist()

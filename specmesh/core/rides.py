@@ -41,13 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from specmesh.core.adaptive import ForwardCost
-from specmesh.core.extras import missing
 from specmesh.core.tree import DraftTree, proposed_tree
-
-try:
-    import torch
-except ModuleNotFoundError as exc:  # a gateway-only install (specmesh.core.extras)
-    torch = missing(exc)
 
 SUFFIX_BUCKETS = 10  # a suffix node's bucket: the tenth of its count's estimate
 MAX_RIDE_DEPTH = 16  # n-gram buckets: a chain node's depth, capped
@@ -186,8 +180,8 @@ class RideSizer:
     never rescaled) and the calibration its verdicts teach."""
 
     def __init__(self, forward_cost: Mapping[int, float]) -> None:
-        self.verify = ForwardCost(forward_cost, decay=0.0)
         self.calibration = Calibration()
+        self.priced(forward_cost)
 
     def priced(self, forward_cost: Mapping[int, float]) -> None:
         """The forward cost measured at start-up (until then nothing is priced: every node rides)."""

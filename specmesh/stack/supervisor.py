@@ -520,25 +520,30 @@ def _model_replicas(
     out = _Replicas([], [], [], [], {}, 0)
     stages = itertools.count(1)
 
-    def add(kind: str, index: int, model: str, extra: Sequence[str], stage: int, expendable: bool) -> str:
+    def add(
+        kind: str, index: int, model: str, extra: Sequence[str], stage: int, expendable: bool,
+        name: str | None = None, env: Mapping[str, str] | None = None,
+    ) -> str:  # fmt: skip
         spec, address, out.metrics[f"{kind}-{index}"] = _replica(
             python, host, kind, index, model, [*common, *extra], stage, probe_tls, ready_timeout
         )
-        out.specs.append(dataclasses.replace(spec, expendable=expendable))
+        out.specs.append(dataclasses.replace(spec, name=name or spec.name, expendable=expendable, env=env))
         out.last_stage = max(out.last_stage, stage)
         return address
 
     (draft, drafters, drafter_args), (target, verifiers, verifier_args) = drafter, verifier
+    learns = {"SPECMESH_REDIS_URL": redis_url}  # the outputs log's Redis
     for i in range(drafters):
         out.drafters.append(add("drafter", i, draft, drafter_args, next(stages), drafters > 1))
     for i in range(ngram_drafters):
-        out.ngram.append(add("drafter", drafters + i, draft, ["--backend", "ngram"], 1, ngram_drafters > 1))
-        out.specs[-1] = dataclasses.replace(
-            out.specs[-1], name=f"ngram-drafter-{i}", env={"SPECMESH_REDIS_URL": redis_url}
-        )
+        out.ngram.append(
+            add("drafter", drafters + i, draft, ["--backend", "ngram"], 1, ngram_drafters > 1,
+                name=f"ngram-drafter-{i}", env=learns)
+        )  # fmt: skip
     for i in range(verifiers):
-        out.verifiers.append(add("verifier", i, target, verifier_args, next(stages), verifiers > 1))
-        out.specs[-1] = dataclasses.replace(out.specs[-1], env={"SPECMESH_REDIS_URL": redis_url})
+        out.verifiers.append(
+            add("verifier", i, target, verifier_args, next(stages), verifiers > 1, env=learns)
+        )
     return out
 
 
